@@ -1,0 +1,378 @@
+"""The client API, identical for every placement; transports implement a few primitives.
+
+A put validates and encodes every column first (so bad input changes nothing), reserves
+indices, writes the bytes to the storage unit, then commits metadata to the controller:
+the commit is the moment samples become visible, so a writer that fails or dies before it
+leaves no half-written sample behind.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from flowrl._client.config import HubStats
+from flowrl._controller.controller import CellWrite
+from flowrl._controller.eventlog import Subscription
+from flowrl._controller.meta import BatchMeta
+from flowrl._controller.samplers import FifoSampler, Sampler
+from flowrl._schema.columns import Column
+from flowrl._schema.schema import Schema
+from flowrl._store.batch import Batch
+from flowrl.errors import ConfigError, LeaseError, SchemaError
+from flowrl.events import Event
+from flowrl.hooks import Observer
+
+__all__ = ["HubClient"]
+
+_FIFO = FifoSampler()
+
+
+class HubClient(abc.ABC):
+    """Put samples, claim micro-batches, read them, ack them. See docs/concepts.md."""
+
+    schema: Schema
+
+    # -- columns and tasks ------------------------------------------------------------------
+    @property
+    def columns(self) -> tuple[Column, ...]:
+        return self.schema.columns()
+
+    def declare(self, *columns: Column) -> None:
+        """Declare columns (idempotent; redeclaring with another type raises)."""
+        for col in columns:
+            if not isinstance(col, Column):
+                raise ConfigError(f"declare() expects flowrl.Column, got {type(col).__name__}")
+        self._declare_columns(columns)
+
+    def register_task(self, task: str, columns: Sequence[str]) -> None:
+        """Register a consuming task and the columns a sample needs before it can claim it.
+
+        Register every task before producing: a sample is evicted once all tasks registered
+        at that time have acked it.
+        """
+        if isinstance(columns, str) or not isinstance(columns, Sequence):
+            raise ConfigError(f"register_task columns must be a list of names, got {columns!r}")
+        cols = self.schema.check_names(columns, f"register_task({task!r})")
+        self._register_task(task, cols)
+
+    # -- producers --------------------------------------------------------------------------
+    def put(
+        self,
+        data: Mapping[str, Any],
+        *,
+        indices: BatchMeta | np.ndarray | Sequence[int] | None = None,
+        partition: str = "",
+        groups: Any = None,
+        version: int | None = None,
+        tokens: Any = None,
+        producer: str = "",
+        timeout: float | None = None,
+    ) -> np.ndarray:
+        """Write columns; returns the sample indices.
+
+        Without ``indices`` it creates new samples (blocking while the hub is full, up to
+        ``timeout`` seconds). With ``indices`` (an array or the ``BatchMeta`` of a claim)
+        it adds or overwrites columns of existing samples.
+        """
+        return self._put(data, indices, partition, groups, version, tokens, producer, timeout)
+
+    def put_nowait(self, data: Mapping[str, Any], **kwargs: Any) -> np.ndarray:
+        """Like :meth:`put`, but raises :class:`~flowrl.errors.HubFull` instead of waiting."""
+        kwargs["timeout"] = 0.0
+        return self.put(data, **kwargs)
+
+    def _put(
+        self,
+        data: Mapping[str, Any],
+        indices: Any,
+        partition: str,
+        groups: Any,
+        version: int | None,
+        tokens: Any,
+        producer: str,
+        timeout: float | None,
+    ) -> np.ndarray:
+        where = f"put() from {producer!r}" if producer else "put()"
+        if not isinstance(partition, str):
+            raise ConfigError(f"partition must be a str, got {partition!r} in {where}")
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+            raise ConfigError(f"version must be an int, got {version!r} in {where}")
+        target = _as_indices(indices, where) if indices is not None else None
+        n_expected = None if target is None else int(target.size)
+        encoded, new_columns, n = self.schema.encode_all(data, n_expected, where)
+        groups_arr = _per_sample(groups, n, "groups", where)
+        tokens_arr = _per_sample(tokens, n, "tokens", where)
+        cells = {k: CellWrite(e.nbytes, e.lengths) for k, e in encoded.items()}
+        arrays = {k: e.array for k, e in encoded.items()}
+        if new_columns:
+            self._declare_columns(tuple(new_columns))
+        if target is None:
+            idx, unit = self._reserve(n, timeout)
+            try:
+                self._write(unit, idx, arrays)
+                self._commit(idx, cells, True, partition, groups_arr, version, tokens_arr, producer)
+            except BaseException:
+                self._discard(unit, idx, tuple(arrays))
+                self._abort(idx)
+                raise
+            return idx
+        units = self._check_update(target, tuple(arrays))
+        for unit, pos in _split_by_unit(units):
+            part = {k: a if pos is None else a.take(pa.array(pos)) for k, a in arrays.items()}
+            self._write(unit, target if pos is None else target[pos], part)
+        self._commit(target, cells, False, partition, groups_arr, version, tokens_arr, producer)
+        return target
+
+    # -- consumers --------------------------------------------------------------------------
+    def claim(
+        self,
+        task: str,
+        n: int,
+        *,
+        sampler: Sampler | None = None,
+        columns: Sequence[str] | None = None,
+        min_n: int | None = None,
+        timeout: float | None = None,
+        dp_rank: int = 0,
+        lease_timeout: float | None = None,
+        consumer: str = "",
+    ) -> BatchMeta:
+        """Lease ``n`` samples whose columns are ready for ``task`` (wait up to ``timeout``).
+
+        Returns fewer than ``n`` only when ``min_n`` allows it or at end of stream; raises
+        :class:`~flowrl.errors.Timeout` when time runs out and
+        :class:`~flowrl.errors.EndOfStream` once nothing more will become ready.
+        """
+        return self._claim_checked(
+            task, n, sampler, columns, min_n, timeout, dp_rank, lease_timeout, consumer
+        )
+
+    def claim_nowait(self, task: str, n: int, **kwargs: Any) -> BatchMeta:
+        """Like :meth:`claim`, but raises :class:`~flowrl.errors.NothingReady` at once."""
+        kwargs["timeout"] = 0.0
+        return self.claim(task, n, **kwargs)
+
+    def _claim_checked(
+        self,
+        task: str,
+        n: int,
+        sampler: Sampler | None,
+        columns: Sequence[str] | None,
+        min_n: int | None,
+        timeout: float | None,
+        dp_rank: int,
+        lease_timeout: float | None,
+        consumer: str,
+    ) -> BatchMeta:
+        if not isinstance(task, str):
+            raise ConfigError(f"claim() task must be a str, got {task!r}")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"claim() n must be a positive int, got {n!r}")
+        if min_n is not None and (not isinstance(min_n, int) or not 1 <= min_n <= n):
+            raise ConfigError(f"claim() min_n must be an int in [1, n={n}], got {min_n!r}")
+        if timeout is not None and (not isinstance(timeout, int | float) or timeout < 0):
+            raise ConfigError(f"claim() timeout must be >= 0 seconds or None, got {timeout!r}")
+        if lease_timeout is not None and (
+            not isinstance(lease_timeout, int | float) or lease_timeout <= 0
+        ):
+            raise ConfigError(f"claim() lease_timeout must be > 0, got {lease_timeout!r}")
+        if sampler is not None and not isinstance(sampler, Sampler):
+            raise ConfigError(f"claim() sampler must be a flowrl Sampler, got {sampler!r}")
+        cols = None if columns is None else self.schema.check_names(columns, f"claim({task!r})")
+        return self._claim(
+            task,
+            n,
+            sampler or _FIFO,
+            cols,
+            min_n,
+            timeout,
+            dp_rank,
+            lease_timeout,
+            consumer,
+        )
+
+    def get(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> Batch:
+        """Read the columns of a claimed batch straight from the storage units."""
+        if not isinstance(meta, BatchMeta):
+            raise ConfigError(f"get() expects the BatchMeta a claim returned, got {meta!r}")
+        cols = meta.columns if columns is None else self.schema.check_names(columns, "get()")
+        if len(meta) == 0:
+            empty = {c: pa.array([], type=self.schema[c].arrow_type) for c in cols}
+            return Batch(meta, empty, {c: self.schema[c] for c in cols})
+        parts = list(_split_by_unit(meta.units))
+        results = self._read_many(
+            [(unit, meta.indices if pos is None else meta.indices[pos]) for unit, pos in parts],
+            cols,
+        )
+        if len(parts) == 1:
+            arrays = results[0]
+        else:
+            order = np.concatenate([pos for _, pos in parts])
+            inverse = np.empty_like(order)
+            inverse[order] = np.arange(order.size)
+            arrays = {
+                c: pa.concat_arrays([r[c] for r in results]).take(pa.array(inverse)) for c in cols
+            }
+        return Batch(meta, arrays, {c: self.schema[c] for c in cols})
+
+    def meta(self, indices: np.ndarray | Sequence[int], columns: Sequence[str]) -> BatchMeta:
+        """An unleased handle to read given samples with :meth:`get` (cannot be acked)."""
+        idx = _as_indices(indices, "meta()")
+        cols = self.schema.check_names(columns, "meta()")
+        return self._meta(idx, cols)
+
+    def ack(self, meta: BatchMeta, indices: np.ndarray | Sequence[int] | None = None) -> None:
+        """Mark a claim (or some of its samples) consumed: never delivered to the task again."""
+        self._check_lease(meta, "ack")
+        idx = None if indices is None else _as_indices(indices, "ack()")
+        self._ack(meta.task, meta.lease, idx)
+
+    def release(self, meta: BatchMeta) -> None:
+        """Give a claim back unprocessed: its samples become claimable again, first in line."""
+        self._check_lease(meta, "release")
+        self._release(meta.task, meta.lease)
+
+    def _check_lease(self, meta: Any, what: str) -> None:
+        if not isinstance(meta, BatchMeta):
+            raise ConfigError(f"{what}() expects the BatchMeta a claim returned, got {meta!r}")
+        if meta.lease == 0:
+            raise LeaseError(f"{what}(): this BatchMeta came from meta(), not from a claim")
+
+    # -- versions, stream end, events -------------------------------------------------------
+    @abc.abstractmethod
+    def publish_version(self, version: int) -> None:
+        """Announce a new policy version (a ``VersionPublished`` event)."""
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int:
+        """The latest published policy version."""
+
+    @abc.abstractmethod
+    def end_stream(self, columns: Sequence[str] = ()) -> None:
+        """No new samples will be put; ``columns`` will not be written again either."""
+
+    @abc.abstractmethod
+    def subscribe(
+        self, observer: Observer | Callable[[Event], Any], *, strict: bool = False
+    ) -> Subscription:
+        """Receive every event from now on (observers fail soft; ``strict`` policies fail hard)."""
+
+    @abc.abstractmethod
+    def statistics(self) -> HubStats: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> HubClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- transport primitives ---------------------------------------------------------------
+    @abc.abstractmethod
+    def _declare_columns(self, columns: tuple[Column, ...]) -> None: ...
+
+    @abc.abstractmethod
+    def _register_task(self, task: str, columns: tuple[str, ...]) -> None: ...
+
+    @abc.abstractmethod
+    def _reserve(self, n: int, timeout: float | None) -> tuple[np.ndarray, int]: ...
+
+    @abc.abstractmethod
+    def _abort(self, indices: np.ndarray) -> None: ...
+
+    @abc.abstractmethod
+    def _check_update(self, indices: np.ndarray, columns: tuple[str, ...]) -> np.ndarray: ...
+
+    @abc.abstractmethod
+    def _write(self, unit: int, indices: np.ndarray, arrays: dict[str, pa.Array]) -> None: ...
+
+    @abc.abstractmethod
+    def _discard(self, unit: int, indices: np.ndarray, columns: tuple[str, ...]) -> None: ...
+
+    @abc.abstractmethod
+    def _commit(
+        self,
+        indices: np.ndarray,
+        cells: dict[str, CellWrite],
+        new: bool,
+        partition: str,
+        groups: np.ndarray | None,
+        version: int | None,
+        tokens: np.ndarray | None,
+        producer: str,
+    ) -> None: ...
+
+    @abc.abstractmethod
+    def _claim(
+        self,
+        task: str,
+        n: int,
+        sampler: Sampler,
+        columns: tuple[str, ...] | None,
+        min_n: int | None,
+        timeout: float | None,
+        dp_rank: int,
+        lease_timeout: float | None,
+        consumer: str,
+    ) -> BatchMeta: ...
+
+    @abc.abstractmethod
+    def _read_many(
+        self, parts: list[tuple[int, np.ndarray]], columns: tuple[str, ...]
+    ) -> list[dict[str, pa.Array]]: ...
+
+    @abc.abstractmethod
+    def _meta(self, indices: np.ndarray, columns: tuple[str, ...]) -> BatchMeta: ...
+
+    @abc.abstractmethod
+    def _ack(self, task: str, lease: int, indices: np.ndarray | None) -> None: ...
+
+    @abc.abstractmethod
+    def _release(self, task: str, lease: int) -> None: ...
+
+
+def deadline_of(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _as_indices(indices: Any, where: str) -> np.ndarray:
+    if isinstance(indices, BatchMeta):
+        return indices.indices
+    arr = np.asarray(indices)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise SchemaError(
+            f"{where} expects sample indices as a 1-D integer array or a BatchMeta, got "
+            f"{arr.dtype} of shape {arr.shape}"
+        )
+    return arr.astype(np.int64, copy=False)
+
+
+def _per_sample(value: Any, n: int, name: str, where: str) -> np.ndarray | None:
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return np.full(n, value, dtype=np.int64)
+    arr = np.asarray(value.detach().cpu().numpy() if hasattr(value, "detach") else value)
+    if arr.shape != (n,) or arr.dtype.kind not in "iu":
+        raise SchemaError(
+            f"{name} in {where} must be an int or {n} ints (one per sample), got "
+            f"{arr.dtype} of shape {arr.shape}"
+        )
+    return arr.astype(np.int64, copy=False)
+
+
+def _split_by_unit(units: np.ndarray) -> list[tuple[int, np.ndarray | None]]:
+    """(unit, positions) per storage unit; positions None when one unit holds everything."""
+    first = int(units[0])
+    if (units == first).all():
+        return [(first, None)]
+    return [(int(u), np.flatnonzero(units == u)) for u in np.unique(units)]

@@ -1,0 +1,248 @@
+"""The embedded hub: controller and storage units in this process, no servers, no copies.
+
+Every controller call runs under one condition variable's lock; blocked claims and puts
+wait on it (releasing the lock), and every state change notifies them, so readiness is
+pushed to waiters rather than polled. Storage units have their own locks: payload bytes
+move outside the controller's lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, final
+
+import numpy as np
+import pyarrow as pa
+
+from flowrl._client.base import HubClient
+from flowrl._client.config import HubConfig, HubStats, TaskStats, UnitStats
+from flowrl._controller.controller import CellWrite, Controller
+from flowrl._controller.eventlog import Subscription
+from flowrl._controller.meta import BatchMeta
+from flowrl._controller.samplers import Sampler
+from flowrl._schema.columns import Column
+from flowrl._schema.schema import Schema
+from flowrl._store.unit import StorageUnit
+from flowrl.errors import ConfigError, HubFull, NothingReady, Timeout
+from flowrl.events import Event
+from flowrl.hooks import Observer
+
+__all__ = ["Hub"]
+
+
+@final
+class Hub(HubClient):
+    """The in-process data hub (the default placement).
+
+    >>> hub = Hub(columns=[Column.ragged("ids", "int64"), Column.scalar("reward", "float32")])
+    >>> hub.register_task("train", ["ids", "reward"])
+    """
+
+    def __init__(
+        self,
+        columns: Iterable[Column] = (),
+        *,
+        tasks: dict[str, Sequence[str]] | None = None,
+        config: HubConfig | None = None,
+    ) -> None:
+        config = config or HubConfig()
+        if not isinstance(config, HubConfig):
+            raise ConfigError(f"config must be a HubConfig, got {type(config).__name__}")
+        columns = tuple(columns)
+        infer = config.infer_columns if config.infer_columns is not None else not columns
+        self.config = config
+        self.schema = Schema(columns, infer=infer)
+        self.controller = Controller(config.capacity, config.n_units, config.lease_timeout)
+        self.units = [StorageUnit(u, config.capacity) for u in range(config.n_units)]
+        self.controller.on_evict = self._evict
+        for col in self.schema.columns():
+            self.controller.add_column(col.name)
+        for task, cols in (tasks or {}).items():
+            self.register_task(task, cols)
+
+    # -- primitives -------------------------------------------------------------------------
+    def _declare_columns(self, columns: tuple[Column, ...]) -> None:
+        with self.controller.cond:
+            for col in columns:
+                self.schema.declare(col)
+                self.controller.add_column(col.name)
+
+    def _register_task(self, task: str, columns: tuple[str, ...]) -> None:
+        with self.controller.cond:
+            self.controller.register_task(task, columns)
+
+    def _reserve(self, n: int, timeout: float | None) -> tuple[np.ndarray, int]:
+        ctl = self.controller
+        if n > ctl.table.capacity:
+            raise HubFull(
+                f"put() of {n} samples can never fit a hub of capacity {ctl.table.capacity}; "
+                "split it or raise HubConfig.capacity"
+            )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with ctl.cond:
+            while True:
+                self._raise_policy_error()
+                if ctl.table.free_slots() >= n or timeout == 0:
+                    return ctl.reserve(n)
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise Timeout(
+                        f"put() waited {timeout}s for room for {n} samples; the hub is full "
+                        f"({ctl.table.live}/{ctl.table.capacity} live) — are consumers acking?"
+                    )
+                ctl.cond.wait(_wait_time(remaining, ctl.next_deadline()))
+                ctl.expire()
+
+    def _abort(self, indices: np.ndarray) -> None:
+        with self.controller.cond:
+            self.controller.abort(indices)
+
+    def _check_update(self, indices: np.ndarray, columns: tuple[str, ...]) -> np.ndarray:
+        with self.controller.cond:
+            return self.controller.check_update(indices, columns)
+
+    def _write(self, unit: int, indices: np.ndarray, arrays: dict[str, pa.Array]) -> None:
+        self.units[unit].write(indices, arrays)
+
+    def _discard(self, unit: int, indices: np.ndarray, columns: tuple[str, ...]) -> None:
+        self.units[unit].discard(indices, columns)
+
+    def _commit(
+        self,
+        indices: np.ndarray,
+        cells: dict[str, CellWrite],
+        new: bool,
+        partition: str,
+        groups: np.ndarray | None,
+        version: int | None,
+        tokens: np.ndarray | None,
+        producer: str,
+    ) -> None:
+        with self.controller.cond:
+            self.controller.commit(
+                indices,
+                cells,
+                new=new,
+                partition=partition,
+                groups=groups,
+                version=version,
+                tokens=tokens,
+                producer=producer,
+            )
+
+    def _claim(
+        self,
+        task: str,
+        n: int,
+        sampler: Sampler,
+        columns: tuple[str, ...] | None,
+        min_n: int | None,
+        timeout: float | None,
+        dp_rank: int,
+        lease_timeout: float | None,
+        consumer: str,
+    ) -> BatchMeta:
+        ctl = self.controller
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with ctl.cond:
+            while True:
+                self._raise_policy_error()
+                meta = ctl.try_claim(
+                    task,
+                    n,
+                    sampler,
+                    columns=columns,
+                    min_n=min_n,
+                    consumer=consumer,
+                    lease_timeout=lease_timeout,
+                    dp_rank=dp_rank,
+                )
+                if meta is not None:
+                    return meta
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    if timeout == 0:
+                        raise NothingReady(f"no {n} samples are ready for task {task!r}")
+                    raise Timeout(f"claim() by task {task!r} found no {n} ready samples in {timeout}s")
+                ctl.cond.wait(_wait_time(remaining, ctl.next_deadline()))
+
+    def _read_many(
+        self, parts: list[tuple[int, np.ndarray]], columns: tuple[str, ...]
+    ) -> list[dict[str, pa.Array]]:
+        return [self.units[unit].read(idx, columns) for unit, idx in parts]
+
+    def _meta(self, indices: np.ndarray, columns: tuple[str, ...]) -> BatchMeta:
+        with self.controller.cond:
+            return self.controller.meta(indices, columns)
+
+    def _ack(self, task: str, lease: int, indices: np.ndarray | None) -> None:
+        with self.controller.cond:
+            self.controller.ack(task, lease, indices)
+
+    def _release(self, task: str, lease: int) -> None:
+        with self.controller.cond:
+            self.controller.release(task, lease)
+
+    def _evict(self, indices: np.ndarray, units: np.ndarray) -> None:
+        for unit in np.unique(units).tolist():
+            self.units[unit].evict(indices[units == unit])
+
+    def _raise_policy_error(self) -> None:
+        self.controller.log.check()
+
+    # -- the rest of the API ----------------------------------------------------------------
+    def publish_version(self, version: int) -> None:
+        with self.controller.cond:
+            self.controller.publish_version(version)
+
+    @property
+    def version(self) -> int:
+        return self.controller.version
+
+    def end_stream(self, columns: Sequence[str] = ()) -> None:
+        cols = self.schema.check_names(columns, "end_stream()")
+        with self.controller.cond:
+            self.controller.end_stream(cols)
+
+    def subscribe(
+        self, observer: Observer | Callable[[Event], Any], *, strict: bool = False
+    ) -> Subscription:
+        if not callable(observer):
+            raise ConfigError(f"subscribe() expects an Observer or a callable, got {observer!r}")
+        return self.controller.log.subscribe(observer, strict=strict)
+
+    def flush_events(self, timeout: float | None = 5.0) -> bool:
+        """Wait until subscribers have received every event so far."""
+        return self.controller.log.flush(timeout)
+
+    def statistics(self) -> HubStats:
+        with self.controller.cond:
+            s = self.controller.statistics()
+        return HubStats(
+            capacity=s.capacity,
+            live=s.live,
+            reserved=s.reserved,
+            tasks={
+                t: TaskStats(s.ready_per_task[t], s.leased_per_task[t], s.consumed_per_task[t])
+                for t in s.ready_per_task
+            },
+            leases=s.leases,
+            version=s.version,
+            ended=s.ended,
+            events=s.events,
+            units=[UnitStats(*u.statistics()) for u in self.units],
+        )
+
+    def close(self) -> None:
+        with self.controller.cond:
+            self.controller.close()
+        self.controller.log.close()
+
+
+def _wait_time(remaining: float | None, lease_deadline: float | None) -> float | None:
+    """Sleep until the caller's deadline or the next lease expiry, whichever is first."""
+    waits = [w for w in (remaining,) if w is not None]
+    if lease_deadline is not None:
+        waits.append(max(lease_deadline - time.time(), 0.0) + 1e-3)
+    return min(waits) if waits else None

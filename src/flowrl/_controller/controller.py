@@ -1,0 +1,593 @@
+"""The control plane: allocation, readiness, claims with leases, acks, eviction, events.
+
+The controller never sees payload bytes, only per-cell sizes and token counts. It is not
+thread-safe by itself: the in-process hub calls it under ``Controller.cond``'s lock and the
+zmq server calls it from its single event-loop thread.
+
+Invariants (tests/unit/test_table_properties.py drives random operation sequences):
+
+* a task never receives a sample it has acked (exactly-once per task after ack);
+* a sample is in at most one live lease per task;
+* released or expired samples become claimable again, first in line;
+* a sample is evicted only once every registered task acked it, and then exactly once;
+* every mutation appends exactly one event, with increasing ``seq``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
+import numpy as np
+
+from flowrl._controller.eventlog import EventLog
+from flowrl._controller.meta import BatchMeta
+from flowrl._controller.samplers import BalancedSampler, CandidateView, Sampler
+from flowrl._controller.table import SampleTable
+from flowrl._controller.tasks import CONSUMED, LEASED, PENDING, READY, TaskState
+from flowrl.errors import (
+    ConfigError,
+    EndOfStream,
+    HubClosed,
+    LeaseError,
+    SchemaError,
+    UnknownColumnError,
+    UnknownTaskError,
+)
+from flowrl.events import (
+    Acked,
+    Claimed,
+    Evicted,
+    LeaseExpired,
+    Put,
+    Released,
+    StreamEnded,
+    TaskRegistered,
+    VersionPublished,
+)
+
+__all__ = ["CellWrite", "Controller", "ControllerStats"]
+
+
+class CellWrite(NamedTuple):
+    """What the controller learns about one column of a put: sizes, never bytes."""
+
+    nbytes: np.ndarray  # int64 per sample
+    lengths: np.ndarray | None  # int64 per sample for ragged columns
+
+
+class ControllerStats(NamedTuple):
+    capacity: int
+    live: int
+    reserved: int
+    ready_per_task: dict[str, int]
+    leased_per_task: dict[str, int]
+    consumed_per_task: dict[str, int]
+    leases: int
+    version: int
+    ended: bool
+    events: int
+
+
+class _Lease:
+    __slots__ = ("deadline", "dp_rank", "id", "indices", "task", "taken")
+
+    def __init__(self, lid: int, task: str, indices: np.ndarray, deadline: float) -> None:
+        self.id = lid
+        self.task = task
+        self.indices = indices
+        self.deadline = deadline
+        self.dp_rank = 0
+        self.taken = True  # False while a balanced part waits for its rank
+
+
+class _Round:
+    """One balanced global batch: part r is reserved for data-parallel rank r."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[_Lease]) -> None:
+        self.parts = parts
+
+
+class Controller:
+    def __init__(self, capacity: int, n_units: int = 1, lease_timeout: float = 60.0) -> None:
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ConfigError(f"capacity must be a positive int, got {capacity!r}")
+        if not isinstance(n_units, int) or n_units < 1:
+            raise ConfigError(f"n_units must be a positive int, got {n_units!r}")
+        self.table = SampleTable(capacity)
+        self.n_units = n_units
+        self.lease_timeout = lease_timeout
+        self.log = EventLog()
+        self.cond = threading.Condition()
+        self.tasks: dict[str, TaskState] = {}
+        self.version = 0
+        self.ended = False
+        self.closed = False
+        self.closed_columns: set[str] = set()
+        self.on_evict: Callable[[np.ndarray, np.ndarray], None] | None = None
+        self._partitions: dict[str, int] = {"": 0}
+        self._leases: dict[int, _Lease] = {}
+        self._deadlines: list[tuple[float, int]] = []
+        self._rounds: dict[str, list[_Round]] = {}
+        self._next_lease = 1
+        self._next_unit = 0
+        self._reserved = 0
+
+    # -- columns and tasks ------------------------------------------------------------------
+    def add_column(self, name: str) -> None:
+        self.table.add_column(name)
+
+    def register_task(self, task: str, columns: tuple[str, ...]) -> None:
+        if not isinstance(task, str) or not task:
+            raise ConfigError(f"task name must be a non-empty str, got {task!r}")
+        if not columns:
+            raise ConfigError(f"task {task!r} must consume at least one column")
+        for c in columns:
+            if c not in self.table.ready:
+                raise UnknownColumnError(
+                    f"task {task!r} needs column {c!r}, which is not declared; declared "
+                    f"columns: {', '.join(sorted(self.table.ready)) or 'none'}"
+                )
+        existing = self.tasks.get(task)
+        if existing is not None:
+            if existing.columns != columns:
+                raise ConfigError(
+                    f"task {task!r} is already registered with columns {list(existing.columns)}, "
+                    f"cannot re-register it with {list(columns)}"
+                )
+            return
+        state = TaskState(task, columns, self.table.capacity)
+        t = self.table
+        live = np.flatnonzero(t.owner >= 0)
+        state.missing[:] = len(columns)
+        for c in columns:
+            state.missing[live] -= t.ready[c][live]
+        ready = live[(state.missing[live] == 0) & t.committed[live]]
+        if ready.size:
+            state.status[ready] = READY
+            state.queue.push_back(np.sort(t.owner[ready]))
+        self.tasks[task] = state
+        self._emit(TaskRegistered, task=task, columns=columns)
+
+    def task(self, name: str) -> TaskState:
+        state = self.tasks.get(name)
+        if state is None:
+            known = ", ".join(sorted(self.tasks)) or "none"
+            raise UnknownTaskError(
+                f"task {name!r} is not registered (registered: {known}); call "
+                f"hub.register_task({name!r}, columns=[...]) before claiming"
+            )
+        return state
+
+    # -- producers --------------------------------------------------------------------------
+    def reserve(self, n: int, *, unit: int | None = None) -> tuple[np.ndarray, int]:
+        """Allocate ``n`` fresh indices on one storage unit; invisible until :meth:`commit`."""
+        self._check_open()
+        if self.ended:
+            raise EndOfStream("end_stream() was called; no new samples may be put")
+        if unit is None:
+            unit = self._next_unit
+            self._next_unit = (self._next_unit + 1) % self.n_units
+        elif not 0 <= unit < self.n_units:
+            raise ConfigError(f"storage unit {unit} does not exist (have {self.n_units})")
+        indices = self.table.allocate(n)
+        slots = indices % self.table.capacity
+        self.table.unit[slots] = unit
+        for state in self.tasks.values():
+            state.missing[slots] = len(state.columns)
+            state.status[slots] = PENDING
+        self._reserved += n
+        return indices, unit
+
+    def abort(self, indices: np.ndarray) -> None:
+        """Give back a reservation whose data never arrived."""
+        slots = self.table.slots_of(indices, committed=False)
+        self.table.free(slots)
+        self._reserved -= int(slots.size)
+        self.cond.notify_all()
+
+    def check_update(self, indices: np.ndarray, columns: tuple[str, ...]) -> np.ndarray:
+        """Validate a put to existing samples before any byte moves; returns their units."""
+        self._check_open()
+        slots = self.table.slots_of(indices)
+        if np.unique(slots).size != slots.size:
+            raise SchemaError("put() to existing samples names an index twice")
+        for name in columns:
+            if name in self.closed_columns:
+                raise SchemaError(f"column {name!r} was closed by end_stream(); cannot put it")
+        return self.table.unit[slots]
+
+    def commit(
+        self,
+        indices: np.ndarray,
+        cells: Mapping[str, CellWrite],
+        *,
+        new: bool,
+        partition: str = "",
+        groups: np.ndarray | None = None,
+        version: int | None = None,
+        tokens: np.ndarray | None = None,
+        producer: str = "",
+    ) -> None:
+        """Mark columns ready on samples (after their bytes were stored)."""
+        t = self.table
+        slots = t.slots_of(indices, committed=not new)
+        for name in cells:
+            if name not in t.ready:
+                raise UnknownColumnError(f"unknown column {name!r} in commit")
+        if new:
+            t.committed[slots] = True
+            t.partition[slots] = self._partition_id(partition)
+            t.version[slots] = self.version if version is None else version
+            t.group[slots] = -1 if groups is None else groups
+            self._reserved -= int(slots.size)
+        elif version is not None:
+            t.version[slots] = version
+        if groups is not None and not new:
+            t.group[slots] = groups
+        became: dict[str, list[np.ndarray]] = {name: [] for name in self.tasks}
+        for name, cell in cells.items():
+            fresh = slots[~t.ready[name][slots]]
+            t.ready[name][slots] = True
+            t.nbytes[name][slots] = cell.nbytes
+            if cell.lengths is not None and tokens is None:
+                t.tokens[slots] = np.maximum(t.tokens[slots], cell.lengths)
+            for task, state in self.tasks.items():
+                if name in state.columns and fresh.size:
+                    state.missing[fresh] -= 1
+                    done = fresh[state.missing[fresh] == 0]
+                    if done.size:
+                        became[task].append(done)
+        if tokens is not None:
+            t.tokens[slots] = tokens
+        for task, parts in became.items():
+            if not parts:
+                continue
+            state = self.tasks[task]
+            done = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            done = done[state.status[done] == PENDING]
+            state.status[done] = READY
+            state.queue.push_back(np.sort(t.owner[done]))
+        self._emit(
+            Put,
+            indices=tuple(indices.tolist()),
+            columns=tuple(cells),
+            new=new,
+            partition=partition,
+            version=int(t.version[slots[0]]),
+            tokens=tuple(t.tokens[slots].tolist()),
+            unit=int(t.unit[slots[0]]),
+            producer=producer,
+        )
+        self.cond.notify_all()
+
+    def _partition_id(self, name: str) -> int:
+        pid = self._partitions.get(name)
+        if pid is None:
+            pid = self._partitions[name] = len(self._partitions)
+        return pid
+
+    # -- consumers --------------------------------------------------------------------------
+    def try_claim(
+        self,
+        task: str,
+        n: int,
+        sampler: Sampler,
+        *,
+        columns: tuple[str, ...] | None = None,
+        min_n: int | None = None,
+        consumer: str = "",
+        lease_timeout: float | None = None,
+        dp_rank: int = 0,
+    ) -> BatchMeta | None:
+        """Lease up to ``n`` samples, or return None when fewer than ``min_n`` are ready.
+
+        Raises EndOfStream once the stream ended and nothing more can become ready.
+        """
+        self._check_open()
+        state = self.task(task)
+        cols = state.columns if columns is None else columns
+        for c in cols:
+            if c not in self.table.ready:
+                raise UnknownColumnError(f"unknown column {c!r} in claim() by task {task!r}")
+            if c not in state.columns:
+                raise SchemaError(
+                    f"task {task!r} was registered with columns {list(state.columns)}; "
+                    f"it cannot claim column {c!r}"
+                )
+        want = n if min_n is None else min_n
+        ttl = self.lease_timeout if lease_timeout is None else lease_timeout
+        self.expire()
+        balanced = isinstance(sampler, BalancedSampler)
+        if balanced:
+            if not 0 <= dp_rank < sampler.dp_size:
+                raise ConfigError(f"dp_rank must be in [0, {sampler.dp_size}), got {dp_rank}")
+            lease = self._take_reserved_part(task, dp_rank, ttl)
+            if lease is not None:
+                return self._meta(lease, cols)
+        final = self._nothing_more(state)
+        view = self._candidates(state, sampler.window(n * (sampler.dp_size if balanced else 1)))
+        need = want * (sampler.dp_size if balanced else 1)
+        if len(view) < need and not final:
+            return None
+        positions = np.asarray(sampler.select(view, n), dtype=np.int64)
+        if positions.size and (
+            np.unique(positions).size != positions.size
+            or positions.min() < 0
+            or positions.max() >= len(view)
+            or positions.size > n * (sampler.dp_size if balanced else 1)
+        ):
+            raise ConfigError(
+                f"sampler {sampler!r} returned invalid positions (must be distinct, within the "
+                f"{len(view)} candidates, at most n)"
+            )
+        if positions.size == 0 or (positions.size < need and not final):
+            if final and not self._outstanding(state):
+                raise EndOfStream(self._end_message(task, len(view)))
+            return None
+        positions = np.sort(positions)
+        tokens = view.tokens[positions]
+        chosen = self._take(state, positions)
+        if balanced:
+            leases = [self._lease(state, chosen[p], ttl, consumer) for p in sampler.split(tokens)]
+            for rank, lease in enumerate(leases):
+                lease.dp_rank = rank
+                lease.taken = rank == dp_rank
+            self._rounds.setdefault(task, []).append(_Round(leases))
+            return self._meta(leases[dp_rank], cols)
+        return self._meta(self._lease(state, chosen, ttl, consumer), cols)
+
+    def _candidates(self, state: TaskState, limit: int | None) -> CandidateView:
+        # The queue holds exactly the task's READY samples, oldest first (see _lease/_return).
+        return CandidateView(state.queue.view(limit), self.table, self.version)
+
+    def _take(self, state: TaskState, positions: np.ndarray) -> np.ndarray:
+        """Remove the queue entries at sorted ``positions``; returns their indices."""
+        queue = state.queue
+        k = positions.size
+        if positions[-1] == k - 1:  # sorted distinct positions ending at k-1: the head
+            indices = queue.view(k).copy()
+            queue.drop_front(k)
+        else:
+            full = queue.view()
+            indices = full[positions]
+            queue.replace(np.delete(full, positions))
+        return indices
+
+    def _lease(self, state: TaskState, indices: np.ndarray, ttl: float, consumer: str) -> _Lease:
+        state.status[indices % self.table.capacity] = LEASED
+        lid = self._next_lease
+        self._next_lease += 1
+        lease = _Lease(lid, state.name, indices, time.time() + ttl)
+        self._leases[lid] = lease
+        heapq.heappush(self._deadlines, (lease.deadline, lid))
+        self._emit(
+            Claimed, task=state.name, lease=lid, indices=tuple(indices.tolist()), consumer=consumer
+        )
+        return lease
+
+    def _take_reserved_part(self, task: str, rank: int, ttl: float) -> _Lease | None:
+        rounds = self._rounds.get(task)
+        if not rounds:
+            return None
+        for rnd in rounds:
+            lease = rnd.parts[rank]
+            if not lease.taken and lease.id in self._leases:
+                lease.taken = True
+                lease.deadline = time.time() + ttl
+                heapq.heappush(self._deadlines, (lease.deadline, lease.id))
+                self._prune_rounds(task)
+                return lease
+        return None
+
+    def _prune_rounds(self, task: str) -> None:
+        self._rounds[task] = [
+            r for r in self._rounds[task] if any(not p.taken and p.id in self._leases for p in r.parts)
+        ]
+
+    def _meta(self, lease: _Lease, columns: tuple[str, ...]) -> BatchMeta:
+        t = self.table
+        slots = lease.indices % t.capacity
+        nbytes = sum(int(t.nbytes[c][slots].sum()) for c in columns)
+        return BatchMeta(
+            task=lease.task,
+            lease=lease.id,
+            columns=columns,
+            indices=lease.indices,
+            units=t.unit[slots],
+            tokens=t.tokens[slots],
+            versions=t.version[slots],
+            groups=t.group[slots],
+            nbytes=nbytes,
+            deadline=lease.deadline,
+            dp_rank=lease.dp_rank,
+        )
+
+    def meta(self, indices: np.ndarray, columns: tuple[str, ...]) -> BatchMeta:
+        """An unleased handle to read given samples (e.g. for debugging or re-reads)."""
+        t = self.table
+        for c in columns:
+            if c not in t.ready:
+                raise UnknownColumnError(f"unknown column {c!r} in meta()")
+        idx = np.asarray(indices, dtype=np.int64)
+        slots = t.slots_of(idx)
+        for c in columns:
+            missing = ~t.ready[c][slots]
+            if missing.any():
+                raise SchemaError(
+                    f"column {c!r} is not ready on sample {int(idx[np.argmax(missing)])}"
+                )
+        lease = _Lease(0, "", idx, float("inf"))
+        return self._meta(lease, columns)
+
+    def ack(self, task: str, lease_id: int, indices: np.ndarray | None = None) -> np.ndarray:
+        """Consume a lease (or part of it); returns the indices evicted as a result."""
+        state = self.task(task)
+        self.expire()
+        lease = self._live_lease(task, lease_id, "ack")
+        if indices is None:
+            done = lease.indices
+        else:
+            done = np.asarray(indices, dtype=np.int64)
+            if not np.isin(done, lease.indices).all() or np.unique(done).size != done.size:
+                raise LeaseError(
+                    f"ack of lease {lease_id} names indices that are not in it (or repeats one)"
+                )
+        slots = done % self.table.capacity
+        state.status[slots] = CONSUMED
+        state.consumed_total += int(done.size)
+        lease.indices = lease.indices[~np.isin(lease.indices, done)]
+        if lease.indices.size == 0:
+            del self._leases[lease_id]
+        self._emit(Acked, task=task, lease=lease_id, indices=tuple(done.tolist()))
+        evicted = self._evict_if_done(slots)
+        self.cond.notify_all()
+        return evicted
+
+    def release(self, task: str, lease_id: int) -> None:
+        """Give a lease back: its samples become claimable again, first in line."""
+        self.task(task)
+        self.expire()
+        lease = self._live_lease(task, lease_id, "release")
+        del self._leases[lease_id]
+        self._return(lease)
+        self._emit(Released, task=task, lease=lease_id, indices=tuple(lease.indices.tolist()))
+        self.cond.notify_all()
+
+    def expire(self, now: float | None = None) -> int:
+        """Return the samples of every lease past its deadline; returns how many expired."""
+        now = time.time() if now is None else now
+        count = 0
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, lid = heapq.heappop(self._deadlines)
+            lease = self._leases.get(lid)
+            if lease is None or lease.deadline != deadline:
+                continue  # settled, or renewed (a newer heap entry exists)
+            del self._leases[lid]
+            self._return(lease)
+            self._emit(LeaseExpired, task=lease.task, lease=lid, indices=tuple(lease.indices.tolist()))
+            count += 1
+        if count:
+            self.cond.notify_all()
+        return count
+
+    def next_deadline(self) -> float | None:
+        while self._deadlines and self._deadlines[0][1] not in self._leases:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def _return(self, lease: _Lease) -> None:
+        state = self.tasks[lease.task]
+        slots = lease.indices % self.table.capacity
+        state.status[slots] = READY
+        state.queue.push_front(lease.indices)
+        if lease.task in self._rounds:
+            self._prune_rounds(lease.task)
+
+    def _live_lease(self, task: str, lease_id: int, what: str) -> _Lease:
+        if not isinstance(lease_id, int) or isinstance(lease_id, bool):
+            raise LeaseError(f"{what}() expects an int lease id, got {lease_id!r}")
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.task != task:
+            raise LeaseError(
+                f"{what}(): lease {lease_id} of task {task!r} is unknown, already settled or "
+                "expired; its samples were (or will be) delivered again"
+            )
+        return lease
+
+    def _evict_if_done(self, slots: np.ndarray) -> np.ndarray:
+        done = np.ones(slots.size, dtype=bool)
+        for state in self.tasks.values():
+            done &= state.status[slots] == CONSUMED
+        gone = slots[done]
+        if gone.size == 0:
+            return np.empty(0, dtype=np.int64)
+        indices = self.table.owner[gone].copy()
+        units = self.table.unit[gone].copy()
+        self.table.free(gone)
+        self._emit(Evicted, indices=tuple(indices.tolist()))
+        if self.on_evict is not None:
+            self.on_evict(indices, units)
+        return indices
+
+    # -- end of stream ----------------------------------------------------------------------
+    def end_stream(self, columns: tuple[str, ...] = ()) -> None:
+        for c in columns:
+            if c not in self.table.ready:
+                raise UnknownColumnError(f"unknown column {c!r} in end_stream()")
+        self.ended = True
+        self.closed_columns.update(columns)
+        self._emit(StreamEnded, columns=tuple(columns))
+        self.cond.notify_all()
+
+    def _nothing_more(self, state: TaskState) -> bool:
+        """True when no sample that is not READY now can ever become READY for the task."""
+        if not self.ended or self._reserved:
+            return False
+        t = self.table
+        pending = np.flatnonzero((state.status == PENDING) & (t.owner >= 0) & t.committed)
+        if pending.size == 0:
+            return True
+        open_cols = [c for c in state.columns if c not in self.closed_columns]
+        could = np.zeros(pending.size, dtype=bool)
+        for c in open_cols:
+            could |= ~t.ready[c][pending]
+        return not could.any()
+
+    def _outstanding(self, state: TaskState) -> bool:
+        return any(lease.task == state.name for lease in self._leases.values())
+
+    def exhausted(self, task: str) -> bool:
+        state = self.task(task)
+        if not self._nothing_more(state) or self._outstanding(state):
+            return False
+        view = self._candidates(state, None)
+        return len(view) == 0
+
+    def _end_message(self, task: str, left: int) -> str:
+        tail = f"; {left} ready samples were not selectable by the sampler" if left else ""
+        return f"end of stream for task {task!r}: nothing more will become ready{tail}"
+
+    # -- versions and lifecycle -------------------------------------------------------------
+    def publish_version(self, version: int) -> None:
+        if not isinstance(version, int) or isinstance(version, bool) or version < self.version:
+            raise ConfigError(
+                f"policy versions must be ints that never decrease; current {self.version}, "
+                f"got {version!r}"
+            )
+        self.version = version
+        self._emit(VersionPublished, version=version)
+        self.cond.notify_all()
+
+    def close(self) -> None:
+        """Refuse further calls and wake every waiter (the caller closes ``log`` unlocked)."""
+        self.closed = True
+        self.cond.notify_all()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise HubClosed("the hub was shut down")
+
+    def statistics(self) -> ControllerStats:
+        t = self.table
+        live = t.owner >= 0
+        return ControllerStats(
+            capacity=t.capacity,
+            live=t.live,
+            reserved=self._reserved,
+            ready_per_task={n: int(((s.status == READY) & live).sum()) for n, s in self.tasks.items()},
+            leased_per_task={n: int(((s.status == LEASED) & live).sum()) for n, s in self.tasks.items()},
+            consumed_per_task={n: s.consumed_total for n, s in self.tasks.items()},
+            leases=len(self._leases),
+            version=self.version,
+            ended=self.ended,
+            events=self.log.seq,
+        )
+
+    def _emit(self, cls: type, **fields: object) -> None:
+        self.log.append(cls(seq=self.log.next_seq(), t=time.time(), **fields))

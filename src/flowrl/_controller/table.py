@@ -1,0 +1,100 @@
+"""The (sample × column) metadata table: numpy arrays over a fixed ring of slots.
+
+Invariants (asserted by tests/unit/test_table_properties.py):
+
+* A sample index lives in slot ``index % capacity`` and indices only grow, so an index is
+  never reused and a stale index is detected by comparing ``owner[slot]``.
+* ``owner[slot] == -1`` iff the slot is free; ``live`` counts the non-free slots.
+* Every array is indexed by slot and updated with vectorised numpy operations only.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from flowrl.errors import HubFull, UnknownIndexError
+
+__all__ = ["SampleTable"]
+
+
+class SampleTable:
+    """Per-slot sample metadata and per-column readiness/size cells."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.owner = np.full(capacity, -1, dtype=np.int64)
+        self.committed = np.zeros(capacity, dtype=bool)  # visible (first put finished)
+        self.partition = np.zeros(capacity, dtype=np.int32)
+        self.group = np.full(capacity, -1, dtype=np.int64)
+        self.version = np.full(capacity, -1, dtype=np.int64)
+        self.tokens = np.zeros(capacity, dtype=np.int64)
+        self.unit = np.zeros(capacity, dtype=np.int16)
+        self.created = np.zeros(capacity, dtype=np.float64)
+        self.ready: dict[str, np.ndarray] = {}
+        self.nbytes: dict[str, np.ndarray] = {}
+        self.live = 0
+        self._next = 0  # the next index to try; indices are allocated in increasing order
+
+    def add_column(self, name: str) -> None:
+        if name not in self.ready:
+            self.ready[name] = np.zeros(self.capacity, dtype=bool)
+            self.nbytes[name] = np.zeros(self.capacity, dtype=np.int64)
+
+    # -- allocation -------------------------------------------------------------------------
+    def free_slots(self) -> int:
+        return self.capacity - self.live
+
+    def allocate(self, n: int) -> np.ndarray:
+        """Reserve ``n`` new, never-used indices (in increasing order); raises HubFull."""
+        if n > self.capacity - self.live:
+            raise HubFull(
+                f"hub capacity {self.capacity} cannot take {n} more samples "
+                f"({self.live} live); consumers must ack first, or raise HubConfig.capacity"
+            )
+        cap = self.capacity
+        start = self._next
+        # Fast path: the next n slots in ring order are free (the usual case: FIFO eviction).
+        slots = (start + np.arange(n, dtype=np.int64)) % cap
+        if not (self.owner[slots] == -1).all():
+            free = np.flatnonzero(self.owner == -1)
+            s0 = start % cap
+            # Walk the ring from the cursor: free slots at/after it first, then wrapped ones.
+            ordered = np.concatenate([free[free >= s0], free[free < s0]])[:n]
+            slots = ordered
+        # Index = the smallest value >= start that maps to the slot: monotone, never reused.
+        indices = start + (slots - start) % cap
+        self.owner[slots] = indices
+        self.committed[slots] = False
+        for arr in self.ready.values():
+            arr[slots] = False
+        self.tokens[slots] = 0
+        self.created[slots] = time.time()
+        self.live += n
+        self._next = int(indices[-1]) + 1
+        return indices
+
+    def slots_of(self, indices: np.ndarray, *, committed: bool = True) -> np.ndarray:
+        """Slots of live indices; raises UnknownIndexError naming the first bad index."""
+        idx = np.asarray(indices)
+        if idx.dtype.kind not in "iu" or idx.ndim != 1:
+            raise UnknownIndexError(
+                f"sample indices must be a 1-D integer array, got {idx.dtype} shape {idx.shape}"
+            )
+        idx = idx.astype(np.int64, copy=False)
+        slots = idx % self.capacity
+        ok = (idx >= 0) & (self.owner[slots] == idx)
+        if committed:
+            ok &= self.committed[slots]
+        if not ok.all():
+            bad = int(idx[np.flatnonzero(~ok)[0]])
+            raise UnknownIndexError(
+                f"sample index {bad} does not exist (never allocated, not yet put, or evicted)"
+            )
+        return slots
+
+    def free(self, slots: np.ndarray) -> None:
+        self.owner[slots] = -1
+        self.committed[slots] = False
+        self.live -= int(slots.size)

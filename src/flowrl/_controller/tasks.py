@@ -1,0 +1,82 @@
+"""Per-task consumption state and the ready queue a claim takes samples from.
+
+For each registered task the controller keeps, per slot, how many of the task's input
+columns are still missing and a status (pending → ready → leased → consumed). Samples
+enter the task's ready queue the moment their last missing column is put, so a claim
+reads the head of a queue instead of scanning the table: claim cost is independent of the
+number of live samples.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["CONSUMED", "LEASED", "PENDING", "READY", "ReadyQueue", "TaskState"]
+
+PENDING, READY, LEASED, CONSUMED = 0, 1, 2, 3
+
+
+class ReadyQueue:
+    """FIFO of sample indices backed by one numpy buffer, with room to push in front.
+
+    It holds exactly the task's READY samples: a FIFO claim drops the head, any other
+    claim rewrites the queue without the chosen entries (that sampler already looked at
+    the whole queue). Returned (released/expired) samples are pushed at the front so they
+    are delivered first.
+    """
+
+    def __init__(self) -> None:
+        self._buf = np.empty(1024, dtype=np.int64)
+        self._head = 512  # room to push returned samples in front
+        self._tail = 512
+
+    def __len__(self) -> int:
+        return self._tail - self._head
+
+    def push_back(self, indices: np.ndarray) -> None:
+        n = indices.size
+        if self._tail + n > self._buf.size:
+            self._regrow(extra_back=n, extra_front=0)
+        self._buf[self._tail : self._tail + n] = indices
+        self._tail += n
+
+    def push_front(self, indices: np.ndarray) -> None:
+        n = indices.size
+        if self._head < n:
+            self._regrow(extra_back=0, extra_front=n)
+        self._buf[self._head - n : self._head] = indices
+        self._head -= n
+
+    def view(self, limit: int | None = None) -> np.ndarray:
+        end = self._tail if limit is None else min(self._tail, self._head + limit)
+        return self._buf[self._head : end]
+
+    def drop_front(self, n: int) -> None:
+        self._head += n
+
+    def replace(self, indices: np.ndarray) -> None:
+        """Keep only ``indices`` (in their order): compaction after holes accumulate."""
+        self._buf = np.empty(max(1024, 2 * indices.size + 1024), dtype=np.int64)
+        self._head = 512
+        self._tail = 512 + indices.size
+        self._buf[self._head : self._tail] = indices
+
+    def _regrow(self, extra_back: int, extra_front: int) -> None:
+        live = self._buf[self._head : self._tail]
+        front = 512 + extra_front
+        size = max(2 * self._buf.size, front + live.size + extra_back + 512)
+        buf = np.empty(size, dtype=np.int64)
+        buf[front : front + live.size] = live
+        self._buf, self._head, self._tail = buf, front, front + live.size
+
+
+class TaskState:
+    """Consumption state of one consuming task over every slot of the table."""
+
+    def __init__(self, name: str, columns: tuple[str, ...], capacity: int) -> None:
+        self.name = name
+        self.columns = columns
+        self.missing = np.zeros(capacity, dtype=np.int16)
+        self.status = np.zeros(capacity, dtype=np.int8)
+        self.queue = ReadyQueue()
+        self.consumed_total = 0

@@ -1,0 +1,238 @@
+"""Validate user data against a column and turn it into an Arrow array (one copy, owned).
+
+Rules: arrays and tensors must match the declared dtype exactly (nothing is silently
+cast); plain Python lists are converted to the declared dtype when the conversion is
+lossless in kind (ints to floats yes, floats to ints no). Errors name the column, what was
+expected, what was got and where, and suggest a fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+
+from flowrl._schema.columns import Column
+from flowrl._schema.ragged import RaggedArray, _as_numpy
+from flowrl.errors import LengthMismatchError, SchemaError
+
+__all__ = ["Encoded", "encode", "infer_column"]
+
+_msgpack = msgspec.msgpack.Encoder()
+
+
+class Encoded(NamedTuple):
+    array: pa.Array
+    nbytes: np.ndarray  # int64 bytes per sample
+    lengths: np.ndarray | None  # int64 sequence lengths for ragged columns
+
+
+def encode(column: Column, values: Any, n: int | None, where: str) -> Encoded:
+    """Validate ``values`` for ``column`` (``n`` samples if given) and build an owned Arrow array."""
+    if column.kind == "ragged":
+        return _encode_ragged(column, values, n, where)
+    if column.kind in ("scalar", "tensor"):
+        return _encode_dense(column, values, n, where)
+    if column.kind == "string":
+        return _encode_strings(column, values, n, where)
+    return _encode_objects(column, values, n, where)
+
+
+def infer_column(name: str, values: Any) -> Column:
+    """The column a first write declares implicitly."""
+    if isinstance(values, RaggedArray):
+        return Column.ragged(name, values.dtype.name)
+    if isinstance(values, np.ndarray) or _is_tensor(values):
+        arr = _as_numpy(values)
+        if arr.ndim == 0:
+            raise SchemaError(f"column {name!r}: expected one value per sample, got a 0-d array")
+        if arr.dtype.kind not in "biuf":
+            raise SchemaError(
+                f"column {name!r}: cannot infer a column from an array of dtype {arr.dtype}; "
+                "declare it with Column.string/Column.object"
+            )
+        if arr.ndim == 1:
+            return Column.scalar(name, arr.dtype.name)
+        return Column.tensor(name, arr.dtype.name, tuple(int(d) for d in arr.shape[1:]))
+    if isinstance(values, list | tuple) and values:
+        first = values[0]
+        if isinstance(first, str):
+            return Column.string(name)
+        if isinstance(first, np.ndarray) or _is_tensor(first):
+            return Column.ragged(name, _as_numpy(first).dtype.name)
+        if isinstance(first, bool):
+            return Column.scalar(name, "bool")
+        if isinstance(first, int):
+            return Column.scalar(name, "int64")
+        if isinstance(first, float):
+            return Column.scalar(name, "float64")
+        if isinstance(first, list | tuple):
+            return Column.ragged(name, np.asarray(first).dtype.name if first else "int64")
+        return Column.object(name)
+    raise SchemaError(
+        f"column {name!r} is not declared and its type cannot be inferred from "
+        f"{type(values).__name__}; declare it, e.g. Column.ragged({name!r}, 'int64')"
+    )
+
+
+# -- dense ---------------------------------------------------------------------------------
+def _encode_dense(column: Column, values: Any, n: int | None, where: str) -> Encoded:
+    shape = column.shape
+    arr = _checked_array(column, values, where)
+    if arr.ndim != 1 + len(shape) or tuple(arr.shape[1:]) != shape:
+        want = "(n,)" if column.kind == "scalar" else f"(n, {', '.join(map(str, shape))})"
+        raise SchemaError(
+            f"column {column.name!r} expects {column.describe()}, i.e. an array of shape {want}, "
+            f"got shape {tuple(arr.shape)} in {where}"
+        )
+    _check_count(column, arr.shape[0], n, where)
+    owned = np.array(arr, order="C", copy=True)
+    count = owned.shape[0]
+    if column.kind == "scalar":
+        if owned.dtype == np.bool_:
+            array = pa.array(owned, type=pa.bool_())
+        else:
+            array = pa.Array.from_buffers(column.arrow_type, count, [None, pa.py_buffer(owned)])
+    else:
+        flat = owned.reshape(-1)
+        flat_type = pa.from_numpy_dtype(owned.dtype)
+        if owned.dtype == np.bool_:
+            flat_arr = pa.array(flat, type=pa.bool_())
+        else:
+            flat_arr = pa.Array.from_buffers(flat_type, flat.size, [None, pa.py_buffer(flat)])
+        storage = pa.FixedSizeListArray.from_arrays(flat_arr, int(np.prod(shape)))
+        array = pa.ExtensionArray.from_storage(column.arrow_type, storage)
+    per_sample = int(owned.itemsize * int(np.prod(shape, dtype=np.int64)))
+    return Encoded(array, np.full(count, per_sample, dtype=np.int64), None)
+
+
+def _checked_array(column: Column, values: Any, where: str) -> np.ndarray:
+    want = column.np_dtype
+    if isinstance(values, np.ndarray) or _is_tensor(values):
+        if _is_tensor(values) and str(values.dtype) == "torch.bfloat16":
+            raise SchemaError(
+                f"column {column.name!r} expects {column.describe()}, got a bfloat16 tensor in "
+                f"{where}; numpy has no bfloat16: convert with .float() and declare float32"
+            )
+        arr = _as_numpy(values)
+        if arr.dtype != want:
+            raise SchemaError(
+                f"column {column.name!r} expects {column.describe()}, got {arr.dtype} of shape "
+                f"{tuple(arr.shape)} in {where}; cast with .astype({want.name!r}) / "
+                f".to(torch.{want.name}) or declare the column as {arr.dtype}"
+            )
+        return arr
+    if isinstance(values, list | tuple):
+        try:
+            arr = np.asarray(values)
+        except ValueError as exc:
+            raise SchemaError(
+                f"column {column.name!r} expects {column.describe()}; the list given in {where} "
+                f"is not rectangular ({exc})"
+            ) from None
+        if arr.size and not np.can_cast(arr.dtype, want, casting="same_kind"):
+            raise SchemaError(
+                f"column {column.name!r} expects {column.describe()}, got Python values of kind "
+                f"{arr.dtype} in {where}, which do not convert losslessly"
+            )
+        return arr.astype(want, copy=False)
+    raise SchemaError(
+        f"column {column.name!r} expects {column.describe()} as a numpy array, torch tensor or "
+        f"list, got {type(values).__name__} in {where}"
+    )
+
+
+# -- ragged --------------------------------------------------------------------------------
+def _encode_ragged(column: Column, values: Any, n: int | None, where: str) -> Encoded:
+    if isinstance(values, RaggedArray):
+        ragged = values
+    elif isinstance(values, list | tuple):
+        seqs = []
+        for i, s in enumerate(values):
+            if isinstance(s, list | tuple):
+                s = _checked_array(column, s, where)
+            elif not (isinstance(s, np.ndarray) or _is_tensor(s)):
+                raise SchemaError(
+                    f"column {column.name!r} expects {column.describe()}; item {i} in {where} is "
+                    f"a {type(s).__name__}, expected a 1-D array, tensor or list"
+                )
+            seqs.append(s)
+        ragged = RaggedArray.from_list(seqs, dtype=None if seqs else column.np_dtype)
+    elif isinstance(values, np.ndarray) or _is_tensor(values):
+        raise SchemaError(
+            f"column {column.name!r} expects {column.describe()}, got a dense array of shape "
+            f"{tuple(_as_numpy(values).shape)} in {where}; pass a list of 1-D arrays or "
+            "RaggedArray.from_padded(padded, lengths)"
+        )
+    else:
+        raise SchemaError(
+            f"column {column.name!r} expects {column.describe()} (a list of 1-D arrays or a "
+            f"RaggedArray), got {type(values).__name__} in {where}"
+        )
+    if ragged.values.dtype != column.np_dtype and ragged.values.size:
+        raise SchemaError(
+            f"column {column.name!r} expects {column.describe()}, got {ragged.values.dtype} "
+            f"sequences in {where}; cast with .astype({column.dtype!r}) or declare the column "
+            f"as {ragged.values.dtype}"
+        )
+    _check_count(column, len(ragged), n, where)
+    vals = np.array(ragged.values, dtype=column.np_dtype, copy=True)
+    offsets = np.array(ragged.cu_seqlens, dtype=np.int64, copy=True)
+    vtype = pa.from_numpy_dtype(vals.dtype)
+    if vals.dtype == np.bool_:
+        child = pa.array(vals, type=pa.bool_())
+    else:
+        child = pa.Array.from_buffers(vtype, vals.size, [None, pa.py_buffer(vals)])
+    off_arr = pa.Array.from_buffers(pa.int64(), offsets.size, [None, pa.py_buffer(offsets)])
+    array = pa.LargeListArray.from_arrays(off_arr, child)
+    lengths = np.diff(offsets)
+    return Encoded(array, lengths * vals.itemsize, lengths)
+
+
+# -- strings and objects -------------------------------------------------------------------
+def _encode_strings(column: Column, values: Any, n: int | None, where: str) -> Encoded:
+    if not isinstance(values, list | tuple) or not all(isinstance(v, str) for v in values):
+        got = type(values).__name__
+        if isinstance(values, list | tuple):
+            bad = next(v for v in values if not isinstance(v, str))
+            got = f"a list containing {type(bad).__name__}"
+        raise SchemaError(
+            f"column {column.name!r} expects a list of str, got {got} in {where}"
+        )
+    _check_count(column, len(values), n, where)
+    array = pa.array(values, type=pa.large_string())
+    nbytes = np.fromiter((len(v.encode()) for v in values), dtype=np.int64, count=len(values))
+    return Encoded(array, nbytes, None)
+
+
+def _encode_objects(column: Column, values: Any, n: int | None, where: str) -> Encoded:
+    if not isinstance(values, list | tuple):
+        raise SchemaError(
+            f"column {column.name!r} expects a list of msgpack-encodable objects, got "
+            f"{type(values).__name__} in {where}"
+        )
+    _check_count(column, len(values), n, where)
+    try:
+        blobs = [_msgpack.encode(v) for v in values]
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise SchemaError(
+            f"column {column.name!r}: a value in {where} is not msgpack-encodable ({exc}); "
+            "use plain dicts/lists/str/numbers or a msgspec.Struct"
+        ) from None
+    array = pa.array(blobs, type=pa.large_binary())
+    nbytes = np.fromiter((len(b) for b in blobs), dtype=np.int64, count=len(blobs))
+    return Encoded(array, nbytes, None)
+
+
+def _check_count(column: Column, got: int, n: int | None, where: str) -> None:
+    if n is not None and got != n:
+        raise LengthMismatchError(
+            f"column {column.name!r} has {got} samples but {n} were expected in {where}; "
+            "every column of one put() must have one entry per sample"
+        )
+
+
+def _is_tensor(x: Any) -> bool:
+    return type(x).__module__ == "torch" and hasattr(x, "detach")

@@ -1,0 +1,144 @@
+"""Batch: the columns of a claimed micro-batch, as zero-copy numpy/torch views of Arrow data.
+
+Dense columns come back dense (``(n,)`` or ``(n, *shape)``), ragged columns come back as a
+:class:`RaggedArray` (values + ``cu_seqlens``) or padded with a mask on request. Arrays
+share memory with the hub's storage and are read-only: copy before modifying in place.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, final
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+
+from flowrl._controller.meta import BatchMeta
+from flowrl._schema.columns import Column
+from flowrl._schema.ragged import RaggedArray
+from flowrl.errors import SchemaError, UnknownColumnError
+
+__all__ = ["Batch"]
+
+_msgpack = msgspec.msgpack.Decoder()
+
+
+@final
+class Batch:
+    """Data of the samples in ``meta``, in the same order as ``meta.indices``."""
+
+    __slots__ = ("_arrays", "_cache", "_columns", "meta")
+
+    def __init__(
+        self, meta: BatchMeta, arrays: dict[str, pa.Array], columns: dict[str, Column]
+    ) -> None:
+        self.meta = meta
+        self._arrays = arrays
+        self._columns = columns
+        self._cache: dict[str, Any] = {}
+
+    @property
+    def indices(self) -> np.ndarray:
+        return self.meta.indices
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return tuple(self._arrays)
+
+    def __len__(self) -> int:
+        return len(self.meta)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._arrays
+
+    def __repr__(self) -> str:
+        return f"Batch(n={len(self)}, columns={list(self._arrays)})"
+
+    def arrow(self, name: str) -> pa.Array:
+        try:
+            return self._arrays[name]
+        except KeyError:
+            raise UnknownColumnError(
+                f"column {name!r} is not in this batch (it has {list(self._arrays)}); "
+                "claim or get it"
+            ) from None
+
+    def __getitem__(self, name: str) -> Any:
+        """numpy array (dense), RaggedArray (ragged), list[str] or list of objects."""
+        value = self._cache.get(name)
+        if value is None:
+            value = self._cache[name] = _to_python(self._columns[name], self.arrow(name))
+        return value
+
+    def numpy(self, name: str) -> np.ndarray:
+        value = self[name]
+        if not isinstance(value, np.ndarray):
+            raise SchemaError(
+                f"column {name!r} is {self._columns[name].describe()}, not dense; use "
+                "batch.packed()/batch.padded() for ragged columns"
+            )
+        return value
+
+    def torch(self, name: str, *, copy: bool = False) -> Any:
+        """A dense column as a torch tensor (shares memory unless ``copy``)."""
+        return _torch(self.numpy(name), copy)
+
+    def packed(self, name: str, *, torch: bool = False, copy: bool = False) -> tuple[Any, Any]:
+        """A ragged column as ``(values, cu_seqlens)``."""
+        r = self.ragged(name)
+        if torch:
+            return _torch(r.values, copy), _torch(r.cu_seqlens, copy)
+        return r.values, r.cu_seqlens
+
+    def padded(
+        self,
+        name: str,
+        *,
+        pad_value: Any = 0,
+        max_len: int | None = None,
+        left: bool = False,
+        torch: bool = False,
+    ) -> tuple[Any, Any]:
+        """A ragged column as ``(padded (n, L), mask (n, L))``."""
+        values, mask = self.ragged(name).padded(pad_value, max_len, left)
+        if torch:
+            return _torch(values, False), _torch(mask, False)
+        return values, mask
+
+    def ragged(self, name: str) -> RaggedArray:
+        value = self[name]
+        if not isinstance(value, RaggedArray):
+            raise SchemaError(
+                f"column {name!r} is {self._columns[name].describe()}, not ragged"
+            )
+        return value
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: self[name] for name in self._arrays}
+
+
+def _to_python(column: Column, arr: pa.Array) -> Any:
+    kind = column.kind
+    if kind == "scalar":
+        return arr.to_numpy(zero_copy_only=False)
+    if kind == "tensor":
+        flat = arr.storage.flatten().to_numpy(zero_copy_only=False)
+        return flat.reshape((len(arr), *column.shape))
+    if kind == "ragged":
+        offsets = arr.offsets.to_numpy()
+        values = arr.flatten().to_numpy(zero_copy_only=False)
+        return RaggedArray(values, offsets - offsets[0] if offsets[0] else offsets)
+    if kind == "string":
+        return arr.to_pylist()
+    return [_msgpack.decode(b) for b in arr.to_pylist()]
+
+
+def _torch(arr: np.ndarray, copy: bool) -> Any:
+    import torch
+
+    if copy or arr.flags.writeable:
+        return torch.from_numpy(np.array(arr, copy=True) if copy else arr)
+    with warnings.catch_warnings():  # a read-only view: documented, do not modify in place
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(arr)

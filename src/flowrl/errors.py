@@ -1,0 +1,130 @@
+"""The exceptions flowrl raises.
+
+Every error derives from :class:`FlowRLError`. Errors caused by what a caller passed
+(``SchemaError`` and friends) leave the hub unchanged. Failures of user code running
+inside a stage are wrapped in :class:`StageError`, chained with ``from``.
+
+::
+
+    FlowRLError
+    ├── ConfigError                 a config object or argument is invalid
+    ├── SchemaError                 a column's declared type does not match the data
+    │   ├── UnknownColumnError      a column name the hub does not know
+    │   └── LengthMismatchError     columns of one put() disagree on the sample count
+    ├── UnknownIndexError           a sample index that does not exist (or was evicted)
+    ├── UnknownTaskError            a task that was never registered
+    ├── LeaseError                  acking/releasing a lease that is unknown or expired
+    ├── WouldBlock                  a *_nowait call found nothing to do right now
+    │   ├── NothingReady            claim_nowait: no claimable samples
+    │   └── HubFull                 put_nowait: capacity is exhausted
+    ├── Timeout                     a blocking call ran out of time
+    ├── EndOfStream                 the stream is closed and nothing more will be ready
+    ├── HubClosed                   the hub was shut down
+    ├── TransportError              a server could not be reached or answered garbage
+    ├── StageError                  user code in a stage raised (see ``__cause__``)
+    └── PipelineError               a pipeline spec is invalid (missing producer, cycle)
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "EndOfStream",
+    "FlowRLError",
+    "HubClosed",
+    "HubFull",
+    "LeaseError",
+    "LengthMismatchError",
+    "NothingReady",
+    "PipelineError",
+    "SchemaError",
+    "StageError",
+    "Timeout",
+    "TransportError",
+    "UnknownColumnError",
+    "UnknownIndexError",
+    "UnknownTaskError",
+    "WouldBlock",
+]
+
+
+class FlowRLError(Exception):
+    """Root of every error flowrl raises."""
+
+
+class ConfigError(FlowRLError, ValueError):
+    """A configuration object or argument is invalid."""
+
+
+class SchemaError(FlowRLError, TypeError):
+    """Data does not match a column's declared type, shape or kind."""
+
+
+class UnknownColumnError(SchemaError, KeyError):
+    """A column name that is not declared on the hub."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; we want it plain
+        return str(self.args[0]) if self.args else ""
+
+
+class LengthMismatchError(SchemaError):
+    """Columns written together disagree on the number of samples."""
+
+
+class UnknownIndexError(FlowRLError, KeyError):
+    """A sample index that was never allocated or has been evicted."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownTaskError(FlowRLError, KeyError):
+    """A consuming task that was never registered with the hub."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class LeaseError(FlowRLError):
+    """A lease that is unknown, already settled or expired."""
+
+
+class WouldBlock(FlowRLError):
+    """A non-blocking call could not proceed without waiting."""
+
+
+class NothingReady(WouldBlock):
+    """``claim_nowait`` found no claimable samples."""
+
+
+class HubFull(WouldBlock):
+    """``put_nowait`` found the hub at capacity."""
+
+
+class Timeout(FlowRLError, TimeoutError):
+    """A blocking call ran out of time."""
+
+
+class EndOfStream(FlowRLError):
+    """The stream was ended and no more samples will become ready for this task."""
+
+
+class HubClosed(FlowRLError):
+    """The hub has been shut down."""
+
+
+class TransportError(FlowRLError, ConnectionError):
+    """A hub server could not be reached or sent a malformed reply."""
+
+
+class StageError(FlowRLError):
+    """User code inside a stage raised; the original exception is ``__cause__``."""
+
+    def __init__(self, message: str, *, stage: str = "", indices: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.indices = indices
+
+
+class PipelineError(FlowRLError, ValueError):
+    """A pipeline specification is invalid (a column without producer, a cycle, ...)."""

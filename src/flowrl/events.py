@@ -1,0 +1,123 @@
+"""Typed events: every state change of the hub's controller, in the order it happened.
+
+The controller is event-sourced: each mutation appends exactly one of these frozen
+structs to its log, with a strictly increasing ``seq``. Observers and policies subscribe
+to that stream (``hub.subscribe``); the multi-process transport ships the same structs on
+the wire, and the simulator (``flowrl.sim``) emits them too, so hooks cannot tell a
+simulated cluster from a real one.
+
+``t`` is wall-clock time (``time.time()``) so events from several processes on one
+machine share a time axis. Index lists are tuples of ints (cheap for micro-batches and
+msgpack-encodable).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = [
+    "Acked",
+    "Claimed",
+    "Event",
+    "Evicted",
+    "LeaseExpired",
+    "Put",
+    "Released",
+    "StreamEnded",
+    "TaskRegistered",
+    "VersionPublished",
+    "event_decoder",
+    "event_encoder",
+]
+
+
+class _EventBase(msgspec.Struct, frozen=True, tag_field="kind", kw_only=True):
+    seq: int
+    t: float
+
+
+class Put(_EventBase, tag="put"):
+    """Columns became ready on samples; ``new`` says the samples were created by it."""
+
+    indices: tuple[int, ...]
+    columns: tuple[str, ...]
+    new: bool = False
+    partition: str = ""
+    version: int = -1
+    tokens: tuple[int, ...] = ()
+    unit: int = 0
+    producer: str = ""
+
+
+class Claimed(_EventBase, tag="claim"):
+    """A task leased samples for processing."""
+
+    task: str
+    lease: int
+    indices: tuple[int, ...]
+    consumer: str = ""
+
+
+class Acked(_EventBase, tag="ack"):
+    """A task finished samples; they will never be delivered to it again."""
+
+    task: str
+    lease: int
+    indices: tuple[int, ...]
+
+
+class Released(_EventBase, tag="release"):
+    """A lease was given back voluntarily; its samples are claimable again."""
+
+    task: str
+    lease: int
+    indices: tuple[int, ...]
+
+
+class LeaseExpired(_EventBase, tag="lease_expired"):
+    """A lease's deadline passed before ack; its samples are claimable again."""
+
+    task: str
+    lease: int
+    indices: tuple[int, ...]
+
+
+class Evicted(_EventBase, tag="evict"):
+    """Every registered task acked these samples; their storage was freed."""
+
+    indices: tuple[int, ...]
+
+
+class VersionPublished(_EventBase, tag="version"):
+    """The trainer published a new policy version."""
+
+    version: int
+
+
+class StreamEnded(_EventBase, tag="end"):
+    """No new samples will be created; ``columns`` lists columns that are final too."""
+
+    columns: tuple[str, ...] = ()
+
+
+class TaskRegistered(_EventBase, tag="task"):
+    """A consuming task was registered with the columns it needs."""
+
+    task: str
+    columns: tuple[str, ...]
+
+
+Event = (
+    Put
+    | Claimed
+    | Acked
+    | Released
+    | LeaseExpired
+    | Evicted
+    | VersionPublished
+    | StreamEnded
+    | TaskRegistered
+)
+
+event_encoder = msgspec.msgpack.Encoder()
+event_decoder: msgspec.msgpack.Decoder[Event] = msgspec.msgpack.Decoder(Event)

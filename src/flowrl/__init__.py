@@ -18,6 +18,8 @@ from flowrl._controller.samplers import (
 from flowrl._schema.columns import Column
 from flowrl._schema.ragged import RaggedArray
 from flowrl._store.batch import Batch
+from flowrl._transport.launch import connect, launch_hub
+from flowrl._transport.remote import RemoteHub
 from flowrl.errors import FlowRLError
 from flowrl.hooks import Observer
 
@@ -37,9 +39,12 @@ __all__ = [
     "HubStats",
     "Observer",
     "RaggedArray",
+    "RemoteHub",
     "Sampler",
     "StalenessSampler",
     "TaskStats",
     "UnitStats",
     "__version__",
+    "connect",
+    "launch_hub",
 ]

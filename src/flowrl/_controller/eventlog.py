@@ -60,6 +60,7 @@ class EventLog:
         return self.seq
 
     def append(self, event: Event) -> None:
+        self.seq = event.seq  # events relayed from a remote controller carry their own seq
         self.history.append(event)
         if self.journal is not None:
             self.journal(event)

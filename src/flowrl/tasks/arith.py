@@ -17,6 +17,7 @@ non-zero starting reward to improve on.
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from collections.abc import Iterator, Sequence
@@ -161,12 +162,14 @@ def pretrain(
     task: ArithTask,
     steps: int,
     *,
-    batch_size: int = 64,
+    batch_size: int = 128,
     lr: float = 3e-3,
     noise: float = 0.5,
     seed: int = 0,
 ) -> list[float]:
     """Supervised warm-up on noisy answers (loss on response tokens only); returns losses.
+
+    AdamW at ``lr`` with a short linear warm-up and cosine decay to ``lr / 10``.
 
     ``model(ids, attention_mask=mask)`` must return logits ``(B, T, vocab)``.
     """
@@ -175,7 +178,15 @@ def pretrain(
     rng = random.Random(seed)
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    warmup = min(20, max(steps // 10, 1))
+
+    def lr_factor(step: int) -> float:  # linear warm-up, then cosine decay to 10 %
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(steps - warmup, 1)
+        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     losses: list[float] = []
     model.train()
     for _ in range(steps):

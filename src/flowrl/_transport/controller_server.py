@@ -1,0 +1,296 @@
+"""The controller as a server process: one zmq ROUTER, one event loop, no threads.
+
+Requests are handled in arrival order. A claim (or reserve) that cannot be served yet is
+parked, not blocking: it is retried after every state change and answered the moment it
+succeeds — readiness is pushed to waiters — or with a typed Timeout error when its time is
+up. Events go out on a PUB socket; evictions go to the storage units on PUSH sockets.
+A malformed request gets an error reply and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+
+from flowrl._client.config import HubConfig, HubStats, TaskStats
+from flowrl._controller.controller import CellWrite, Controller
+from flowrl._schema.columns import Column
+from flowrl._schema.schema import Schema
+from flowrl._transport import wire
+from flowrl.errors import FlowRLError, HubFull, NothingReady, SchemaError, Timeout
+from flowrl.events import event_encoder
+
+__all__ = ["serve_controller"]
+
+log = logging.getLogger("flowrl.controller")
+
+
+class _Parked:
+    __slots__ = ("deadline", "ident", "msg", "rid")
+
+    def __init__(self, ident: bytes, rid: bytes, msg: Any, deadline: float | None) -> None:
+        self.ident = ident
+        self.rid = rid
+        self.msg = msg
+        self.deadline = deadline
+
+
+class ControllerServer:
+    def __init__(
+        self,
+        address: str,
+        events_address: str,
+        unit_addresses: list[str],
+        unit_control_addresses: list[str],
+        columns: list[Column],
+        tasks: dict[str, list[str]],
+        config: HubConfig,
+    ) -> None:
+        self.config = config
+        infer = config.infer_columns if config.infer_columns is not None else not columns
+        self.schema = Schema(columns, infer=infer)
+        self.ctl = Controller(config.capacity, config.n_units, config.lease_timeout)
+        for col in self.schema.columns():
+            self.ctl.add_column(col.name)
+        for task, cols in tasks.items():
+            self.ctl.register_task(task, tuple(cols))
+        self.unit_addresses = unit_addresses
+        self.events_address = events_address
+        self.zctx = zmq.Context.instance()
+        self.sock = self.zctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(address)
+        self.pub = self.zctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(events_address)
+        self.unit_push = []
+        for addr in unit_control_addresses:
+            s = self.zctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 1000)
+            s.connect(addr)
+            self.unit_push.append(s)
+        self.ctl.on_evict = self._evict
+        self.ctl.log.journal = self._publish  # every event, in order, leaves on PUB
+        self.parked: list[_Parked] = []
+        self.running = True
+
+    # -- loop -------------------------------------------------------------------------------
+    def serve(self) -> None:
+        with self.ctl.cond:  # one thread owns the controller; the lock is never contended
+            self._loop()
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while self.running:
+            timeout_ms = self._poll_timeout()
+            if poller.poll(timeout_ms):
+                # Drain everything queued, then retry parked requests once.
+                while self.running:
+                    try:
+                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(frames)
+            self.ctl.expire()
+            self._retry_parked()
+        self._shutdown()
+
+    def _poll_timeout(self) -> int | None:
+        soonest = [p.deadline for p in self.parked if p.deadline is not None]
+        lease = self.ctl.next_deadline()
+        candidates = [d - time.monotonic() for d in soonest]
+        if lease is not None:
+            candidates.append(lease - time.time())
+        if not candidates:
+            return None
+        return max(0, int(min(candidates) * 1000) + 1)
+
+    def _handle(self, frames: list[Any]) -> None:
+        if len(frames) < 3:
+            return  # not even an identity + request id + body: nothing to answer
+        ident, rid = frames[0].bytes, frames[1].bytes
+        try:
+            msg = wire.decode_request(frames[2].buffer)
+            reply = self._dispatch(ident, rid, msg)
+        except FlowRLError as exc:
+            reply = wire.error_of(exc)
+        except Exception as exc:  # a bug must not take the hub down; the caller learns of it
+            log.exception("controller failed on a request")
+            reply = wire.error_of(exc)
+        if reply is not None:
+            self._send(ident, rid, reply)
+
+    def _send(self, ident: bytes, rid: bytes, reply: Any) -> None:
+        self.sock.send_multipart([ident, rid, wire.encode(reply)], copy=False)
+
+    def _dispatch(self, ident: bytes, rid: bytes, msg: Any) -> Any:
+        ctl = self.ctl
+        if isinstance(msg, wire.Claim | wire.Reserve):
+            result = self._try(msg)
+            if result is not None:
+                return result
+            if msg.timeout == 0:
+                if isinstance(msg, wire.Claim):
+                    raise NothingReady(f"no {msg.n} samples are ready for task {msg.task!r}")
+                raise HubFull(f"the hub is full: no room for {msg.n} more samples")
+            deadline = None if msg.timeout is None else time.monotonic() + msg.timeout
+            self.parked.append(_Parked(ident, rid, msg, deadline))
+            return None
+        if isinstance(msg, wire.Hello):
+            return wire.Welcome(
+                columns=list(self.schema.columns()),
+                config=self.config,
+                units=self.unit_addresses,
+                events=self.events_address,
+                version=ctl.version,
+            )
+        if isinstance(msg, wire.Declare):
+            for col in msg.columns:
+                self.schema.declare(col)
+                ctl.add_column(col.name)
+            return wire.Done()
+        if isinstance(msg, wire.RegisterTask):
+            ctl.register_task(msg.task, tuple(self.schema.check_names(msg.columns, "register_task")))
+            return wire.Done()
+        if isinstance(msg, wire.Abort):
+            ctl.abort(_ints(msg.indices))
+            return wire.Done()
+        if isinstance(msg, wire.CheckUpdate):
+            units = ctl.check_update(_ints(msg.indices), tuple(msg.columns))
+            return wire.Units(units=units.tobytes())
+        if isinstance(msg, wire.Commit):
+            self._commit(msg)
+            return wire.Done()
+        if isinstance(msg, wire.MetaOf):
+            meta = ctl.meta(_ints(msg.indices), tuple(self.schema.check_names(msg.columns, "meta")))
+            return wire.MetaReply(meta=meta.to_wire())
+        if isinstance(msg, wire.Ack):
+            ctl.ack(msg.task, msg.lease, None if msg.indices is None else _ints(msg.indices))
+            return wire.Done()
+        if isinstance(msg, wire.Release):
+            ctl.release(msg.task, msg.lease)
+            return wire.Done()
+        if isinstance(msg, wire.Publish):
+            ctl.publish_version(msg.version)
+            return wire.Done()
+        if isinstance(msg, wire.End):
+            ctl.end_stream(tuple(self.schema.check_names(msg.columns, "end_stream")))
+            return wire.Done()
+        if isinstance(msg, wire.Stats):
+            return wire.StatsReply(stats=self._stats())
+        if isinstance(msg, wire.PublishHello):
+            self.pub.send_multipart([b"h", msg.token.to_bytes(8, "little")])
+            return wire.Done()
+        if isinstance(msg, wire.Shutdown):
+            self.running = False
+            return wire.Done()
+        raise SchemaError(f"the controller does not serve {type(msg).__name__} requests")
+
+    def _try(self, msg: Any) -> Any:
+        ctl = self.ctl
+        if isinstance(msg, wire.Reserve):
+            if msg.n > ctl.table.capacity:
+                raise HubFull(f"put() of {msg.n} samples can never fit capacity {ctl.table.capacity}")
+            if ctl.table.free_slots() < msg.n:
+                return None
+            indices, unit = ctl.reserve(msg.n)
+            return wire.Reserved(indices=indices.tobytes(), unit=unit)
+        meta = ctl.try_claim(
+            msg.task,
+            msg.n,
+            wire.sampler_from_spec(msg.sampler),
+            columns=None
+            if msg.columns is None
+            else tuple(self.schema.check_names(msg.columns, "claim")),
+            min_n=msg.min_n,
+            consumer=msg.consumer,
+            lease_timeout=msg.lease_timeout,
+            dp_rank=msg.dp_rank,
+        )
+        return None if meta is None else wire.MetaReply(meta=meta.to_wire())
+
+    def _retry_parked(self) -> None:
+        if not self.parked:
+            return
+        now = time.monotonic()
+        still: list[_Parked] = []
+        for p in self.parked:
+            try:
+                reply = self._try(p.msg)
+            except FlowRLError as exc:
+                reply = wire.error_of(exc)
+            if reply is None and p.deadline is not None and now >= p.deadline:
+                reply = wire.error_of(Timeout(_wait_message(p.msg, p.msg.timeout)))
+            if reply is None:
+                still.append(p)
+            else:
+                self._send(p.ident, p.rid, reply)
+        self.parked = still
+
+    def _commit(self, msg: wire.Commit) -> None:
+        cells = {
+            name: CellWrite(_ints(c.nbytes), None if c.lengths is None else _ints(c.lengths))
+            for name, c in msg.cells.items()
+        }
+        self.ctl.commit(
+            _ints(msg.indices),
+            cells,
+            new=msg.new,
+            partition=msg.partition,
+            groups=None if msg.groups is None else _ints(msg.groups),
+            version=msg.version,
+            tokens=None if msg.tokens is None else _ints(msg.tokens),
+            producer=msg.producer,
+        )
+
+    def _evict(self, indices: np.ndarray, units: np.ndarray) -> None:
+        for unit in np.unique(units).tolist():
+            evict = wire.Evict(indices=indices[units == unit].tobytes())
+            self.unit_push[unit].send(wire.encode(evict))
+
+    def _publish(self, event: Any) -> None:
+        self.pub.send_multipart([b"e", event_encoder.encode(event)])
+
+    def _stats(self) -> HubStats:
+        s = self.ctl.statistics()
+        return HubStats(
+            capacity=s.capacity,
+            live=s.live,
+            reserved=s.reserved,
+            tasks={
+                t: TaskStats(s.ready_per_task[t], s.leased_per_task[t], s.consumed_per_task[t])
+                for t in s.ready_per_task
+            },
+            leases=s.leases,
+            version=s.version,
+            ended=s.ended,
+            events=s.events,
+            units=[],
+        )
+
+    def _shutdown(self) -> None:
+        for p in self.parked:
+            self._send(p.ident, p.rid, wire.Error(type="HubClosed", message="the hub shut down"))
+        for s in [self.sock, self.pub, *self.unit_push]:
+            s.close()
+
+
+def _ints(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype=np.int64)
+
+
+def _wait_message(msg: Any, timeout: float | None) -> str:
+    if isinstance(msg, wire.Claim):
+        return f"claim() by task {msg.task!r} found no {msg.n} ready samples in {timeout}s"
+    return f"put() waited {timeout}s for room for {msg.n} samples; the hub is full"
+
+
+def serve_controller(**kwargs: Any) -> None:
+    """Process entry point."""
+    ControllerServer(**kwargs).serve()
+

@@ -1,0 +1,100 @@
+"""Arrow arrays ↔ zmq frames without serialisation copies.
+
+An array of one of flowrl's column kinds is sent as a small msgspec header plus its raw
+buffers, each buffer its own frame (zmq sends them zero-copy from Arrow memory and the
+receiver wraps the received frames as Arrow buffers without copying). Sliced arrays send
+only the bytes of their slice. flowrl never stores nulls, so no validity bitmaps travel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+
+from flowrl._schema.columns import Column
+from flowrl.errors import TransportError
+
+__all__ = ["ArrayHeader", "from_frames", "to_frames"]
+
+
+class ArrayHeader(msgspec.Struct, frozen=True, array_like=True):
+    column: str
+    length: int
+    frames: int  # how many buffer frames follow for this array
+
+
+def to_frames(name: str, column: Column, arr: pa.Array) -> tuple[ArrayHeader, list[Any]]:
+    """Header and buffers (memoryview-able) for one array."""
+    n = len(arr)
+    kind = column.kind
+    if kind == "scalar":
+        return ArrayHeader(name, n, 1), [_primitive_slice(arr)]
+    if kind == "tensor":
+        storage = arr.storage if isinstance(arr, pa.ExtensionArray) else arr
+        return ArrayHeader(name, n, 1), [_primitive_slice(storage.flatten())]
+    if kind == "ragged":
+        offsets = _offsets(arr)
+        return ArrayHeader(name, n, 2), [offsets, _primitive_slice(arr.flatten())]
+    # string / object: offsets + data bytes of the slice
+    offsets = _offsets(arr)
+    data = arr.buffers()[2]
+    start, end = _bounds(arr)
+    return ArrayHeader(name, n, 2), [offsets, data.slice(start, end - start) if data else b""]
+
+
+def from_frames(column: Column, header: ArrayHeader, frames: list[Any]) -> pa.Array:
+    """Rebuild an array from received frames (zero-copy over the frames' memory)."""
+    n = header.length
+    try:
+        kind = column.kind
+        if kind == "scalar":
+            return _primitive(column.arrow_type, n, frames[0])
+        if kind == "tensor":
+            size = int(np.prod(column.shape))
+            child = _primitive(pa.from_numpy_dtype(column.np_dtype), n * size, frames[0])
+            storage = pa.FixedSizeListArray.from_arrays(child, size)
+            return pa.ExtensionArray.from_storage(column.arrow_type, storage)
+        offsets = pa.py_buffer(frames[0])
+        if offsets.size != (n + 1) * 8:
+            raise TransportError(f"column {column.name!r}: offsets frame has the wrong size")
+        total = int(np.frombuffer(offsets, dtype=np.int64)[-1]) if n else 0
+        if kind == "ragged":
+            child = _primitive(pa.from_numpy_dtype(column.np_dtype), total, frames[1])
+            return pa.Array.from_buffers(column.arrow_type, n, [None, offsets], children=[child])
+        data = pa.py_buffer(frames[1])
+        if data.size != total:
+            raise TransportError(f"column {column.name!r}: data frame has the wrong size")
+        return pa.Array.from_buffers(column.arrow_type, n, [None, offsets, data])
+    except (pa.ArrowInvalid, ValueError, IndexError) as exc:
+        raise TransportError(f"column {column.name!r}: malformed frames ({exc})") from None
+
+
+def _primitive_slice(arr: pa.Array) -> Any:
+    if arr.type == pa.bool_():
+        # bit-packed with a possible bit offset: repack (bools are small)
+        return np.packbits(arr.to_numpy(zero_copy_only=False), bitorder="little")
+    width = arr.type.bit_width // 8
+    data = arr.buffers()[1]
+    return data.slice(arr.offset * width, len(arr) * width) if data is not None else b""
+
+
+def _primitive(dtype: pa.DataType, n: int, frame: Any) -> pa.Array:
+    buf = pa.py_buffer(frame)
+    need = (n + 7) // 8 if dtype == pa.bool_() else n * (dtype.bit_width // 8)
+    if buf.size != need:
+        raise TransportError(f"a {dtype} frame of {buf.size} bytes cannot hold {n} values")
+    return pa.Array.from_buffers(dtype, n, [None, buf])
+
+
+def _bounds(arr: pa.Array) -> tuple[int, int]:
+    offsets = np.frombuffer(arr.buffers()[1], dtype=np.int64)
+    return int(offsets[arr.offset]), int(offsets[arr.offset + len(arr)])
+
+
+def _offsets(arr: pa.Array) -> np.ndarray:
+    """The slice's offsets rebased to start at 0 (a small copy: n+1 int64)."""
+    raw = np.frombuffer(arr.buffers()[1], dtype=np.int64)[arr.offset : arr.offset + len(arr) + 1]
+    return raw - raw[0]

@@ -1,0 +1,337 @@
+"""The hub client over zmq: same API as the embedded hub, servers in other processes.
+
+Each thread gets its own DEALER sockets (zmq sockets are not thread-safe), so a thread
+blocked in ``claim`` never delays another thread's ``put``. Metadata goes to the
+controller; bytes go straight to the storage units, several units read in parallel.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, final
+
+import numpy as np
+import pyarrow as pa
+import zmq
+
+from flowrl._client.base import HubClient
+from flowrl._client.config import HubConfig, HubStats
+from flowrl._controller.controller import CellWrite
+from flowrl._controller.eventlog import EventLog, Subscription
+from flowrl._controller.meta import BatchMeta
+from flowrl._controller.samplers import Sampler
+from flowrl._schema.columns import Column
+from flowrl._schema.schema import Schema
+from flowrl._transport import wire
+from flowrl._transport.frames import from_frames, to_frames
+from flowrl.errors import ConfigError, HubClosed, TransportError
+from flowrl.events import Event, event_decoder
+from flowrl.hooks import Observer
+
+__all__ = ["RemoteHub"]
+
+log = logging.getLogger("flowrl.client")
+
+#: How long a non-blocking request may take before the server is presumed gone.
+RPC_TIMEOUT_S = 30.0
+
+
+@final
+class RemoteHub(HubClient):
+    """A client of a multi-process hub. Get one from ``flowrl.launch_hub`` or ``flowrl.connect``."""
+
+    def __init__(self, address: str, *, rpc_timeout: float = RPC_TIMEOUT_S) -> None:
+        self.address = address
+        self.rpc_timeout = rpc_timeout
+        self._zctx = zmq.Context.instance()
+        self._local = threading.local()
+        self._sockets: list[zmq.Socket] = []
+        self._sockets_lock = threading.Lock()
+        self._rid = itertools.count(1)
+        self._closed = False
+        self._on_close: list[Callable[[], None]] = []
+        welcome = self._call(None, wire.Hello())[0]
+        self.config: HubConfig = welcome.config
+        infer = self.config.infer_columns if self.config.infer_columns is not None else not welcome.columns
+        self.schema = Schema(welcome.columns, infer=infer)
+        self.unit_addresses: list[str] = list(welcome.units)
+        self.events_address: str = welcome.events
+        self._version = welcome.version
+        self._events: EventLog | None = None
+        self._sub_thread: threading.Thread | None = None
+
+    # -- rpc --------------------------------------------------------------------------------
+    def _socket(self, unit: int | None) -> zmq.Socket:
+        socks = getattr(self._local, "socks", None)
+        if socks is None:
+            socks = self._local.socks = {}
+        sock = socks.get(unit)
+        if sock is None:
+            sock = self._zctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.address if unit is None else self.unit_addresses[unit])
+            socks[unit] = sock
+            with self._sockets_lock:
+                self._sockets.append(sock)
+        return sock
+
+    def _send(self, unit: int | None, msg: Any, frames: Sequence[Any] = ()) -> bytes:
+        if self._closed:
+            raise HubClosed("this hub client was closed")
+        rid = next(self._rid).to_bytes(8, "little")
+        self._socket(unit).send_multipart([rid, wire.encode(msg), *frames], copy=False)
+        return rid
+
+    def _recv(self, unit: int | None, rid: bytes, wait: float | None) -> tuple[Any, list[Any]]:
+        sock = self._socket(unit)
+        deadline = None if wait is None else time.monotonic() + wait
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not sock.poll(None if left is None else int(left * 1000) + 1):
+                where = "controller" if unit is None else f"storage unit {unit}"
+                raise TransportError(
+                    f"the hub's {where} did not answer within {wait:.1f}s; is it running?"
+                )
+            frames = sock.recv_multipart(copy=False)
+            if frames[0].bytes != rid:
+                continue  # a late reply to a request this thread gave up on
+            reply = wire.decode_reply(frames[1].buffer)
+            if isinstance(reply, wire.Error):
+                wire.raise_error(reply)
+            return reply, frames[2:]
+
+    def _call(
+        self, unit: int | None, msg: Any, frames: Sequence[Any] = (), wait: float | None = -1.0
+    ) -> tuple[Any, list[Any]]:
+        rid = self._send(unit, msg, frames)
+        return self._recv(unit, rid, self.rpc_timeout if wait == -1.0 else wait)
+
+    # -- primitives -------------------------------------------------------------------------
+    def _declare_columns(self, columns: tuple[Column, ...]) -> None:
+        for col in columns:
+            self.schema.declare(col)
+        self._call(None, wire.Declare(columns=list(columns)))
+
+    def _register_task(self, task: str, columns: tuple[str, ...]) -> None:
+        self._call(None, wire.RegisterTask(task=task, columns=list(columns)))
+
+    def _reserve(self, n: int, timeout: float | None) -> tuple[np.ndarray, int]:
+        reply, _ = self._call(None, wire.Reserve(n=n, timeout=timeout), wait=_grace(timeout))
+        return np.frombuffer(reply.indices, dtype=np.int64), reply.unit
+
+    def _abort(self, indices: np.ndarray) -> None:
+        self._call(None, wire.Abort(indices=indices.tobytes()))
+
+    def _check_update(self, indices: np.ndarray, columns: tuple[str, ...]) -> np.ndarray:
+        reply, _ = self._call(
+            None, wire.CheckUpdate(indices=indices.tobytes(), columns=list(columns))
+        )
+        return np.frombuffer(reply.units, dtype=np.int16)
+
+    def _write(self, unit: int, indices: np.ndarray, arrays: dict[str, pa.Array]) -> None:
+        headers, frames = [], []
+        for name, arr in arrays.items():
+            header, bufs = to_frames(name, self.schema[name], arr)
+            headers.append(header)
+            frames.extend(bufs)
+        msg = wire.Write(
+            indices=indices.tobytes(),
+            columns=[self.schema[name] for name in arrays],
+            arrays=headers,
+        )
+        self._call(unit, msg, frames)
+
+    def _discard(self, unit: int, indices: np.ndarray, columns: tuple[str, ...]) -> None:
+        try:
+            self._call(unit, wire.Discard(indices=indices.tobytes(), columns=list(columns)))
+        except TransportError:
+            log.warning("could not discard uncommitted data on storage unit %d", unit)
+
+    def _commit(
+        self,
+        indices: np.ndarray,
+        cells: dict[str, CellWrite],
+        new: bool,
+        partition: str,
+        groups: np.ndarray | None,
+        version: int | None,
+        tokens: np.ndarray | None,
+        producer: str,
+    ) -> None:
+        msg = wire.Commit(
+            indices=indices.tobytes(),
+            cells={
+                k: wire.Cell(c.nbytes.tobytes(), None if c.lengths is None else c.lengths.tobytes())
+                for k, c in cells.items()
+            },
+            new=new,
+            partition=partition,
+            groups=None if groups is None else groups.tobytes(),
+            version=version,
+            tokens=None if tokens is None else tokens.tobytes(),
+            producer=producer,
+        )
+        self._call(None, msg)
+
+    def _claim(
+        self,
+        task: str,
+        n: int,
+        sampler: Sampler,
+        columns: tuple[str, ...] | None,
+        min_n: int | None,
+        timeout: float | None,
+        dp_rank: int,
+        lease_timeout: float | None,
+        consumer: str,
+    ) -> BatchMeta:
+        msg = wire.Claim(
+            task=task,
+            n=n,
+            sampler=wire.spec_of_sampler(sampler),
+            columns=None if columns is None else list(columns),
+            min_n=min_n,
+            timeout=timeout,
+            dp_rank=dp_rank,
+            lease_timeout=lease_timeout,
+            consumer=consumer,
+        )
+        reply, _ = self._call(None, msg, wait=_grace(timeout))
+        return BatchMeta.from_wire(reply.meta)
+
+    def _read_many(
+        self, parts: list[tuple[int, np.ndarray]], columns: tuple[str, ...]
+    ) -> list[dict[str, pa.Array]]:
+        # Send every unit's request first, then collect: units serve in parallel.
+        rids = [
+            self._send(unit, wire.Read(indices=idx.tobytes(), columns=list(columns)))
+            for unit, idx in parts
+        ]
+        out = []
+        for (unit, idx), rid in zip(parts, rids, strict=True):
+            reply, frames = self._recv(unit, rid, self.rpc_timeout)
+            arrays, pos = {}, 0
+            for header in reply.arrays:
+                bufs = [f.buffer for f in frames[pos : pos + header.frames]]
+                pos += header.frames
+                if header.length != idx.size:
+                    raise TransportError(f"storage unit {unit} returned the wrong row count")
+                arrays[header.column] = from_frames(self.schema[header.column], header, bufs)
+            out.append(arrays)
+        return out
+
+    def _meta(self, indices: np.ndarray, columns: tuple[str, ...]) -> BatchMeta:
+        reply, _ = self._call(None, wire.MetaOf(indices=indices.tobytes(), columns=list(columns)))
+        return BatchMeta.from_wire(reply.meta)
+
+    def _ack(self, task: str, lease: int, indices: np.ndarray | None) -> None:
+        msg = wire.Ack(task=task, lease=lease, indices=None if indices is None else indices.tobytes())
+        self._call(None, msg)
+
+    def _release(self, task: str, lease: int) -> None:
+        self._call(None, wire.Release(task=task, lease=lease))
+
+    # -- the rest of the API ----------------------------------------------------------------
+    def publish_version(self, version: int) -> None:
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ConfigError(f"policy versions must be ints, got {version!r}")
+        self._call(None, wire.Publish(version=version))
+        self._version = version
+
+    @property
+    def version(self) -> int:
+        return self.statistics().version
+
+    def end_stream(self, columns: Sequence[str] = ()) -> None:
+        cols = self.schema.check_names(columns, "end_stream()")
+        self._call(None, wire.End(columns=list(cols)))
+
+    def subscribe(
+        self, observer: Observer | Callable[[Event], Any], *, strict: bool = False
+    ) -> Subscription:
+        if not callable(observer):
+            raise ConfigError(f"subscribe() expects an Observer or a callable, got {observer!r}")
+        if self._events is None:
+            self._events = EventLog()
+            self._start_subscriber()
+        return self._events.subscribe(observer, strict=strict)
+
+    def flush_events(self, timeout: float | None = 5.0) -> bool:
+        """Wait until subscribers received every event this client has received so far."""
+        return True if self._events is None else self._events.flush(timeout)
+
+    def _start_subscriber(self) -> None:
+        sub = self._zctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(self.events_address)
+        # PUB/SUB drops messages until the connection is up: handshake before returning.
+        token = next(self._rid)
+        for _ in range(100):
+            self._call(None, wire.PublishHello(token=token))
+            if sub.poll(50) and _drain_until_hello(sub, token):
+                break
+        else:
+            sub.close()
+            raise TransportError("could not subscribe to the hub's event stream")
+        stop = threading.Event()
+
+        def pump() -> None:
+            events = self._events
+            assert events is not None
+            while not stop.is_set():
+                if not sub.poll(100):
+                    continue
+                topic, body = sub.recv_multipart()
+                if topic == b"e":
+                    events.append(event_decoder.decode(body))
+            sub.close()
+
+        self._sub_thread = threading.Thread(target=pump, name="flowrl-sub", daemon=True)
+        self._sub_thread.start()
+        self._on_close.append(stop.set)
+
+    def statistics(self) -> HubStats:
+        reply, _ = self._call(None, wire.Stats())
+        stats: HubStats = reply.stats
+        units = []
+        for u in range(len(self.unit_addresses)):
+            units.append(self._call(u, wire.UnitStatsReq())[0].stats)
+        return HubStats(**{**{f: getattr(stats, f) for f in stats.__struct_fields__}, "units": units})
+
+    def _raise_policy_error(self) -> None:
+        if self._events is not None:
+            self._events.check()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for fn in self._on_close:
+            fn()
+        if self._sub_thread is not None:
+            self._sub_thread.join(timeout=2)
+        if self._events is not None:
+            self._events.close()
+        with self._sockets_lock:
+            for s in self._sockets:
+                s.close(linger=0)
+            self._sockets.clear()
+
+
+def _grace(timeout: float | None) -> float | None:
+    """Client-side wait for a request the server may park for ``timeout`` seconds."""
+    return None if timeout is None else timeout + RPC_TIMEOUT_S
+
+
+def _drain_until_hello(sub: zmq.Socket, token: int) -> bool:
+    want = token.to_bytes(8, "little")
+    while sub.poll(0):
+        topic, body = sub.recv_multipart()
+        if topic == b"h" and body == want:
+            return True
+    return False

@@ -1,0 +1,30 @@
+"""Specs of the server processes, passed as JSON on their command line."""
+
+from __future__ import annotations
+
+import msgspec
+
+from flowrl._client.config import HubConfig
+from flowrl._schema.columns import Column
+
+__all__ = ["ControllerSpec", "ServerSpec", "UnitSpec"]
+
+
+class ControllerSpec(msgspec.Struct, frozen=True, tag="controller"):
+    address: str
+    events_address: str
+    unit_addresses: list[str]
+    unit_control_addresses: list[str]
+    columns: list[Column]
+    tasks: dict[str, list[str]]
+    config: HubConfig
+
+
+class UnitSpec(msgspec.Struct, frozen=True, tag="unit"):
+    unit_id: int
+    capacity: int
+    address: str
+    control_address: str
+
+
+ServerSpec = ControllerSpec | UnitSpec

@@ -1,0 +1,120 @@
+"""A storage unit as a server process: ROUTER for clients, PULL for the controller's evictions.
+
+Writes arrive as a header frame followed by one frame per Arrow buffer; the arrays are
+built over the received frames without copying and kept as they are. Reads answer with
+the same layout, sending Arrow memory zero-copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import zmq
+
+from flowrl._schema.columns import Column
+from flowrl._store.unit import StorageUnit
+from flowrl._transport import wire
+from flowrl._transport.frames import from_frames, to_frames
+from flowrl.errors import FlowRLError, SchemaError, TransportError
+
+__all__ = ["serve_unit"]
+
+log = logging.getLogger("flowrl.unit")
+
+
+class UnitServer:
+    def __init__(self, unit_id: int, capacity: int, address: str, control_address: str) -> None:
+        self.unit = StorageUnit(unit_id, capacity)
+        self.columns: dict[str, Column] = {}
+        self.zctx = zmq.Context.instance()
+        self.sock = self.zctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(address)
+        self.control = self.zctx.socket(zmq.PULL)
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.control.bind(control_address)
+        self.running = True
+
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.control, zmq.POLLIN)
+        while self.running:
+            ready = dict(poller.poll())
+            if self.control in ready:
+                self._control(self.control.recv(copy=False))
+            if self.sock in ready:
+                self._handle(self.sock.recv_multipart(copy=False))
+        self.sock.close()
+        self.control.close()
+
+    def _control(self, frame: Any) -> None:
+        try:
+            msg = wire.decode_request(frame.buffer)
+            if isinstance(msg, wire.Evict):
+                self.unit.evict(np.frombuffer(msg.indices, dtype=np.int64))
+            elif isinstance(msg, wire.Shutdown):
+                self.running = False
+        except Exception:
+            log.exception("storage unit %d failed on a control message", self.unit.unit_id)
+
+    def _handle(self, frames: list[Any]) -> None:
+        if len(frames) < 3:
+            return
+        ident, rid = frames[0].bytes, frames[1].bytes
+        out: list[Any] = []
+        try:
+            msg = wire.decode_request(frames[2].buffer)
+            reply = self._dispatch(msg, frames[3:], out)
+        except FlowRLError as exc:
+            reply, out = wire.error_of(exc), []
+        except Exception as exc:
+            log.exception("storage unit %d failed on a request", self.unit.unit_id)
+            reply, out = wire.error_of(exc), []
+        self.sock.send_multipart([ident, rid, wire.encode(reply), *out], copy=False)
+
+    def _dispatch(self, msg: Any, payload: list[Any], out: list[Any]) -> Any:
+        if isinstance(msg, wire.Write):
+            indices = np.frombuffer(msg.indices, dtype=np.int64)
+            for col in msg.columns:
+                self.columns[col.name] = col
+            if sum(h.frames for h in msg.arrays) != len(payload):
+                raise TransportError("write request: frame count does not match its headers")
+            arrays, pos = {}, 0
+            for header in msg.arrays:
+                col = self.columns.get(header.column)
+                if col is None:
+                    raise SchemaError(f"write names column {header.column!r} without its type")
+                if header.length != indices.size:
+                    raise TransportError(f"column {header.column!r}: length != number of indices")
+                bufs = [f.buffer for f in payload[pos : pos + header.frames]]
+                arrays[header.column] = from_frames(col, header, bufs)
+                pos += header.frames
+            self.unit.write(indices, arrays)
+            return wire.Done()
+        if isinstance(msg, wire.Read):
+            indices = np.frombuffer(msg.indices, dtype=np.int64)
+            arrays = self.unit.read(indices, tuple(msg.columns))
+            headers = []
+            for name, arr in arrays.items():
+                header, bufs = to_frames(name, self.columns[name], arr)
+                headers.append(header)
+                out.extend(bufs)
+            return wire.Arrays(arrays=headers)
+        if isinstance(msg, wire.Discard):
+            self.unit.discard(np.frombuffer(msg.indices, dtype=np.int64), tuple(msg.columns))
+            return wire.Done()
+        if isinstance(msg, wire.UnitStatsReq):
+            s = self.unit.statistics()
+            return wire.UnitStatsReply(stats=wire.UnitStats(*s))
+        if isinstance(msg, wire.Shutdown):
+            self.running = False
+            return wire.Done()
+        raise SchemaError(f"a storage unit does not serve {type(msg).__name__} requests")
+
+
+def serve_unit(**kwargs: Any) -> None:
+    """Process entry point."""
+    UnitServer(**kwargs).serve()

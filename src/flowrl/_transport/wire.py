@@ -1,0 +1,307 @@
+"""Wire protocol: tagged msgspec Structs, msgpack-encoded; arrays travel as raw bytes.
+
+Every request frame decodes to one ``Request`` variant; every reply to one ``Reply``
+variant. Storage payloads follow the header frame as separate buffer frames (see
+frames.py). Nothing is pickled. New fields must get defaults (schema evolution).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from flowrl import errors
+from flowrl._client.config import HubConfig, HubStats, UnitStats
+from flowrl._controller.meta import WireMeta
+from flowrl._controller.samplers import (
+    BalancedSampler,
+    FifoSampler,
+    GroupSampler,
+    Sampler,
+    StalenessSampler,
+)
+from flowrl._schema.columns import Column
+from flowrl._transport.frames import ArrayHeader
+
+__all__ = ["decode_request", "encode", "raise_error", "sampler_from_spec", "spec_of_sampler"]
+
+
+class _Msg(msgspec.Struct, frozen=True, tag_field="op", kw_only=True):
+    pass
+
+
+# -- samplers ------------------------------------------------------------------------------
+class FifoSpec(_Msg, tag="fifo"):
+    pass
+
+
+class GroupSpec(_Msg, tag="group"):
+    group_size: int
+
+
+class StalenessSpec(_Msg, tag="stale"):
+    max_staleness: int
+    inner: FifoSpec | GroupSpec = FifoSpec()
+
+
+class BalancedSpec(_Msg, tag="balanced"):
+    dp_size: int
+    inner: FifoSpec | GroupSpec | StalenessSpec = FifoSpec()
+
+
+SamplerSpec = FifoSpec | GroupSpec | StalenessSpec | BalancedSpec
+
+
+def spec_of_sampler(sampler: Sampler) -> SamplerSpec:
+    if isinstance(sampler, FifoSampler):
+        return FifoSpec()
+    if isinstance(sampler, GroupSampler):
+        return GroupSpec(group_size=sampler.group_size)
+    if isinstance(sampler, StalenessSampler):
+        return StalenessSpec(max_staleness=sampler.max_staleness, inner=spec_of_sampler(sampler.inner))  # type: ignore[arg-type]
+    if isinstance(sampler, BalancedSampler):
+        return BalancedSpec(dp_size=sampler.dp_size, inner=spec_of_sampler(sampler.inner))  # type: ignore[arg-type]
+    raise errors.ConfigError(
+        f"sampler {sampler!r} is a custom class: custom samplers run only on the in-process "
+        "hub; over processes use FifoSampler/GroupSampler/StalenessSampler/BalancedSampler"
+    )
+
+
+def sampler_from_spec(spec: SamplerSpec) -> Sampler:
+    if isinstance(spec, FifoSpec):
+        return FifoSampler()
+    if isinstance(spec, GroupSpec):
+        return GroupSampler(spec.group_size)
+    if isinstance(spec, StalenessSpec):
+        return StalenessSampler(spec.max_staleness, sampler_from_spec(spec.inner))
+    return BalancedSampler(spec.dp_size, sampler_from_spec(spec.inner))
+
+
+# -- controller requests --------------------------------------------------------------------
+class Hello(_Msg, tag="hello"):
+    pass
+
+
+class Declare(_Msg, tag="declare"):
+    columns: list[Column]
+
+
+class RegisterTask(_Msg, tag="task"):
+    task: str
+    columns: list[str]
+
+
+class Reserve(_Msg, tag="reserve"):
+    n: int
+    timeout: float | None = None
+
+
+class Abort(_Msg, tag="abort"):
+    indices: bytes
+
+
+class CheckUpdate(_Msg, tag="check"):
+    indices: bytes
+    columns: list[str]
+
+
+class Cell(msgspec.Struct, frozen=True, array_like=True):
+    nbytes: bytes
+    lengths: bytes | None = None
+
+
+class Commit(_Msg, tag="commit"):
+    indices: bytes
+    cells: dict[str, Cell]
+    new: bool
+    partition: str = ""
+    groups: bytes | None = None
+    version: int | None = None
+    tokens: bytes | None = None
+    producer: str = ""
+
+
+class Claim(_Msg, tag="claim"):
+    task: str
+    n: int
+    sampler: SamplerSpec = FifoSpec()
+    columns: list[str] | None = None
+    min_n: int | None = None
+    timeout: float | None = None
+    dp_rank: int = 0
+    lease_timeout: float | None = None
+    consumer: str = ""
+
+
+class MetaOf(_Msg, tag="meta"):
+    indices: bytes
+    columns: list[str]
+
+
+class Ack(_Msg, tag="ack"):
+    task: str
+    lease: int
+    indices: bytes | None = None
+
+
+class Release(_Msg, tag="release"):
+    task: str
+    lease: int
+
+
+class Publish(_Msg, tag="publish"):
+    version: int
+
+
+class End(_Msg, tag="end"):
+    columns: list[str] = []
+
+
+class Stats(_Msg, tag="stats"):
+    pass
+
+
+class PublishHello(_Msg, tag="pub_hello"):
+    token: int
+
+
+class Shutdown(_Msg, tag="shutdown"):
+    pass
+
+
+# -- storage requests ----------------------------------------------------------------------
+class Write(_Msg, tag="write"):
+    indices: bytes
+    columns: list[Column]
+    arrays: list[ArrayHeader]
+
+
+class Read(_Msg, tag="read"):
+    indices: bytes
+    columns: list[str]
+
+
+class Evict(_Msg, tag="evict"):
+    indices: bytes
+
+
+class Discard(_Msg, tag="discard"):
+    indices: bytes
+    columns: list[str]
+
+
+class UnitStatsReq(_Msg, tag="unit_stats"):
+    pass
+
+
+Request = (
+    Hello
+    | Declare
+    | RegisterTask
+    | Reserve
+    | Abort
+    | CheckUpdate
+    | Commit
+    | Claim
+    | MetaOf
+    | Ack
+    | Release
+    | Publish
+    | End
+    | Stats
+    | PublishHello
+    | Shutdown
+    | Write
+    | Read
+    | Evict
+    | Discard
+    | UnitStatsReq
+)
+
+
+# -- replies -------------------------------------------------------------------------------
+class Done(_Msg, tag="done"):
+    pass
+
+
+class Error(_Msg, tag="error"):
+    type: str
+    message: str
+
+
+class Welcome(_Msg, tag="welcome"):
+    columns: list[Column]
+    config: HubConfig
+    units: list[str]
+    events: str
+    version: int
+
+
+class Reserved(_Msg, tag="reserved"):
+    indices: bytes
+    unit: int
+
+
+class Units(_Msg, tag="units"):
+    units: bytes
+
+
+class MetaReply(_Msg, tag="meta_reply"):
+    meta: WireMeta
+
+
+class StatsReply(_Msg, tag="stats_reply"):
+    stats: HubStats
+
+
+class UnitStatsReply(_Msg, tag="unit_stats_reply"):
+    stats: UnitStats
+
+
+class Arrays(_Msg, tag="arrays"):
+    arrays: list[ArrayHeader]
+
+
+Reply = Done | Error | Welcome | Reserved | Units | MetaReply | StatsReply | UnitStatsReply | Arrays
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(msg: Any) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_request(frame: Any) -> Any:
+    try:
+        return _request_decoder.decode(frame)
+    except msgspec.DecodeError as exc:
+        raise errors.TransportError(f"malformed request: {exc}") from None
+
+
+def decode_reply(frame: Any) -> Any:
+    try:
+        return _reply_decoder.decode(frame)
+    except msgspec.DecodeError as exc:
+        raise errors.TransportError(f"malformed reply: {exc}") from None
+
+
+def error_of(exc: BaseException) -> Error:
+    if isinstance(exc, errors.FlowRLError):
+        return Error(type=type(exc).__name__, message=str(exc))
+    return Error(type="FlowRLError", message=f"internal error: {type(exc).__name__}: {exc}")
+
+
+def raise_error(err: Error) -> None:
+    cls = getattr(errors, err.type, None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.FlowRLError)):
+        cls = errors.TransportError
+    raise cls(err.message)
+
+
+def ints(data: bytes | None) -> np.ndarray | None:
+    """Decode an int64 array sent as raw bytes (copies: the frame is read-only)."""
+    return None if data is None else np.frombuffer(data, dtype=np.int64)

@@ -1,0 +1,304 @@
+"""Online forecast of a step's response-length distribution, for the requests still running.
+
+Two layers (OrchestrRL §4.1 asks for "an online prediction of the step-level output-length
+distribution ... using an ARIMA model", updated as requests complete):
+
+1. **Across steps** — after each step we record quantiles of log response length at fixed
+   probabilities (``QUANTILE_PROBS``). Each quantile's series is forecast one step ahead by a
+   statsmodels ARIMA (random walk with drift, ``(0,1,0)`` + trend, from 3 steps; ``(1,1,0)`` +
+   trend from 8). The forecast quantiles, joined piecewise-linearly in normal-score space and
+   extrapolated linearly beyond the outer ones, give the *prior* survival function of the
+   next step. Before any step is seen the prior is ``lognormal(median, sigma)`` from config.
+2. **Within a step** — finished responses are exact observations, running requests are
+   right-censored at their generated length. The Kaplan–Meier estimator gives the survival
+   function wherever at least ``min_at_risk`` requests were at risk; beyond that the prior's
+   tail is spliced on (scaled to be continuous). So the estimate follows the realised
+   lengths as the wave completes, and the prior only speaks about lengths nobody reached.
+
+From the survival function ``S`` the forecaster answers what the planner needs: the expected
+remaining length ``E[L - g | L > g]`` of a request that generated ``g`` tokens, and the
+expected number of remaining requests per 256-token remaining-length bucket.
+:func:`bucket_relative_error` scores that histogram against the realised one:
+``sum_b |pred_b - actual_b| / sum_b actual_b`` (0 is perfect, 2 is disjoint).
+
+Invariants (asserted by tests): ``S`` is non-increasing on the grid, ``S(0) = 1``,
+``S(max_len) = 0``; expected remaining lengths are >= 0 and never exceed ``max_len - g``;
+predicted bucket counts sum to the number of requests asked about.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import final
+
+import msgspec
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+from scipy.special import ndtr, ndtri
+
+from flowrl.errors import ConfigError
+from flowrl.events import Event, Put
+
+__all__ = [
+    "QUANTILE_PROBS",
+    "ForecastConfig",
+    "ForecastStatistics",
+    "LengthDistribution",
+    "LengthForecaster",
+    "bucket_relative_error",
+    "kaplan_meier",
+]
+
+F64 = NDArray[np.float64]
+QUANTILE_PROBS: tuple[float, ...] = (0.02, 0.1, 0.25, 0.5, 0.75, 0.9, 0.97, 0.995)
+
+
+@final
+class ForecastConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Prior before any step is seen, the length grid, and the censoring threshold."""
+
+    median: float = 1500.0
+    sigma: float = 1.0
+    max_len: int = 32768
+    grid_step: int = 32
+    bucket: int = 256
+    min_at_risk: int = 30
+    response_column: str = "response"
+
+    def __post_init__(self) -> None:
+        if self.median <= 0 or self.sigma <= 0:
+            raise ConfigError("ForecastConfig median and sigma must be > 0")
+        if self.grid_step < 1 or self.bucket < self.grid_step or self.max_len < self.bucket:
+            raise ConfigError("ForecastConfig needs 1 <= grid_step <= bucket <= max_len")
+        if self.min_at_risk < 1:
+            raise ConfigError(f"min_at_risk must be >= 1, got {self.min_at_risk}")
+
+
+@final
+class ForecastStatistics(msgspec.Struct, frozen=True):
+    steps_seen: int
+    finished_this_step: int
+    forecast_median: float
+    last_bucket_error: float
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class LengthDistribution:
+    """Survival function ``surv[j] = P(L > grid[j])`` on an even grid ``0..max_len``."""
+
+    grid: F64
+    surv: F64
+
+    def _s(self, x: ArrayLike) -> F64:
+        return np.interp(np.asarray(x, dtype=np.float64), self.grid, self.surv)
+
+    def expected_remaining(self, generated: ArrayLike) -> F64:
+        """``E[L - g | L > g]`` per request (0 where ``g`` is at the cap)."""
+        g = np.clip(np.asarray(generated, dtype=np.float64), 0, self.grid[-1])
+        step = self.grid[1] - self.grid[0]
+        seg = 0.5 * (self.surv[1:] + self.surv[:-1]) * step
+        tail = np.concatenate([np.cumsum(seg[::-1])[::-1], [0.0]])  # integral from grid[j]
+        j = np.minimum((g // step).astype(np.int64), len(self.grid) - 1)
+        frac = g - self.grid[j]
+        s_g = self._s(g)
+        s_j = self.surv[j]
+        integral = tail[j] - 0.5 * (s_j + s_g) * frac
+        out = np.where(s_g > 1e-12, integral / np.maximum(s_g, 1e-12), 0.0)
+        return np.clip(out, 0.0, self.grid[-1] - g)
+
+    def bucket_probs(self, generated: ArrayLike, bucket: int) -> F64:
+        """``P(L - g in [k*bucket, (k+1)*bucket) | L > g)``, shape ``(len(g), n_buckets)``."""
+        g = np.asarray(generated, dtype=np.float64)
+        nb = int(np.ceil(self.grid[-1] / bucket))
+        edges = g[:, None] + bucket * np.arange(nb + 1)[None, :]
+        s = self._s(np.minimum(edges, self.grid[-1]))
+        s[:, -1] = 0.0
+        s0 = np.maximum(s[:, :1], 1e-12)
+        p = (s[:, :-1] - s[:, 1:]) / s0
+        dead = s[:, 0] <= 1e-12  # at the cap: finishes within the first bucket
+        p[dead] = 0.0
+        p[dead, 0] = 1.0
+        return np.clip(p, 0.0, 1.0)
+
+    def quantile(self, p: float) -> float:
+        return float(np.interp(1.0 - p, self.surv[::-1], self.grid[::-1]))
+
+
+def kaplan_meier(events: ArrayLike, censored: ArrayLike, grid: ArrayLike) -> tuple[F64, F64]:
+    """Kaplan–Meier survival ``P(L > x)`` and the number at risk, both evaluated on ``grid``.
+
+    ``events`` are exact lengths of finished responses, ``censored`` the generated lengths of
+    running ones (known only to exceed that).
+    """
+    ev = np.sort(np.asarray(events, dtype=np.float64))
+    ce = np.sort(np.asarray(censored, dtype=np.float64))
+    x = np.asarray(grid, dtype=np.float64)
+    if len(ev) == 0:
+        at_risk = len(ce) - np.searchsorted(ce, x, side="left")
+        return np.ones_like(x), at_risk.astype(np.float64)
+    times, d = np.unique(ev, return_counts=True)
+    n = (len(ev) - np.searchsorted(ev, times, side="left")) + (
+        len(ce) - np.searchsorted(ce, times, side="left")
+    )
+    log_s = np.cumsum(np.log1p(-d / n))
+    idx = np.searchsorted(times, x, side="right") - 1
+    surv = np.where(idx >= 0, np.exp(log_s[np.maximum(idx, 0)]), 1.0)
+    at_risk = (len(ev) - np.searchsorted(ev, x, side="right")) + (
+        len(ce) - np.searchsorted(ce, x, side="right")
+    )
+    return surv, at_risk.astype(np.float64)
+
+
+def bucket_relative_error(predicted: ArrayLike, actual: ArrayLike) -> float:
+    """``sum |pred - actual| / sum actual`` over buckets (histograms of equal length)."""
+    p = np.asarray(predicted, dtype=np.float64)
+    a = np.asarray(actual, dtype=np.float64)
+    if p.shape != a.shape:
+        raise ConfigError(f"histograms differ in shape: {p.shape} vs {a.shape}")
+    tot = a.sum()
+    return float(np.abs(p - a).sum() / tot) if tot > 0 else 0.0
+
+
+def _arima_next(series: F64) -> float:
+    """One-step-ahead forecast of a short per-step statistic series."""
+    n = len(series)
+    if n == 1:
+        return float(series[0])
+    if n == 2:
+        return float(2 * series[1] - series[0])
+    from statsmodels.tsa.arima.model import ARIMA
+
+    order = (1, 1, 0) if n >= 8 else (0, 1, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = ARIMA(series, order=order, trend="t").fit()
+        return float(res.forecast(1)[0])
+
+
+@final
+class LengthForecaster:
+    """Observer of the hub's events that maintains the remaining-length distribution.
+
+    Feed it events (:meth:`observe`) or call :meth:`begin_step` / :meth:`record` /
+    :meth:`end_step` directly. ``Put`` events with ``new=True`` open a step (their
+    ``partition`` names it); ``Put`` events carrying ``response_column`` report finished
+    responses, their ``tokens`` being the response lengths.
+    """
+
+    def __init__(self, config: ForecastConfig | None = None) -> None:
+        self.config = config or ForecastConfig()
+        c = self.config
+        self._grid = np.arange(0.0, c.max_len + c.grid_step, c.grid_step)
+        self._grid[-1] = float(c.max_len)
+        self._history: list[F64] = []
+        self._partition: str | None = None
+        self._finished: list[int] = []
+        self._total = 0
+        self._prior = self._make_prior(self._initial_quantiles())
+        self._last_error = float("nan")
+
+    # -- event interface -------------------------------------------------------------------
+    def observe(self, event: Event) -> None:
+        c = self.config
+        if not isinstance(event, Put):
+            return
+        if event.new and event.partition != self._partition:
+            if self._partition is not None and self._finished:
+                self.end_step()
+            self._partition = event.partition
+            self.begin_step(len(event.indices))
+        elif event.new:
+            self._total += len(event.indices)
+        if c.response_column in event.columns and event.tokens:
+            self.record(event.tokens)
+
+    def begin_step(self, total: int) -> None:
+        self._finished = []
+        self._total = int(total)
+
+    def record(self, lengths: ArrayLike) -> None:
+        self._finished.extend(int(v) for v in np.asarray(lengths).ravel())
+
+    def end_step(self) -> None:
+        """Close the step: add its quantiles to the history and refit the prior."""
+        if self._finished:
+            logs = np.log(np.maximum(np.asarray(self._finished, dtype=np.float64), 1.0))
+            self._history.append(np.quantile(logs, QUANTILE_PROBS))
+            self._prior = self._make_prior(self._forecast_quantiles())
+        self._finished = []
+
+    # -- queries -----------------------------------------------------------------------------
+    def prior(self) -> LengthDistribution:
+        return LengthDistribution(self._grid, self._prior)
+
+    def distribution(self, running_generated: ArrayLike = ()) -> LengthDistribution:
+        """Current estimate: KM on this step's finished/censored lengths + the prior's tail."""
+        c = self.config
+        if not self._finished:
+            return self.prior()
+        km, at_risk = kaplan_meier(self._finished, running_generated, self._grid)
+        ok = np.nonzero(at_risk >= c.min_at_risk)[0]
+        cut = int(ok[-1]) if len(ok) else 0
+        prior = self._prior
+        surv = km.copy()
+        if cut < len(self._grid) - 1:
+            scale = km[cut] / max(prior[cut], 1e-12)
+            surv[cut:] = np.minimum(km[cut], prior[cut:] * scale)
+        surv[-1] = 0.0
+        surv = np.minimum.accumulate(np.clip(surv, 0.0, 1.0))
+        return LengthDistribution(self._grid, surv)
+
+    def expected_remaining(self, generated: ArrayLike, running_generated: ArrayLike = ()) -> F64:
+        return self.distribution(running_generated).expected_remaining(generated)
+
+    def predicted_buckets(self, generated: ArrayLike, running_generated: ArrayLike = ()) -> F64:
+        """Expected number of the given requests per remaining-length bucket."""
+        g = np.asarray(generated, dtype=np.float64)
+        dist = self.distribution(running_generated)
+        uniq, inv = np.unique(g, return_inverse=True)
+        probs = dist.bucket_probs(uniq, self.config.bucket)
+        return np.bincount(inv, minlength=len(uniq)) @ probs
+
+    def score(self, generated: ArrayLike, true_remaining: ArrayLike) -> float:
+        """Bucket-level relative error of the forecast for requests with known outcome."""
+        g = np.asarray(generated, dtype=np.float64)
+        pred = self.predicted_buckets(g, g)
+        nb = len(pred)
+        bins = np.minimum(np.asarray(true_remaining) // self.config.bucket, nb - 1).astype(int)
+        actual = np.bincount(bins, minlength=nb)
+        self._last_error = bucket_relative_error(pred, actual)
+        return self._last_error
+
+    def statistics(self) -> ForecastStatistics:
+        return ForecastStatistics(
+            steps_seen=len(self._history),
+            finished_this_step=len(self._finished),
+            forecast_median=self.prior().quantile(0.5),
+            last_bucket_error=self._last_error,
+        )
+
+    # -- prior construction ----------------------------------------------------------------------
+    def _initial_quantiles(self) -> F64:
+        z = ndtri(np.asarray(QUANTILE_PROBS))
+        return np.log(self.config.median) + self.config.sigma * z
+
+    def _forecast_quantiles(self) -> F64:
+        hist = np.vstack(self._history)
+        q = np.array([_arima_next(hist[:, j]) for j in range(hist.shape[1])])
+        return np.maximum.accumulate(q)  # quantiles must stay ordered
+
+    def _make_prior(self, log_q: F64) -> F64:
+        z = ndtri(np.asarray(QUANTILE_PROBS))
+        lq = np.maximum.accumulate(np.asarray(log_q, dtype=np.float64) + 1e-9 * np.arange(len(z)))
+        x = np.log(np.maximum(self._grid, 1.0))
+        lo_slope = (z[1] - z[0]) / max(lq[1] - lq[0], 1e-6)
+        hi_slope = (z[-1] - z[-2]) / max(lq[-1] - lq[-2], 1e-6)
+        zx = np.interp(x, lq, z)
+        zx = np.where(x < lq[0], z[0] + (x - lq[0]) * lo_slope, zx)
+        zx = np.where(x > lq[-1], z[-1] + (x - lq[-1]) * hi_slope, zx)
+        surv = 1.0 - ndtr(zx)
+        surv[0] = 1.0
+        surv[-1] = 0.0
+        return np.minimum.accumulate(surv)

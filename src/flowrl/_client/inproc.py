@@ -15,7 +15,7 @@ from typing import Any, final
 import numpy as np
 import pyarrow as pa
 
-from flowrl._client.base import HubClient
+from flowrl._client.base import HubClient, _split_by_unit
 from flowrl._client.config import HubConfig, HubStats, TaskStats, UnitStats
 from flowrl._controller.controller import CellWrite, Controller
 from flowrl._controller.eventlog import Subscription
@@ -185,8 +185,8 @@ class Hub(HubClient):
             self.controller.release(task, lease)
 
     def _evict(self, indices: np.ndarray, units: np.ndarray) -> None:
-        for unit in np.unique(units).tolist():
-            self.units[unit].evict(indices[units == unit])
+        for unit, pos in _split_by_unit(units):
+            self.units[unit].evict(indices if pos is None else indices[pos])
 
     def _raise_policy_error(self) -> None:
         self.controller.log.check()

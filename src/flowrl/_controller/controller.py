@@ -315,12 +315,12 @@ class Controller:
         need = want * (sampler.dp_size if balanced else 1)
         if len(view) < need and not final:
             return None
-        positions = np.asarray(sampler.select(view, n), dtype=np.int64)
+        positions = np.sort(np.asarray(sampler.select(view, n), dtype=np.int64))
         if positions.size and (
-            np.unique(positions).size != positions.size
-            or positions.min() < 0
-            or positions.max() >= len(view)
+            positions[0] < 0
+            or positions[-1] >= len(view)
             or positions.size > n * (sampler.dp_size if balanced else 1)
+            or (positions.size > 1 and not (np.diff(positions) > 0).all())
         ):
             raise ConfigError(
                 f"sampler {sampler!r} returned invalid positions (must be distinct, within the "
@@ -330,7 +330,6 @@ class Controller:
             if final and not self._outstanding(state):
                 raise EndOfStream(self._end_message(task, len(view)))
             return None
-        positions = np.sort(positions)
         tokens = view.tokens[positions]
         chosen = self._take(state, positions)
         if balanced:
@@ -441,9 +440,12 @@ class Controller:
         slots = done % self.table.capacity
         state.status[slots] = CONSUMED
         state.consumed_total += int(done.size)
-        lease.indices = lease.indices[~np.isin(lease.indices, done)]
-        if lease.indices.size == 0:
+        if indices is None:
             del self._leases[lease_id]
+        else:
+            lease.indices = lease.indices[~np.isin(lease.indices, done)]
+            if lease.indices.size == 0:
+                del self._leases[lease_id]
         self._emit(Acked, task=task, lease=lease_id, indices=tuple(done.tolist()))
         evicted = self._evict_if_done(slots)
         self.cond.notify_all()

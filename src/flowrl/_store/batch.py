@@ -121,17 +121,29 @@ class Batch:
 def _to_python(column: Column, arr: pa.Array) -> Any:
     kind = column.kind
     if kind == "scalar":
-        return arr.to_numpy(zero_copy_only=False)
+        return _primitive_view(arr, column.np_dtype)
     if kind == "tensor":
-        flat = arr.storage.flatten().to_numpy(zero_copy_only=False)
+        flat = _primitive_view(arr.storage.flatten(), column.np_dtype)
         return flat.reshape((len(arr), *column.shape))
     if kind == "ragged":
-        offsets = arr.offsets.to_numpy()
-        values = arr.flatten().to_numpy(zero_copy_only=False)
+        offsets = np.frombuffer(arr.buffers()[1], dtype=np.int64)[
+            arr.offset : arr.offset + len(arr) + 1
+        ]
+        values = _primitive_view(arr.flatten(), column.np_dtype)
         return RaggedArray(values, offsets - offsets[0] if offsets[0] else offsets)
     if kind == "string":
         return arr.to_pylist()
     return [_msgpack.decode(b) for b in arr.to_pylist()]
+
+
+def _primitive_view(arr: pa.Array, dtype: np.dtype) -> np.ndarray:
+    """A read-only numpy view of a null-free primitive Arrow array (bools are unpacked)."""
+    if dtype == np.bool_:
+        return arr.to_numpy(zero_copy_only=False)
+    data = arr.buffers()[1]
+    if data is None:
+        return np.empty(0, dtype=dtype)
+    return np.frombuffer(data, dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
 
 
 def _torch(arr: np.ndarray, copy: bool) -> Any:

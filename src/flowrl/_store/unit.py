@@ -42,7 +42,13 @@ class _ColumnStore:
         self.next_chunk = 0
 
     def _unref(self, chunk_ids: np.ndarray) -> None:
-        ids, counts = np.unique(chunk_ids[chunk_ids >= 0], return_counts=True)
+        chunk_ids = chunk_ids[chunk_ids >= 0]
+        if chunk_ids.size == 0:
+            return
+        if (chunk_ids == chunk_ids[0]).all():  # the usual case: one put's chunk
+            ids, counts = chunk_ids[:1], np.array([chunk_ids.size])
+        else:
+            ids, counts = np.unique(chunk_ids, return_counts=True)
         for cid, cnt in zip(ids.tolist(), counts.tolist(), strict=True):
             left = self.live[cid] - cnt
             if left:

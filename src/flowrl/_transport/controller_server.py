@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from flowrl._client.base import _split_by_unit
 from flowrl._client.config import HubConfig, HubStats, TaskStats
 from flowrl._controller.controller import CellWrite, Controller
 from flowrl._schema.columns import Column
@@ -249,8 +250,8 @@ class ControllerServer:
         )
 
     def _evict(self, indices: np.ndarray, units: np.ndarray) -> None:
-        for unit in np.unique(units).tolist():
-            evict = wire.Evict(indices=indices[units == unit].tobytes())
+        for unit, pos in _split_by_unit(units):
+            evict = wire.Evict(indices=(indices if pos is None else indices[pos]).tobytes())
             self.unit_push[unit].send(wire.encode(evict))
 
     def _publish(self, event: Any) -> None:

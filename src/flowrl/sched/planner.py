@@ -41,7 +41,7 @@ from typing import Literal, final
 
 import msgspec
 import numpy as np
-from numpy.typing import NDArray
+from numpy.typing import ArrayLike, NDArray
 
 from flowrl.errors import ConfigError
 from flowrl.sched.costmodel import (
@@ -107,12 +107,12 @@ class Plan:
     solve_s: float
     lower_bound: float
     candidates: tuple[int, ...]
+    previous_mode: I64
 
     @property
     def switched_nodes(self) -> I64:
-        return self.node_mode != self._current
-
-    _current: I64 = np.zeros(0, dtype=np.int64)
+        """Indices of nodes whose mode this plan changes."""
+        return np.nonzero(self.node_mode != self.previous_mode)[0]
 
 
 def candidate_modes(
@@ -139,28 +139,25 @@ def candidate_modes(
 
 
 def realize(p: PlanProblem, snap: ClusterSnapshot, mode: I64, counts: I64) -> I64:
-    """Turn bucket counts into a target node per request (see invariants)."""
+    """Turn bucket counts into a target node per request (see invariants).
+
+    On each (node, bucket) ``min(holdings, counts)`` requests stay (re-laid out in place if
+    the node switches mode); the surplus moves to nodes whose counts exceed their holdings.
+    """
     q = snap.requests
     target = p.req_node.copy()
-    keeps = mode == p.current
     # within (bucket, node): waiting first, then short context first -> those move first
     order = np.lexsort((q.context, q.running, p.req_node, p.req_bucket))
     rb, rn = p.req_bucket[order], p.req_node[order]
     group = rb * p.n_nodes + rn
-    start = np.r_[0, np.nonzero(np.diff(group))[0] + 1]
+    start = np.r_[0, np.nonzero(np.diff(group))[0] + 1] if len(order) else np.zeros(0, int)
     rank = np.arange(len(order)) - np.repeat(start, np.diff(np.r_[start, len(order)]))
-    kept = np.where(keeps[:, None], np.minimum(p.holdings, counts), 0)
-    relaid = ~keeps[rn] & (mode[rn] >= 0)
-    movers_mask = rank < (p.holdings[rn, rb] - kept[rn, rb])
-    # a switching node keeps what its counts allow (re-laid out in place); the rest moves
-    keep_switch = np.where(~keeps[:, None], np.minimum(p.holdings, counts), 0)
-    movers_mask &= ~(relaid & (rank >= p.holdings[rn, rb] - keep_switch[rn, rb]))
-    deficit = counts - kept - keep_switch
-    for b in range(p.n_buckets):
-        sel = order[movers_mask & (rb == b)]
-        if not len(sel):
-            continue
-        dest = np.repeat(np.arange(p.n_nodes), np.maximum(deficit[:, b], 0))
+    stay = np.minimum(p.holdings, counts)
+    movers = rank < (p.holdings - stay)[rn, rb]
+    deficit = counts - stay
+    for b in np.unique(rb[movers]):
+        sel = order[movers & (rb == b)]
+        dest = np.repeat(np.arange(p.n_nodes), deficit[:, b])
         target[sel] = dest[: len(sel)]
     return target
 
@@ -169,7 +166,7 @@ def _keep_plan(p: PlanProblem) -> tuple[I64, I64]:
     return p.current.copy(), p.holdings.copy()
 
 
-def plan(snap: ClusterSnapshot, remaining: ArrayLikeF, config: PlannerConfig) -> Plan:
+def plan(snap: ClusterSnapshot, remaining: ArrayLike, config: PlannerConfig) -> Plan:
     """Decide modes and request placement for ``snap`` (see module docstring)."""
     t0 = time.perf_counter()
     deadline = t0 + config.time_limit
@@ -235,9 +232,6 @@ def plan(snap: ClusterSnapshot, remaining: ArrayLikeF, config: PlannerConfig) ->
         solve_s=time.perf_counter() - t0,
         lower_bound=bound,
         candidates=tuple(int(m) for m in cand),
+        previous_mode=p.current,
     )
-    object.__setattr__(out, "_current", p.current)
     return out
-
-
-ArrayLikeF = NDArray[np.float64] | list[float] | tuple[float, ...]

@@ -1,0 +1,293 @@
+"""Hub throughput and latency: put/get bandwidth, claim latency, controller cell rate.
+
+What it measures (defaults: 4096 samples; per sample an int64 ``input_ids`` sequence and a
+float32 ``logprobs`` sequence of --seq-len 1024 plus a float32 ``reward``; one producer
+putting batches of --batch 32, one consumer task claiming micro-batches of 32):
+
+* ``put_*`` / ``get_*``: samples/s and GiB/s of payload through the chosen --transport
+  (``inproc``: the embedded hub; ``zmq``: controller and storage unit in other processes).
+  ``get`` times ``hub.get(meta)`` plus turning every column into numpy; ``consume_*``
+  times the whole consumer loop (claim + get + ack), the figure a trainer sees.
+* ``claim_p50_ms`` / ``claim_p99_ms``: claim latency with 100,000 samples live, and
+  ``claim_p99_ms_1k`` vs ``claim_p99_ms_131k`` to show it does not grow with the table.
+* ``controller_cell_updates_per_s``: (sample, column) readiness updates per second the
+  controller applies (reserve + commit of metadata only, no payload), batches of --batch.
+* zmq only: ``put_to_claimable_p50_ms`` (a put until a consumer blocked in claim returns),
+  ``single_sample_puts_per_s``, ``metadata_round_trips_per_s``, ``startup_s``,
+  ``blocked_claim_put_latency_ratio`` (put latency while another thread waits in claim,
+  divided by put latency without it; 1.0 means no interference).
+* ``--peer``: runs the TransferQueue package on the same payload in a subprocess and
+  reports ``peer`` figures and ``put_get_speedup_vs_transferqueue``: samples / (put time +
+  consumer-loop time) for flowrl over the same for TransferQueue (its put, get_meta and
+  get_data).
+
+Read ratios from one run; absolute numbers drift on a shared 2-core machine.
+Usage: python benchmarks/hub_throughput.py --json [--transport zmq] [--peer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+import flowrl
+from flowrl import Column, HubConfig
+from flowrl._controller.controller import CellWrite, Controller
+from flowrl._controller.samplers import FifoSampler
+
+GIB = 1024**3
+COLUMNS = [
+    Column.ragged("input_ids", "int64"),
+    Column.ragged("logprobs", "float32"),
+    Column.scalar("reward", "float32"),
+]
+
+
+def make_hub(transport: str, capacity: int):
+    config = HubConfig(capacity=capacity, lease_timeout=600.0)
+    tasks = {"train": ["input_ids", "logprobs", "reward"]}
+    if transport == "inproc":
+        return flowrl.Hub(COLUMNS, tasks=tasks, config=config)
+    return flowrl.launch_hub(COLUMNS, tasks=tasks, config=config)
+
+
+def payload(batch: int, seq_len: int, rng: np.random.Generator) -> dict:
+    ids = rng.integers(0, 32000, size=(batch, seq_len), dtype=np.int64)
+    lps = rng.standard_normal((batch, seq_len), dtype=np.float32)
+    cu = np.arange(batch + 1, dtype=np.int64) * seq_len
+    return {
+        "input_ids": flowrl.RaggedArray(ids.reshape(-1), cu),
+        "logprobs": flowrl.RaggedArray(lps.reshape(-1), cu),
+        "reward": rng.standard_normal(batch, dtype=np.float32),
+    }
+
+
+def put_get(transport: str, samples: int, seq_len: int, batch: int) -> dict:
+    rng = np.random.default_rng(0)
+    batches = [payload(batch, seq_len, rng) for _ in range(min(8, samples // batch))]
+    sample_bytes = seq_len * 8 + seq_len * 4 + 4
+    hub = make_hub(transport, capacity=max(samples, 1024) + batch)
+    try:
+        n_batches = samples // batch
+        hub.put(batches[0])  # warm-up (connections, code paths), then consume it
+        meta = hub.claim("train", batch, timeout=10)
+        hub.get(meta).packed("input_ids")
+        hub.ack(meta)
+        t0 = time.perf_counter()
+        for i in range(n_batches):
+            hub.put(batches[i % len(batches)])
+        put_s = time.perf_counter() - t0
+        checksum = 0
+        get_s = 0.0
+        t0 = time.perf_counter()
+        for _ in range(n_batches):
+            meta = hub.claim("train", batch, timeout=10)
+            t1 = time.perf_counter()
+            b = hub.get(meta)
+            ids, _ = b.packed("input_ids")
+            lps, _ = b.packed("logprobs")
+            reward = b["reward"]
+            get_s += time.perf_counter() - t1
+            checksum += int(ids[-1]) + int(lps.size) + int(reward.size)
+            hub.ack(meta)
+        consume_s = time.perf_counter() - t0
+        n = n_batches * batch
+        return {
+            "put_samples_per_s": n / put_s,
+            "get_samples_per_s": n / get_s,
+            "put_gib_per_s": n * sample_bytes / put_s / GIB,
+            "get_gib_per_s": n * sample_bytes / get_s / GIB,
+            "consume_samples_per_s": n / consume_s,
+            "consume_gib_per_s": n * sample_bytes / consume_s / GIB,
+            "put_get_samples_per_s": n / (put_s + consume_s),
+            "checksum": checksum,
+        }
+    finally:
+        hub.close()
+
+
+def claim_latency(live: int, batch: int, rounds: int = 2000) -> tuple[float, float]:
+    """p50/p99 ms of claim+ack (FIFO, micro-batch ``batch``) with ``live`` samples live."""
+    hub = flowrl.Hub(
+        [Column.scalar("x", "int64")],
+        tasks={"t": ["x"]},
+        config=HubConfig(capacity=live + batch * 2),
+    )
+    chunk = 4096
+    for start in range(0, live, chunk):
+        hub.put({"x": np.arange(start, min(live, start + chunk), dtype=np.int64)})
+    lat = np.empty(rounds)
+    for i in range(rounds):
+        t0 = time.perf_counter()
+        meta = hub.claim("t", batch, timeout=5)
+        lat[i] = time.perf_counter() - t0
+        hub.ack(meta)
+        hub.put({"x": np.arange(batch, dtype=np.int64)})  # keep the table at ``live``
+    hub.close()
+    return float(np.percentile(lat, 50) * 1e3), float(np.percentile(lat, 99) * 1e3)
+
+
+def controller_cells(batch: int, total: int = 262144) -> float:
+    ctl = Controller(capacity=65536)
+    names = [c.name for c in COLUMNS]
+    for name in names:
+        ctl.add_column(name)
+    ctl.register_task("train", tuple(names))
+    nbytes = np.full(batch, 8, dtype=np.int64)
+    cells = {name: CellWrite(nbytes, None) for name in names}
+    sampler = FifoSampler()
+    with ctl.cond:
+        t0 = time.perf_counter()
+        done = 0
+        while done < total:
+            idx, _ = ctl.reserve(batch)
+            ctl.commit(idx, cells, new=True)
+            meta = ctl.try_claim("train", batch, sampler)
+            ctl.ack("train", meta.lease)
+            done += batch
+        dt = time.perf_counter() - t0
+    # each sample: len(names) readiness cells + 1 consumption cell
+    return done * (len(names) + 1) / dt
+
+
+def zmq_latencies(seq_len: int) -> dict:
+    rng = np.random.default_rng(1)
+    t0 = time.perf_counter()
+    hub = flowrl.launch_hub(
+        COLUMNS + [Column.scalar("y", "int64")],
+        tasks={"train": ["input_ids", "logprobs", "reward"], "other": ["y"]},
+        config=HubConfig(capacity=65536, lease_timeout=600.0),
+    )
+    startup = time.perf_counter() - t0
+    try:
+        one = payload(1, seq_len, rng)
+        hub.put(one)
+        hub.ack(hub.claim("train", 1, timeout=10))
+        # put -> claimable, consumer blocked in claim in another thread
+        lat = []
+        got = threading.Event()
+        stamp = [0.0]
+
+        def consumer(k: int) -> None:
+            for _ in range(k):
+                meta = hub.claim("train", 1, timeout=10)
+                stamp[0] = time.perf_counter()
+                hub.ack(meta)
+                got.set()
+
+        rounds = 300
+        th = threading.Thread(target=consumer, args=(rounds,))
+        th.start()
+        for _ in range(rounds):
+            time.sleep(0.002)  # let the consumer block first
+            got.clear()
+            t = time.perf_counter()
+            hub.put(one)
+            got.wait(10)
+            lat.append(stamp[0] - t)
+        th.join()
+        # single-sample put rate
+        n = 2000
+        t = time.perf_counter()
+        for _ in range(n):
+            hub.put(one)
+        single_rate = n / (time.perf_counter() - t)
+        # metadata round trips: claim + ack of one sample each = 2 round trips
+        k = 1000
+        t = time.perf_counter()
+        for _ in range(k):
+            hub.ack(hub.claim("train", 1, timeout=10))
+        meta_rate = 2 * (k - 0) / (time.perf_counter() - t)
+        # put latency without / with another thread blocked in claim
+        big = payload(32, seq_len, rng)
+
+        def put_lat(m: int) -> float:
+            ts = []
+            for _ in range(m):
+                t = time.perf_counter()
+                hub.put(big)
+                ts.append(time.perf_counter() - t)
+                hub.ack(hub.claim("train", 32, timeout=10))
+            return float(np.median(ts))
+
+        base = put_lat(200)
+        stop = threading.Event()
+
+        def blocked() -> None:
+            while not stop.is_set():
+                try:
+                    hub.claim("other", 1, timeout=0.5)
+                except flowrl.errors.Timeout:
+                    pass
+
+        bt = threading.Thread(target=blocked)
+        bt.start()
+        time.sleep(0.05)
+        with_blocked = put_lat(200)
+        stop.set()
+        bt.join()
+        return {
+            "startup_s": startup,
+            "put_to_claimable_p50_ms": float(np.percentile(lat, 50) * 1e3),
+            "put_to_claimable_p99_ms": float(np.percentile(lat, 99) * 1e3),
+            "single_sample_puts_per_s": single_rate,
+            "metadata_round_trips_per_s": meta_rate,
+            "blocked_claim_put_latency_ratio": with_blocked / base,
+        }
+    finally:
+        hub.close()
+
+
+def peer(samples: int, seq_len: int, batch: int) -> dict:
+    script = Path(__file__).with_name("_transferqueue_peer.py")
+    out = subprocess.run(
+        [sys.executable, str(script), "--samples", str(samples), "--seq-len", str(seq_len),
+         "--batch", str(batch)],
+        capture_output=True, text=True, timeout=600,
+    )
+    if out.returncode != 0:
+        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--transport", choices=["inproc", "zmq"], default="inproc")
+    ap.add_argument("--samples", type=int, default=4096)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--peer", action="store_true", help="also run TransferQueue (needs .[peer])")
+    args = ap.parse_args()
+    result: dict = {"transport": args.transport, "samples": args.samples,
+                    "seq_len": args.seq_len, "batch": args.batch}
+    result.update(put_get(args.transport, args.samples, args.seq_len, args.batch))
+    p50, p99 = claim_latency(100_000, args.batch)
+    result["claim_p50_ms"], result["claim_p99_ms"] = p50, p99
+    result["claim_p99_ms_1k"] = claim_latency(1_000, args.batch)[1]
+    result["claim_p99_ms_131k"] = claim_latency(131_072, args.batch)[1]
+    result["controller_cell_updates_per_s"] = controller_cells(args.batch)
+    if args.transport == "zmq":
+        result.update(zmq_latencies(args.seq_len))
+    if args.peer:
+        tq = peer(args.samples, args.seq_len, args.batch)
+        result["peer"] = tq
+        if "put_samples_per_s" in tq:
+            tq_rate = 1 / (1 / tq["put_samples_per_s"] + 1 / tq["get_samples_per_s"])
+            result["put_get_speedup_vs_transferqueue"] = result["put_get_samples_per_s"] / tq_rate
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k:40s} {v}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""Reactive balancer: move requests from the most to the least congested replica.
+
+OrchestrRL §4.2. Each replica ``i`` gets a congestion score (higher = more congested)::
+
+    N_i = max(1, min(bs_max_i, kv_capacity_i // footprint_i))     KV-limited stable concurrency
+    mu_i = token_rate_i / running_i                                per-sequence service rate
+    C_i = (running_i + waiting_i) / N_i * (mean(mu) / mu_i)
+
+``footprint_i`` is the mean KV tokens per request queued or running on ``i`` (the cluster
+mean where ``i`` is empty); a replica with no running request gets ``mu_i = mean(mu)``.
+``C`` ranks replicas only — it is not a completion-time prediction.
+
+Each tick, while ``C_max - C_min >= start_gap`` (and then until it drops below
+``stop_gap``), the balancer moves one request from the most to the least congested
+replica: waiting requests first, shortest context first; running requests (which carry KV)
+only when ``move_running`` is set and the source has no waiting request. A move happens
+only where the destination has KV headroom — it has a free stable slot
+(``running + waiting < N``) and ``kv_used + queued context + context <= kv_capacity`` — so
+the move never reduces the destination's effective batch.
+
+Hysteresis against thrashing (state carried in :class:`BalancerMemory`): the trigger
+(``start_gap``) is higher than the stop level (``stop_gap``); a request moved at tick ``k`` is
+not moved again before tick ``k + cooldown``; a replica that received requests within
+``cooldown`` ticks is not used as a source.
+
+Invariants (asserted by tests): a move's destination has KV headroom for it; no request
+moves twice within ``cooldown`` ticks; no replica is both source and destination within a
+``cooldown`` window (no ping-pong); at most ``max_moves`` moves per tick; replicas with
+``mode == -1`` (off) are never chosen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import final
+
+import msgspec
+import numpy as np
+from numpy.typing import NDArray
+
+from flowrl.errors import ConfigError
+from flowrl.sched.snapshot import ClusterSnapshot
+
+__all__ = [
+    "BalanceDecision",
+    "BalancerConfig",
+    "BalancerMemory",
+    "Migration",
+    "congestion_scores",
+    "rebalance",
+]
+
+F64 = NDArray[np.float64]
+
+
+@final
+class BalancerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    start_gap: float = 0.5
+    stop_gap: float = 0.2
+    cooldown: int = 5
+    max_moves: int = 256
+    move_running: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.stop_gap <= self.start_gap:
+            raise ConfigError(
+                f"BalancerConfig needs 0 <= stop_gap <= start_gap, got "
+                f"{self.stop_gap}, {self.start_gap}"
+            )
+        if self.cooldown < 0 or self.max_moves < 0:
+            raise ConfigError("BalancerConfig cooldown and max_moves must be >= 0")
+
+
+@final
+class Migration(msgspec.Struct, frozen=True):
+    """Move request ``rid`` from replica ``src`` to ``dst``; ``running`` says it carries KV."""
+
+    rid: int
+    src: int
+    dst: int
+    running: bool
+    context: int
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class BalancerMemory:
+    """What the balancer remembers between ticks (for hysteresis)."""
+
+    tick: int = 0
+    moved_at: dict[int, int] = field(default_factory=dict)
+    received_at: dict[int, int] = field(default_factory=dict)
+    active: bool = False
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class BalanceDecision:
+    migrations: tuple[Migration, ...]
+    memory: BalancerMemory
+    gap_before: float
+    gap_after: float
+
+
+def _footprint(snap: ClusterSnapshot) -> F64:
+    r, q = snap.replicas, snap.requests
+    n = len(r)
+    ctx = q.context.astype(np.float64)
+    tot = np.bincount(q.replica, weights=ctx, minlength=n)
+    cnt = np.bincount(q.replica, minlength=n)
+    mean = float(ctx.mean()) if len(ctx) else 1.0
+    return np.where(cnt > 0, tot / np.maximum(cnt, 1), mean)
+
+
+def congestion_scores(snap: ClusterSnapshot) -> tuple[F64, F64, F64]:
+    """``(C, N, mean(mu)/mu)`` per replica (see module docstring)."""
+    r = snap.replicas
+    foot = np.maximum(_footprint(snap), 1.0)
+    stable = np.maximum(1.0, np.minimum(r.bs_max, np.floor(r.kv_capacity / foot)))
+    mu = np.where(r.running > 0, r.token_rate / np.maximum(r.running, 1), np.nan)
+    on = r.mode >= 0
+    ref = float(np.nanmean(mu[on])) if np.any(on & ~np.isnan(mu)) else 1.0
+    mu = np.where(np.isnan(mu) | (mu <= 0), ref, mu)
+    slow = ref / mu
+    return (r.running + r.waiting) / stable * slow, stable, slow
+
+
+def rebalance(
+    snap: ClusterSnapshot, config: BalancerConfig, memory: BalancerMemory | None = None
+) -> BalanceDecision:
+    """One balancer tick over ``snap`` (pure; returns the new memory)."""
+    mem = memory or BalancerMemory()
+    tick = mem.tick + 1
+    cd = config.cooldown
+    moved_at = {k: v for k, v in mem.moved_at.items() if tick - v < cd}
+    received_at = {k: v for k, v in mem.received_at.items() if tick - v < cd}
+    r, q = snap.replicas, snap.requests
+    on = r.mode >= 0
+    if on.sum() < 2:
+        return BalanceDecision((), BalancerMemory(tick, moved_at, received_at, False), 0.0, 0.0)
+    c, stable, slow = congestion_scores(snap)
+    load = (r.running + r.waiting).astype(np.float64)
+    kv_q = np.bincount(q.replica[~q.running], weights=q.context[~q.running], minlength=len(r))
+    kv_room = r.kv_capacity - r.kv_used - kv_q
+    score = np.where(on, c, np.nan)
+    gap0 = float(np.nanmax(score) - np.nanmin(score))
+    active = mem.active or gap0 >= config.start_gap
+    if not active:
+        return BalanceDecision((), BalancerMemory(tick, moved_at, received_at, False), gap0, gap0)
+    # candidate requests per replica, cheapest first: waiting before running, short context
+    order = np.lexsort((q.context, q.running, q.replica))
+    rep_sorted = q.replica[order]
+    starts = np.searchsorted(rep_sorted, np.arange(len(r) + 1))
+    ptr = starts[:-1].copy()
+    moves: list[Migration] = []
+    src_block = np.zeros(len(r), dtype=bool)
+    dst_block = np.zeros(len(r), dtype=bool)
+    for k in received_at:
+        if 0 <= k < len(r):
+            src_block[k] = True
+    gap = gap0
+    while len(moves) < config.max_moves:
+        src_score = np.where(on & ~src_block, score, -np.inf)
+        s = int(np.argmax(src_score))
+        dst_ok = on & ~dst_block & (load < stable)
+        dst_ok[s] = False
+        dst_score = np.where(dst_ok, score, np.inf)
+        d = int(np.argmin(dst_score))
+        if not np.isfinite(src_score[s]) or not np.isfinite(dst_score[d]):
+            break
+        gap = float(src_score[s] - dst_score[d])
+        if gap < config.stop_gap:
+            break
+        pick = -1
+        while ptr[s] < starts[s + 1]:
+            i = order[ptr[s]]
+            ptr[s] += 1
+            if moved_at.get(int(q.rid[i]), -(10**9)) > tick - cd - 1 and cd > 0:
+                continue
+            if q.running[i] and (not config.move_running or r.waiting[s] > 0):
+                continue
+            pick = int(i)
+            break
+        if pick < 0:
+            src_block[s] = True
+            continue
+        ctx = int(q.context[pick])
+        if kv_room[d] < ctx:
+            ptr[s] -= 1  # no headroom at d: keep the request, try the next destination
+            dst_block[d] = True
+            continue
+        run = bool(q.running[pick])
+        moves.append(Migration(int(q.rid[pick]), s, d, run, ctx))
+        moved_at[int(q.rid[pick])] = tick
+        received_at[d] = tick
+        src_block[d] = True
+        load[s] -= 1
+        load[d] += 1
+        kv_room[d] -= ctx
+        kv_room[s] += ctx
+        for j in (s, d):
+            score[j] = load[j] / stable[j] * slow[j]
+    still = bool(moves) and gap >= config.stop_gap
+    return BalanceDecision(
+        tuple(moves), BalancerMemory(tick, moved_at, received_at, still), gap0, gap
+    )

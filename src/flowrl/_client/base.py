@@ -98,6 +98,7 @@ class HubClient(abc.ABC):
         producer: str,
         timeout: float | None,
     ) -> np.ndarray:
+        self._raise_policy_error()
         where = f"put() from {producer!r}" if producer else "put()"
         if not isinstance(partition, str):
             raise ConfigError(f"partition must be a str, got {partition!r} in {where}")
@@ -170,6 +171,7 @@ class HubClient(abc.ABC):
         lease_timeout: float | None,
         consumer: str,
     ) -> BatchMeta:
+        self._raise_policy_error()
         if not isinstance(task, str):
             raise ConfigError(f"claim() task must be a str, got {task!r}")
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -277,6 +279,10 @@ class HubClient(abc.ABC):
         self.close()
 
     # -- transport primitives ---------------------------------------------------------------
+    @abc.abstractmethod
+    def _raise_policy_error(self) -> None:
+        """Re-raise the exception of a strict (policy) subscriber, if one failed."""
+
     @abc.abstractmethod
     def _declare_columns(self, columns: tuple[Column, ...]) -> None: ...
 

@@ -82,7 +82,6 @@ class Hub(HubClient):
         deadline = None if timeout is None else time.monotonic() + timeout
         with ctl.cond:
             while True:
-                self._raise_policy_error()
                 if ctl.table.free_slots() >= n or timeout == 0:
                     return ctl.reserve(n)
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -147,7 +146,6 @@ class Hub(HubClient):
         deadline = None if timeout is None else time.monotonic() + timeout
         with ctl.cond:
             while True:
-                self._raise_policy_error()
                 meta = ctl.try_claim(
                     task,
                     n,

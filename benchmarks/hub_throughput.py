@@ -28,6 +28,7 @@ Usage: python benchmarks/hub_throughput.py --json [--transport zmq] [--peer]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -161,7 +162,7 @@ def zmq_latencies(seq_len: int) -> dict:
     rng = np.random.default_rng(1)
     t0 = time.perf_counter()
     hub = flowrl.launch_hub(
-        COLUMNS + [Column.scalar("y", "int64")],
+        [*COLUMNS, Column.scalar("y", "int64")],
         tasks={"train": ["input_ids", "logprobs", "reward"], "other": ["y"]},
         config=HubConfig(capacity=65536, lease_timeout=600.0),
     )
@@ -222,10 +223,8 @@ def zmq_latencies(seq_len: int) -> dict:
 
         def blocked() -> None:
             while not stop.is_set():
-                try:
+                with contextlib.suppress(flowrl.errors.Timeout):
                     hub.claim("other", 1, timeout=0.5)
-                except flowrl.errors.Timeout:
-                    pass
 
         bt = threading.Thread(target=blocked)
         bt.start()
@@ -248,9 +247,19 @@ def zmq_latencies(seq_len: int) -> dict:
 def peer(samples: int, seq_len: int, batch: int) -> dict:
     script = Path(__file__).with_name("_transferqueue_peer.py")
     out = subprocess.run(
-        [sys.executable, str(script), "--samples", str(samples), "--seq-len", str(seq_len),
-         "--batch", str(batch)],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            str(script),
+            "--samples",
+            str(samples),
+            "--seq-len",
+            str(seq_len),
+            "--batch",
+            str(batch),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     if out.returncode != 0:
         return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
@@ -266,8 +275,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--peer", action="store_true", help="also run TransferQueue (needs .[peer])")
     args = ap.parse_args()
-    result: dict = {"transport": args.transport, "samples": args.samples,
-                    "seq_len": args.seq_len, "batch": args.batch}
+    result: dict = {
+        "transport": args.transport,
+        "samples": args.samples,
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+    }
     result.update(put_get(args.transport, args.samples, args.seq_len, args.batch))
     p50, p99 = claim_latency(100_000, args.batch)
     result["claim_p50_ms"], result["claim_p99_ms"] = p50, p99

@@ -31,7 +31,9 @@ class HubConfig(msgspec.Struct, frozen=True, kw_only=True):
         if not isinstance(self.capacity, int) or self.capacity < 1:
             raise ConfigError(f"HubConfig.capacity must be a positive int, got {self.capacity!r}")
         if not isinstance(self.n_units, int) or not 1 <= self.n_units <= 1024:
-            raise ConfigError(f"HubConfig.n_units must be an int in [1, 1024], got {self.n_units!r}")
+            raise ConfigError(
+                f"HubConfig.n_units must be an int in [1, 1024], got {self.n_units!r}"
+            )
         if not isinstance(self.lease_timeout, int | float) or not self.lease_timeout > 0:
             raise ConfigError(
                 f"HubConfig.lease_timeout must be a positive number of seconds, got "

@@ -162,7 +162,9 @@ class Hub(HubClient):
                 if remaining is not None and remaining <= 0:
                     if timeout == 0:
                         raise NothingReady(f"no {n} samples are ready for task {task!r}")
-                    raise Timeout(f"claim() by task {task!r} found no {n} ready samples in {timeout}s")
+                    raise Timeout(
+                        f"claim() by task {task!r} found no {n} ready samples in {timeout}s"
+                    )
                 ctl.cond.wait(_wait_time(remaining, ctl.next_deadline()))
 
     def _read_many(

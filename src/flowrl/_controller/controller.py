@@ -73,7 +73,7 @@ class ControllerStats(NamedTuple):
 
 
 class _Lease:
-    __slots__ = ("deadline", "dp_rank", "id", "indices", "task", "taken")
+    __slots__ = ("deadline", "dp_rank", "id", "indices", "taken", "task")
 
     def __init__(self, lid: int, task: str, indices: np.ndarray, deadline: float) -> None:
         self.id = lid
@@ -386,7 +386,9 @@ class Controller:
 
     def _prune_rounds(self, task: str) -> None:
         self._rounds[task] = [
-            r for r in self._rounds[task] if any(not p.taken and p.id in self._leases for p in r.parts)
+            r
+            for r in self._rounds[task]
+            if any(not p.taken and p.id in self._leases for p in r.parts)
         ]
 
     def _meta(self, lease: _Lease, columns: tuple[str, ...]) -> BatchMeta:
@@ -472,7 +474,9 @@ class Controller:
                 continue  # settled, or renewed (a newer heap entry exists)
             del self._leases[lid]
             self._return(lease)
-            self._emit(LeaseExpired, task=lease.task, lease=lid, indices=tuple(lease.indices.tolist()))
+            self._emit(
+                LeaseExpired, task=lease.task, lease=lid, indices=tuple(lease.indices.tolist())
+            )
             count += 1
         if count:
             self.cond.notify_all()
@@ -582,8 +586,12 @@ class Controller:
             capacity=t.capacity,
             live=t.live,
             reserved=self._reserved,
-            ready_per_task={n: int(((s.status == READY) & live).sum()) for n, s in self.tasks.items()},
-            leased_per_task={n: int(((s.status == LEASED) & live).sum()) for n, s in self.tasks.items()},
+            ready_per_task={
+                n: int(((s.status == READY) & live).sum()) for n, s in self.tasks.items()
+            },
+            leased_per_task={
+                n: int(((s.status == LEASED) & live).sum()) for n, s in self.tasks.items()
+            },
             consumed_per_task={n: s.consumed_total for n, s in self.tasks.items()},
             leases=len(self._leases),
             version=self.version,

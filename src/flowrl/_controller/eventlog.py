@@ -77,9 +77,7 @@ class EventLog:
             self._subs.append(sub)
             self._delivered = self.seq  # a new subscriber sees events from now on
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="flowrl-events", daemon=True
-                )
+                self._thread = threading.Thread(target=self._run, name="flowrl-events", daemon=True)
                 self._thread.start()
         return sub
 

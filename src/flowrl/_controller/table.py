@@ -1,4 +1,4 @@
-"""The (sample × column) metadata table: numpy arrays over a fixed ring of slots.
+"""The (sample, column) metadata table: numpy arrays over a fixed ring of slots.
 
 Invariants (asserted by tests/unit/test_table_properties.py):
 

@@ -45,7 +45,7 @@ _DTYPES = (
 
 @final
 class Column(msgspec.Struct, frozen=True):
-    """A declared column. Build one with the classmethods, e.g. ``Column.ragged("ids", "int64")``."""
+    """A declared column; build one with a classmethod, e.g. ``Column.ragged("ids", "int64")``."""
 
     name: str
     kind: ColumnKind
@@ -136,4 +136,6 @@ def _dtype_name(dtype: object) -> str:
     try:
         return np.dtype(text).name
     except TypeError:
-        raise ConfigError(f"unknown dtype {dtype!r}; expected one of {', '.join(_DTYPES)}") from None
+        raise ConfigError(
+            f"unknown dtype {dtype!r}; expected one of {', '.join(_DTYPES)}"
+        ) from None

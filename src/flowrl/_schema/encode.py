@@ -30,7 +30,7 @@ class Encoded(NamedTuple):
 
 
 def encode(column: Column, values: Any, n: int | None, where: str) -> Encoded:
-    """Validate ``values`` for ``column`` (``n`` samples if given) and build an owned Arrow array."""
+    """Validate ``values`` for ``column`` (``n`` samples if given); build an owned Arrow array."""
     if column.kind == "ragged":
         return _encode_ragged(column, values, n, where)
     if column.kind in ("scalar", "tensor"):
@@ -198,9 +198,7 @@ def _encode_strings(column: Column, values: Any, n: int | None, where: str) -> E
         if isinstance(values, list | tuple):
             bad = next(v for v in values if not isinstance(v, str))
             got = f"a list containing {type(bad).__name__}"
-        raise SchemaError(
-            f"column {column.name!r} expects a list of str, got {got} in {where}"
-        )
+        raise SchemaError(f"column {column.name!r} expects a list of str, got {got} in {where}")
     _check_count(column, len(values), n, where)
     array = pa.array(values, type=pa.large_string())
     nbytes = np.fromiter((len(v.encode()) for v in values), dtype=np.int64, count=len(values))

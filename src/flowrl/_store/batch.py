@@ -109,9 +109,7 @@ class Batch:
     def ragged(self, name: str) -> RaggedArray:
         value = self[name]
         if not isinstance(value, RaggedArray):
-            raise SchemaError(
-                f"column {name!r} is {self._columns[name].describe()}, not ragged"
-            )
+            raise SchemaError(f"column {name!r} is {self._columns[name].describe()}, not ragged")
         return value
 
     def to_dict(self) -> dict[str, Any]:

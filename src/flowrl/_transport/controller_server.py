@@ -156,7 +156,9 @@ class ControllerServer:
                 ctl.add_column(col.name)
             return wire.Done()
         if isinstance(msg, wire.RegisterTask):
-            ctl.register_task(msg.task, tuple(self.schema.check_names(msg.columns, "register_task")))
+            ctl.register_task(
+                msg.task, tuple(self.schema.check_names(msg.columns, "register_task"))
+            )
             return wire.Done()
         if isinstance(msg, wire.Abort):
             ctl.abort(_ints(msg.indices))
@@ -196,7 +198,9 @@ class ControllerServer:
         ctl = self.ctl
         if isinstance(msg, wire.Reserve):
             if msg.n > ctl.table.capacity:
-                raise HubFull(f"put() of {msg.n} samples can never fit capacity {ctl.table.capacity}")
+                raise HubFull(
+                    f"put() of {msg.n} samples can never fit capacity {ctl.table.capacity}"
+                )
             if ctl.table.free_slots() < msg.n:
                 return None
             indices, unit = ctl.reserve(msg.n)
@@ -294,4 +298,3 @@ def _wait_message(msg: Any, timeout: float | None) -> str:
 def serve_controller(**kwargs: Any) -> None:
     """Process entry point."""
     ControllerServer(**kwargs).serve()
-

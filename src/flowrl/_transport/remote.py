@@ -56,7 +56,11 @@ class RemoteHub(HubClient):
         self._on_close: list[Callable[[], None]] = []
         welcome = self._call(None, wire.Hello())[0]
         self.config: HubConfig = welcome.config
-        infer = self.config.infer_columns if self.config.infer_columns is not None else not welcome.columns
+        infer = (
+            self.config.infer_columns
+            if self.config.infer_columns is not None
+            else not welcome.columns
+        )
         self.schema = Schema(welcome.columns, infer=infer)
         self.unit_addresses: list[str] = list(welcome.units)
         self.events_address: str = welcome.events
@@ -229,7 +233,9 @@ class RemoteHub(HubClient):
         return BatchMeta.from_wire(reply.meta)
 
     def _ack(self, task: str, lease: int, indices: np.ndarray | None) -> None:
-        msg = wire.Ack(task=task, lease=lease, indices=None if indices is None else indices.tobytes())
+        msg = wire.Ack(
+            task=task, lease=lease, indices=None if indices is None else indices.tobytes()
+        )
         self._call(None, msg)
 
     def _release(self, task: str, lease: int) -> None:
@@ -301,7 +307,9 @@ class RemoteHub(HubClient):
         units = []
         for u in range(len(self.unit_addresses)):
             units.append(self._call(u, wire.UnitStatsReq())[0].stats)
-        return HubStats(**{**{f: getattr(stats, f) for f in stats.__struct_fields__}, "units": units})
+        return HubStats(
+            **{**{f: getattr(stats, f) for f in stats.__struct_fields__}, "units": units}
+        )
 
     def _raise_policy_error(self) -> None:
         if self._events is not None:

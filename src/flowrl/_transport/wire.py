@@ -60,7 +60,9 @@ def spec_of_sampler(sampler: Sampler) -> SamplerSpec:
     if isinstance(sampler, GroupSampler):
         return GroupSpec(group_size=sampler.group_size)
     if isinstance(sampler, StalenessSampler):
-        return StalenessSpec(max_staleness=sampler.max_staleness, inner=spec_of_sampler(sampler.inner))  # type: ignore[arg-type]
+        return StalenessSpec(
+            max_staleness=sampler.max_staleness, inner=spec_of_sampler(sampler.inner)
+        )  # type: ignore[arg-type]
     if isinstance(sampler, BalancedSampler):
         return BalancedSpec(dp_size=sampler.dp_size, inner=spec_of_sampler(sampler.inner))  # type: ignore[arg-type]
     raise errors.ConfigError(

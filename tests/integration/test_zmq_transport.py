@@ -1,0 +1,180 @@
+"""What only the multi-process placement has: servers, the wire, other processes, death."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+import flowrl
+from flowrl import Column, HubConfig
+from flowrl._transport import wire
+from flowrl.errors import SchemaError, TransportError
+
+pytestmark = pytest.mark.integration
+
+COLUMNS = [Column.ragged("ids", "int64"), Column.scalar("reward", "float32")]
+
+
+@pytest.fixture
+def hub():
+    h = flowrl.launch_hub(
+        COLUMNS,
+        tasks={"train": ["ids", "reward"]},
+        config=HubConfig(capacity=256, n_units=2, lease_timeout=30.0),
+    )
+    yield h
+    h.close()
+
+
+def _put(hub, n: int, start: int = 0) -> np.ndarray:
+    return hub.put(
+        {
+            "ids": [np.arange(start + i, start + i + 3) for i in range(n)],
+            "reward": np.arange(n, dtype=np.float32),
+        }
+    )
+
+
+def test_samples_sharded_across_units_read_back_in_claim_order(hub) -> None:
+    for k in range(4):
+        _put(hub, 4, start=10 * k)
+    meta = hub.claim("train", 16, timeout=5)
+    assert set(meta.units.tolist()) == {0, 1}
+    batch = hub.get(meta)
+    firsts = [seq[0] for seq in batch["ids"].tolist()]
+    assert firsts == [10 * k + i for k in range(4) for i in range(4)]
+    hub.ack(meta)
+    stats = hub.statistics()
+    assert stats.live == 0 and all(u.samples == 0 for u in stats.units)
+
+
+def test_server_errors_arrive_as_the_same_typed_exception(hub) -> None:
+    with pytest.raises(SchemaError, match="reward"):
+        hub.put({"ids": [np.arange(2)], "reward": np.zeros(1, dtype=np.int64)})
+    with pytest.raises(flowrl.errors.UnknownTaskError, match="nope"):
+        hub.claim("nope", 1, timeout=0)
+    _put(hub, 1)
+    meta = hub.claim("train", 1, timeout=5)
+    hub.ack(meta)
+    with pytest.raises(flowrl.errors.LeaseError, match="already settled"):
+        hub.ack(meta)
+
+
+def test_malformed_requests_get_errors_and_the_server_stays_up(hub) -> None:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(hub.address)
+    try:
+        for body in [b"", b"\xff\xfe garbage", wire.encode({"op": "claim", "task": 3})]:
+            sock.send_multipart([b"rid00001", body])
+            assert sock.poll(5000), "server did not answer a malformed request"
+            rid, reply = sock.recv_multipart()
+            assert rid == b"rid00001"
+            err = wire.decode_reply(reply)
+            assert isinstance(err, wire.Error) and err.type == "TransportError"
+        sock.send_multipart([b"lonely-frame"])  # too few frames: ignored, not fatal
+    finally:
+        sock.close()
+    idx = _put(hub, 2)
+    meta = hub.claim("train", 2, timeout=5)
+    assert meta.indices.tolist() == idx.tolist()
+    hub.ack(meta)
+
+
+def test_unit_rejects_frames_that_do_not_match_headers(hub) -> None:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(hub.unit_addresses[0])
+    try:
+        header = wire.Write(
+            indices=np.arange(2, dtype=np.int64).tobytes(),
+            columns=[COLUMNS[1]],
+            arrays=[flowrl._transport.frames.ArrayHeader("reward", 2, 1)],
+        )
+        sock.send_multipart([b"r", wire.encode(header), b"123"])  # 3 bytes, need 8
+        assert sock.poll(5000)
+        _, reply = sock.recv_multipart()
+        assert isinstance(wire.decode_reply(reply), wire.Error)
+    finally:
+        sock.close()
+    assert hub.statistics().units[0].samples == 0
+
+
+CONSUMER = textwrap.dedent(
+    """
+    import sys, time, flowrl
+    hub = flowrl.connect(sys.argv[1])
+    meta = hub.claim("train", 4, timeout=10, lease_timeout=1.0)
+    print("claimed", *meta.indices.tolist(), flush=True)
+    time.sleep(60)   # killed here, mid-batch, without ack
+    """
+)
+
+
+def test_consumer_killed_mid_batch_loses_nothing(hub) -> None:
+    idx = _put(hub, 4)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CONSUMER, hub.address], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = proc.stdout.readline().split()
+        assert line[0] == "claimed" and sorted(map(int, line[1:])) == sorted(idx.tolist())
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    meta = hub.claim("train", 4, timeout=10)  # the lease expires after 1 s
+    assert sorted(meta.indices.tolist()) == sorted(idx.tolist())
+    assert hub.get(meta)["reward"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    hub.ack(meta)
+    assert hub.statistics().live == 0
+
+
+def test_other_process_connects_and_puts(hub) -> None:
+    code = textwrap.dedent(
+        """
+        import sys, numpy as np, flowrl
+        hub = flowrl.connect(sys.argv[1])
+        hub.put({"ids": [np.arange(5)], "reward": np.ones(1, dtype=np.float32)}, producer="p")
+        hub.close()
+        """
+    )
+    subprocess.run([sys.executable, "-c", code, hub.address], check=True, timeout=60)
+    meta = hub.claim("train", 1, timeout=5)
+    assert hub.get(meta)["ids"].tolist() == [[0, 1, 2, 3, 4]]
+    hub.ack(meta)
+
+
+def test_events_reach_remote_subscribers_in_order(hub) -> None:
+    seen: list = []
+    hub.subscribe(seen.append)
+    _put(hub, 2)
+    meta = hub.claim("train", 2, timeout=5)
+    hub.ack(meta)
+    hub.publish_version(1)
+    deadline = time.monotonic() + 5
+    while len(seen) < 5 and time.monotonic() < deadline:
+        hub.flush_events(0.1)
+    kinds = [type(e).__name__ for e in seen]
+    assert kinds == ["Put", "Claimed", "Acked", "Evicted", "VersionPublished"]
+    assert [e.seq for e in seen] == sorted(e.seq for e in seen)
+
+
+def test_close_stops_servers_and_later_calls_fail_cleanly() -> None:
+    h = flowrl.launch_hub(COLUMNS, tasks={"train": ["ids", "reward"]})
+    address = h.address
+    h.close()
+    with pytest.raises(flowrl.errors.HubClosed):
+        h.claim("train", 1, timeout=0)
+    with pytest.raises(TransportError):
+        flowrl._transport.remote.RemoteHub(address, rpc_timeout=0.5)

@@ -36,7 +36,7 @@ class _EventBase(msgspec.Struct, frozen=True, tag_field="kind", kw_only=True):
     t: float
 
 
-class Put(_EventBase, tag="put"):
+class Put(_EventBase, frozen=True, tag="put"):
     """Columns became ready on samples; ``new`` says the samples were created by it."""
 
     indices: tuple[int, ...]
@@ -49,7 +49,7 @@ class Put(_EventBase, tag="put"):
     producer: str = ""
 
 
-class Claimed(_EventBase, tag="claim"):
+class Claimed(_EventBase, frozen=True, tag="claim"):
     """A task leased samples for processing."""
 
     task: str
@@ -58,7 +58,7 @@ class Claimed(_EventBase, tag="claim"):
     consumer: str = ""
 
 
-class Acked(_EventBase, tag="ack"):
+class Acked(_EventBase, frozen=True, tag="ack"):
     """A task finished samples; they will never be delivered to it again."""
 
     task: str
@@ -66,7 +66,7 @@ class Acked(_EventBase, tag="ack"):
     indices: tuple[int, ...]
 
 
-class Released(_EventBase, tag="release"):
+class Released(_EventBase, frozen=True, tag="release"):
     """A lease was given back voluntarily; its samples are claimable again."""
 
     task: str
@@ -74,7 +74,7 @@ class Released(_EventBase, tag="release"):
     indices: tuple[int, ...]
 
 
-class LeaseExpired(_EventBase, tag="lease_expired"):
+class LeaseExpired(_EventBase, frozen=True, tag="lease_expired"):
     """A lease's deadline passed before ack; its samples are claimable again."""
 
     task: str
@@ -82,25 +82,25 @@ class LeaseExpired(_EventBase, tag="lease_expired"):
     indices: tuple[int, ...]
 
 
-class Evicted(_EventBase, tag="evict"):
+class Evicted(_EventBase, frozen=True, tag="evict"):
     """Every registered task acked these samples; their storage was freed."""
 
     indices: tuple[int, ...]
 
 
-class VersionPublished(_EventBase, tag="version"):
+class VersionPublished(_EventBase, frozen=True, tag="version"):
     """The trainer published a new policy version."""
 
     version: int
 
 
-class StreamEnded(_EventBase, tag="end"):
+class StreamEnded(_EventBase, frozen=True, tag="end"):
     """No new samples will be created; ``columns`` lists columns that are final too."""
 
     columns: tuple[str, ...] = ()
 
 
-class TaskRegistered(_EventBase, tag="task"):
+class TaskRegistered(_EventBase, frozen=True, tag="task"):
     """A consuming task was registered with the columns it needs."""
 
     task: str

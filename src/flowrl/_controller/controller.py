@@ -85,12 +85,14 @@ class _Lease:
 
 
 class _Round:
-    """One balanced global batch: part r is reserved for data-parallel rank r."""
+    """One balanced global batch: the part with ``dp_rank == r`` is reserved for rank r."""
 
-    __slots__ = ("parts",)
+    __slots__ = ("by_rank",)
 
-    def __init__(self, parts: list[_Lease]) -> None:
-        self.parts = parts
+    def __init__(self, parts: list[_Lease], dp_size: int) -> None:
+        self.by_rank: list[_Lease | None] = [None] * dp_size
+        for lease in parts:
+            self.by_rank[lease.dp_rank] = lease
 
 
 class Controller:
@@ -303,23 +305,23 @@ class Controller:
         want = n if min_n is None else min_n
         ttl = self.lease_timeout if lease_timeout is None else lease_timeout
         self.expire()
-        balanced = isinstance(sampler, BalancedSampler)
-        if balanced:
-            if not 0 <= dp_rank < sampler.dp_size:
-                raise ConfigError(f"dp_rank must be in [0, {sampler.dp_size}), got {dp_rank}")
+        fanout = sampler.dp_size if isinstance(sampler, BalancedSampler) else 1
+        if isinstance(sampler, BalancedSampler):
+            if not 0 <= dp_rank < fanout:
+                raise ConfigError(f"dp_rank must be in [0, {fanout}), got {dp_rank}")
             lease = self._take_reserved_part(task, dp_rank, ttl)
             if lease is not None:
                 return self._meta(lease, cols)
         final = self._nothing_more(state)
-        view = self._candidates(state, sampler.window(n * (sampler.dp_size if balanced else 1)))
-        need = want * (sampler.dp_size if balanced else 1)
+        view = self._candidates(state, sampler.window(n))
+        need = want * fanout
         if len(view) < need and not final:
             return None
         positions = np.sort(np.asarray(sampler.select(view, n), dtype=np.int64))
         if positions.size and (
             positions[0] < 0
             or positions[-1] >= len(view)
-            or positions.size > n * (sampler.dp_size if balanced else 1)
+            or positions.size > n * fanout
             or (positions.size > 1 and not (np.diff(positions) > 0).all())
         ):
             raise ConfigError(
@@ -332,14 +334,24 @@ class Controller:
             return None
         tokens = view.tokens[positions]
         chosen = self._take(state, positions)
-        if balanced:
-            leases = [self._lease(state, chosen[p], ttl, consumer) for p in sampler.split(tokens)]
-            for rank, lease in enumerate(leases):
-                lease.dp_rank = rank
-                lease.taken = rank == dp_rank
-            self._rounds.setdefault(task, []).append(_Round(leases))
-            return self._meta(leases[dp_rank], cols)
-        return self._meta(self._lease(state, chosen, ttl, consumer), cols)
+        if not isinstance(sampler, BalancedSampler):
+            return self._meta(self._lease(state, chosen, ttl, consumer), cols)
+        mine: _Lease | None = None
+        parts: list[_Lease] = []
+        for rank, part in enumerate(sampler.split(tokens)):
+            if part.size == 0:  # only at end of stream, with fewer samples than ranks
+                continue
+            lease = self._lease(state, chosen[part], ttl, consumer)
+            lease.dp_rank = rank
+            lease.taken = rank == dp_rank
+            parts.append(lease)
+            if rank == dp_rank:
+                mine = lease
+        if len(parts) > (mine is not None):
+            self._rounds.setdefault(task, []).append(_Round(parts, fanout))
+        if mine is None:
+            raise EndOfStream(self._end_message(task, 0))
+        return self._meta(mine, cols)
 
     def _candidates(self, state: TaskState, limit: int | None) -> CandidateView:
         # The queue holds exactly the task's READY samples, oldest first (see _lease/_return).
@@ -375,8 +387,8 @@ class Controller:
         if not rounds:
             return None
         for rnd in rounds:
-            lease = rnd.parts[rank]
-            if not lease.taken and lease.id in self._leases:
+            lease = rnd.by_rank[rank] if rank < len(rnd.by_rank) else None
+            if lease is not None and not lease.taken and lease.id in self._leases:
                 lease.taken = True
                 lease.deadline = time.time() + ttl
                 heapq.heappush(self._deadlines, (lease.deadline, lease.id))
@@ -388,7 +400,7 @@ class Controller:
         self._rounds[task] = [
             r
             for r in self._rounds[task]
-            if any(not p.taken and p.id in self._leases for p in r.parts)
+            if any(p is not None and not p.taken and p.id in self._leases for p in r.by_rank)
         ]
 
     def _meta(self, lease: _Lease, columns: tuple[str, ...]) -> BatchMeta:

@@ -175,8 +175,7 @@ class BalancedSampler(Sampler):
         self.inner = inner or FifoSampler()
 
     def window(self, n: int) -> int | None:
-        inner = self.inner.window(n * self.dp_size)
-        return inner
+        return self.inner.window(n * self.dp_size)
 
     def select(self, view: CandidateView, n: int) -> np.ndarray:
         return self.inner.select(view, n * self.dp_size)

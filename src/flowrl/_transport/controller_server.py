@@ -61,7 +61,7 @@ class ControllerServer:
             self.ctl.register_task(task, tuple(cols))
         self.unit_addresses = unit_addresses
         self.events_address = events_address
-        self.zctx = zmq.Context.instance()
+        self.zctx: zmq.Context = zmq.Context.instance()
         self.sock = self.zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(address)

@@ -97,7 +97,7 @@ def _stop(
 ) -> None:
     import zmq
 
-    zctx = zmq.Context.instance()
+    zctx: zmq.Context = zmq.Context.instance()
     if controller is not None:
         s = zctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 200)

@@ -47,7 +47,7 @@ class RemoteHub(HubClient):
     def __init__(self, address: str, *, rpc_timeout: float = RPC_TIMEOUT_S) -> None:
         self.address = address
         self.rpc_timeout = rpc_timeout
-        self._zctx = zmq.Context.instance()
+        self._zctx: zmq.Context = zmq.Context.instance()
         self._local = threading.local()
         self._sockets: list[zmq.Socket] = []
         self._sockets_lock = threading.Lock()

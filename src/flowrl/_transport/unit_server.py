@@ -28,7 +28,7 @@ class UnitServer:
     def __init__(self, unit_id: int, capacity: int, address: str, control_address: str) -> None:
         self.unit = StorageUnit(unit_id, capacity)
         self.columns: dict[str, Column] = {}
-        self.zctx = zmq.Context.instance()
+        self.zctx: zmq.Context = zmq.Context.instance()
         self.sock = self.zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(address)
@@ -84,13 +84,13 @@ class UnitServer:
                 raise TransportError("write request: frame count does not match its headers")
             arrays, pos = {}, 0
             for header in msg.arrays:
-                col = self.columns.get(header.column)
-                if col is None:
+                known = self.columns.get(header.column)
+                if known is None:
                     raise SchemaError(f"write names column {header.column!r} without its type")
                 if header.length != indices.size:
                     raise TransportError(f"column {header.column!r}: length != number of indices")
                 bufs = [f.buffer for f in payload[pos : pos + header.frames]]
-                arrays[header.column] = from_frames(col, header, bufs)
+                arrays[header.column] = from_frames(known, header, bufs)
                 pos += header.frames
             self.unit.write(indices, arrays)
             return wire.Done()

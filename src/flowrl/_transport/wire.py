@@ -33,20 +33,20 @@ class _Msg(msgspec.Struct, frozen=True, tag_field="op", kw_only=True):
 
 
 # -- samplers ------------------------------------------------------------------------------
-class FifoSpec(_Msg, tag="fifo"):
+class FifoSpec(_Msg, frozen=True, tag="fifo"):
     pass
 
 
-class GroupSpec(_Msg, tag="group"):
+class GroupSpec(_Msg, frozen=True, tag="group"):
     group_size: int
 
 
-class StalenessSpec(_Msg, tag="stale"):
+class StalenessSpec(_Msg, frozen=True, tag="stale"):
     max_staleness: int
-    inner: FifoSpec | GroupSpec = FifoSpec()
+    inner: FifoSpec | GroupSpec | StalenessSpec | BalancedSpec = FifoSpec()
 
 
-class BalancedSpec(_Msg, tag="balanced"):
+class BalancedSpec(_Msg, frozen=True, tag="balanced"):
     dp_size: int
     inner: FifoSpec | GroupSpec | StalenessSpec = FifoSpec()
 
@@ -82,29 +82,29 @@ def sampler_from_spec(spec: SamplerSpec) -> Sampler:
 
 
 # -- controller requests --------------------------------------------------------------------
-class Hello(_Msg, tag="hello"):
+class Hello(_Msg, frozen=True, tag="hello"):
     pass
 
 
-class Declare(_Msg, tag="declare"):
+class Declare(_Msg, frozen=True, tag="declare"):
     columns: list[Column]
 
 
-class RegisterTask(_Msg, tag="task"):
+class RegisterTask(_Msg, frozen=True, tag="task"):
     task: str
     columns: list[str]
 
 
-class Reserve(_Msg, tag="reserve"):
+class Reserve(_Msg, frozen=True, tag="reserve"):
     n: int
     timeout: float | None = None
 
 
-class Abort(_Msg, tag="abort"):
+class Abort(_Msg, frozen=True, tag="abort"):
     indices: bytes
 
 
-class CheckUpdate(_Msg, tag="check"):
+class CheckUpdate(_Msg, frozen=True, tag="check"):
     indices: bytes
     columns: list[str]
 
@@ -114,7 +114,7 @@ class Cell(msgspec.Struct, frozen=True, array_like=True):
     lengths: bytes | None = None
 
 
-class Commit(_Msg, tag="commit"):
+class Commit(_Msg, frozen=True, tag="commit"):
     indices: bytes
     cells: dict[str, Cell]
     new: bool
@@ -125,7 +125,7 @@ class Commit(_Msg, tag="commit"):
     producer: str = ""
 
 
-class Claim(_Msg, tag="claim"):
+class Claim(_Msg, frozen=True, tag="claim"):
     task: str
     n: int
     sampler: SamplerSpec = FifoSpec()
@@ -137,64 +137,64 @@ class Claim(_Msg, tag="claim"):
     consumer: str = ""
 
 
-class MetaOf(_Msg, tag="meta"):
+class MetaOf(_Msg, frozen=True, tag="meta"):
     indices: bytes
     columns: list[str]
 
 
-class Ack(_Msg, tag="ack"):
+class Ack(_Msg, frozen=True, tag="ack"):
     task: str
     lease: int
     indices: bytes | None = None
 
 
-class Release(_Msg, tag="release"):
+class Release(_Msg, frozen=True, tag="release"):
     task: str
     lease: int
 
 
-class Publish(_Msg, tag="publish"):
+class Publish(_Msg, frozen=True, tag="publish"):
     version: int
 
 
-class End(_Msg, tag="end"):
+class End(_Msg, frozen=True, tag="end"):
     columns: list[str] = []
 
 
-class Stats(_Msg, tag="stats"):
+class Stats(_Msg, frozen=True, tag="stats"):
     pass
 
 
-class PublishHello(_Msg, tag="pub_hello"):
+class PublishHello(_Msg, frozen=True, tag="pub_hello"):
     token: int
 
 
-class Shutdown(_Msg, tag="shutdown"):
+class Shutdown(_Msg, frozen=True, tag="shutdown"):
     pass
 
 
 # -- storage requests ----------------------------------------------------------------------
-class Write(_Msg, tag="write"):
+class Write(_Msg, frozen=True, tag="write"):
     indices: bytes
     columns: list[Column]
     arrays: list[ArrayHeader]
 
 
-class Read(_Msg, tag="read"):
+class Read(_Msg, frozen=True, tag="read"):
     indices: bytes
     columns: list[str]
 
 
-class Evict(_Msg, tag="evict"):
+class Evict(_Msg, frozen=True, tag="evict"):
     indices: bytes
 
 
-class Discard(_Msg, tag="discard"):
+class Discard(_Msg, frozen=True, tag="discard"):
     indices: bytes
     columns: list[str]
 
 
-class UnitStatsReq(_Msg, tag="unit_stats"):
+class UnitStatsReq(_Msg, frozen=True, tag="unit_stats"):
     pass
 
 
@@ -224,16 +224,16 @@ Request = (
 
 
 # -- replies -------------------------------------------------------------------------------
-class Done(_Msg, tag="done"):
+class Done(_Msg, frozen=True, tag="done"):
     pass
 
 
-class Error(_Msg, tag="error"):
+class Error(_Msg, frozen=True, tag="error"):
     type: str
     message: str
 
 
-class Welcome(_Msg, tag="welcome"):
+class Welcome(_Msg, frozen=True, tag="welcome"):
     columns: list[Column]
     config: HubConfig
     units: list[str]
@@ -241,28 +241,28 @@ class Welcome(_Msg, tag="welcome"):
     version: int
 
 
-class Reserved(_Msg, tag="reserved"):
+class Reserved(_Msg, frozen=True, tag="reserved"):
     indices: bytes
     unit: int
 
 
-class Units(_Msg, tag="units"):
+class Units(_Msg, frozen=True, tag="units"):
     units: bytes
 
 
-class MetaReply(_Msg, tag="meta_reply"):
+class MetaReply(_Msg, frozen=True, tag="meta_reply"):
     meta: WireMeta
 
 
-class StatsReply(_Msg, tag="stats_reply"):
+class StatsReply(_Msg, frozen=True, tag="stats_reply"):
     stats: HubStats
 
 
-class UnitStatsReply(_Msg, tag="unit_stats_reply"):
+class UnitStatsReply(_Msg, frozen=True, tag="unit_stats_reply"):
     stats: UnitStats
 
 
-class Arrays(_Msg, tag="arrays"):
+class Arrays(_Msg, frozen=True, tag="arrays"):
     arrays: list[ArrayHeader]
 
 

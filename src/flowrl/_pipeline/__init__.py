@@ -1,0 +1,1 @@
+"""Declaring and running pipelines: ``@stage`` specs, ``Pipeline``, executors, ``Loader``."""

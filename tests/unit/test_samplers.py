@@ -218,12 +218,6 @@ def test_group_sampler_through_hub_returns_whole_groups(make_hub) -> None:
     assert sorted(seen.tolist()) == idx.tolist()
 
 
-@pytest.mark.xfail(
-    reason="BUG: controller.py try_claim requires n (or min_n) candidates to be selected, but "
-    "GroupSampler.select returns at most (n // group_size) * group_size; claim(n=6, "
-    "GroupSampler(4)) never returns (Timeout) although 2 whole groups are ready",
-    strict=True,
-)
 def test_group_claim_with_n_not_a_multiple_of_group_size(make_hub) -> None:
     hub = make_hub(columns=COLS, tasks={"train": ["x"]})
     hub.put({"x": np.arange(8)}, groups=[0, 0, 0, 0, 1, 1, 1, 1])

@@ -129,11 +129,6 @@ def test_stale_index_is_not_readable_even_without_evict_message() -> None:
     _check(unit.read(new, COLS), new)
 
 
-@pytest.mark.xfail(
-    reason="BUG: StorageUnit.write lets a stale (older) index clobber a newer live sample "
-    "in the same slot (src/flowrl/_store/unit.py _ColumnStore.write)",
-    strict=True,
-)
 def test_stale_write_never_clobbers_a_newer_sample() -> None:
     """Indices only grow, so a write for an index older than the slot's owner is stale.
 

@@ -314,7 +314,7 @@ class Controller:
                 return self._meta(lease, cols)
         final = self._nothing_more(state)
         view = self._candidates(state, sampler.window(n))
-        need = want * fanout
+        need = min(want, sampler.quota(n)) * fanout
         if len(view) < need and not final:
             return None
         positions = np.sort(np.asarray(sampler.select(view, n), dtype=np.int64))

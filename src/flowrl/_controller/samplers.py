@@ -85,6 +85,10 @@ class Sampler(ABC):
         """How many of the oldest candidates :meth:`select` needs to see (None: all)."""
         return None
 
+    def quota(self, n: int) -> int:
+        """The most samples :meth:`select` can return for a claim of ``n`` (a full batch)."""
+        return n
+
     @abstractmethod
     def select(self, view: CandidateView, n: int) -> np.ndarray:
         """Positions (into ``view``) of at most ``n`` distinct samples to claim."""
@@ -112,6 +116,9 @@ class GroupSampler(Sampler):
         if not isinstance(group_size, int) or group_size < 1:
             raise ConfigError(f"GroupSampler group_size must be a positive int, got {group_size!r}")
         self.group_size = group_size
+
+    def quota(self, n: int) -> int:
+        return n - n % self.group_size
 
     def select(self, view: CandidateView, n: int) -> np.ndarray:
         if n < self.group_size:
@@ -149,6 +156,9 @@ class StalenessSampler(Sampler):
         self.max_staleness = max_staleness
         self.inner = inner or FifoSampler()
 
+    def quota(self, n: int) -> int:
+        return self.inner.quota(n)
+
     def select(self, view: CandidateView, n: int) -> np.ndarray:
         fresh = np.flatnonzero(view.version >= view.current_version - self.max_staleness)
         if fresh.size == 0:
@@ -176,6 +186,10 @@ class BalancedSampler(Sampler):
 
     def window(self, n: int) -> int | None:
         return self.inner.window(n * self.dp_size)
+
+    def quota(self, n: int) -> int:
+        """Per rank."""
+        return self.inner.quota(n * self.dp_size) // self.dp_size
 
     def select(self, view: CandidateView, n: int) -> np.ndarray:
         return self.inner.select(view, n * self.dp_size)

@@ -106,12 +106,24 @@ class StorageUnit:
         self.unit_id = unit_id
         self.capacity = capacity
         self._columns: dict[str, _ColumnStore] = {}
+        self._newest = np.full(capacity, -1, dtype=np.int64)  # newest index written per slot
         self._lock = threading.Lock()
 
     def write(self, indices: np.ndarray, arrays: dict[str, pa.Array]) -> None:
-        """Store one Arrow array per column for ``indices`` (validated upstream)."""
+        """Store one Arrow array per column for ``indices`` (validated upstream).
+
+        A write for an index older than one already written to its slot is stale (the
+        sample was evicted and the slot reused meanwhile): it is rejected as a whole.
+        """
         slots = indices % self.capacity
         with self._lock:
+            stale = self._newest[slots] > indices
+            if stale.any():
+                raise UnknownIndexError(
+                    f"sample index {int(indices[np.argmax(stale)])} was evicted before this "
+                    "write arrived; nothing was written"
+                )
+            self._newest[slots] = indices
             for name, array in arrays.items():
                 store = self._columns.get(name)
                 if store is None:

@@ -55,11 +55,11 @@ F64 = NDArray[np.float64]
 
 @final
 class BalancerConfig(msgspec.Struct, frozen=True, kw_only=True):
-    start_gap: float = 0.5
-    stop_gap: float = 0.2
+    start_gap: float = 0.3
+    stop_gap: float = 0.1
     cooldown: int = 5
     max_moves: int = 256
-    move_running: bool = False
+    move_running: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.stop_gap <= self.start_gap:

@@ -122,6 +122,13 @@ class LengthDistribution:
         p[dead, 0] = 1.0
         return np.clip(p, 0.0, 1.0)
 
+    def remaining_quantile(self, generated: ArrayLike, p: ArrayLike) -> F64:
+        """``x`` with ``P(L - g <= x | L > g) = p`` per request (vectorised)."""
+        g = np.clip(np.asarray(generated, dtype=np.float64), 0, self.grid[-1])
+        target = (1.0 - np.clip(np.asarray(p, dtype=np.float64), 0.0, 1.0)) * self._s(g)
+        x = np.interp(target, self.surv[::-1], self.grid[::-1])
+        return np.clip(x - g, 0.0, self.grid[-1] - g)
+
     def quantile(self, p: float) -> float:
         return float(np.interp(1.0 - p, self.surv[::-1], self.grid[::-1]))
 
@@ -252,6 +259,24 @@ class LengthForecaster:
 
     def expected_remaining(self, generated: ArrayLike, running_generated: ArrayLike = ()) -> F64:
         return self.distribution(running_generated).expected_remaining(generated)
+
+    def estimates(
+        self, generated: ArrayLike, running_generated: ArrayLike = (), *, bucket: int | None = None
+    ) -> tuple[F64, F64]:
+        """``(expected, tail)`` remaining length per request, as the planner takes them.
+
+        ``tail`` is the expected maximum of the requests sharing a bucket of expected
+        remaining length: the conditional quantile at ``1 - 1/(n_b + 1)``, ``n_b`` being the
+        bucket's size. It feeds the planner's latency bound, since a makespan is set by the
+        longest of many heavy-tailed requests, not by their mean.
+        """
+        g = np.asarray(generated, dtype=np.float64)
+        dist = self.distribution(running_generated)
+        exp = dist.expected_remaining(g)
+        b = np.ceil(np.maximum(exp, 1.0) / (bucket or self.config.bucket)).astype(np.int64)
+        _, inv, cnt = np.unique(b, return_inverse=True, return_counts=True)
+        tail = dist.remaining_quantile(g, 1.0 - 1.0 / (cnt[inv] + 1.0))
+        return exp, np.maximum(tail, exp)
 
     def predicted_buckets(self, generated: ArrayLike, running_generated: ArrayLike = ()) -> F64:
         """Expected number of the given requests per remaining-length bucket."""

@@ -73,7 +73,8 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True):
     overhead_weight: float | None = None
     min_gain: float = 0.03
     method: Literal["greedy", "lp", "milp"] = "lp"
-    time_limit: float = 0.25
+    time_limit: float = 1.0
+    max_evals: int = 40
     gpu_budget: int | None = None
     keep_modes: int = 3
 
@@ -166,8 +167,19 @@ def _keep_plan(p: PlanProblem) -> tuple[I64, I64]:
     return p.current.copy(), p.holdings.copy()
 
 
-def plan(snap: ClusterSnapshot, remaining: ArrayLike, config: PlannerConfig) -> Plan:
-    """Decide modes and request placement for ``snap`` (see module docstring)."""
+def plan(
+    snap: ClusterSnapshot,
+    remaining: ArrayLike,
+    config: PlannerConfig,
+    *,
+    tail: ArrayLike | None = None,
+) -> Plan:
+    """Decide modes and request placement for ``snap`` (see module docstring).
+
+    ``remaining`` is the expected remaining length of each pending request (snapshot order);
+    ``tail``, optional, a conservative one for the latency bound (see
+    :meth:`~flowrl.sched.forecast.LengthForecaster.estimates`).
+    """
     t0 = time.perf_counter()
     deadline = t0 + config.time_limit
     q = snap.requests
@@ -186,6 +198,7 @@ def plan(snap: ClusterSnapshot, remaining: ArrayLike, config: PlannerConfig) -> 
     p = build_problem(
         snap,
         rem,
+        tail=None if tail is None else np.asarray(tail, dtype=np.float64),
         cand=cand,
         model=config.model,
         hw=config.hw,
@@ -203,7 +216,7 @@ def plan(snap: ClusterSnapshot, remaining: ArrayLike, config: PlannerConfig) -> 
         sols.append(Solution(keep_mode, c, evaluate(p, keep_mode, c).objective, "greedy"))
     bound = float("nan")
     if config.method in ("lp", "milp") and len(q):
-        s = solve_relaxed(p, deadline=deadline)
+        s = solve_relaxed(p, deadline=deadline, max_evals=config.max_evals)
         if s is not None:
             sols.append(s)
             bound = s.bound

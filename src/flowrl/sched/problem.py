@@ -9,7 +9,9 @@ edge — OrchestrRL's conservative proxy). Coefficients, for mode ``m`` and buck
 - ``work[m, b]``  node-seconds one request of ``b`` costs when the node is saturated:
   ``len_b * step(m, b_sat, b_sat * x_b) / b_sat / replicas_m`` with ``x_b = ctx_b + len_b/2``
   and ``b_sat`` the KV-limited concurrency at the cluster's mean footprint;
-- ``lat[m, b]``   seconds a lone request of ``b`` needs: ``len_b * step(m, 1, x_b)``;
+- ``lat[m, b]``   seconds the longest request of ``b`` needs alone: ``tail_b * step(m, 1, x_b)``,
+  where ``tail_b`` is the largest *tail* estimate in the bucket (the expected maximum of its
+  requests, see :meth:`LengthForecaster.estimates`; ``len_b`` when no tail is given);
 - ``kv[b]``       peak KV footprint in tokens, ``ctx_b + len_b``; ``cap[m]`` a node's KV tokens;
 - ``mig[b]``      seconds to move one request's KV (migrate or recompute, the cheaper);
 - ``switch[n, m]`` seconds node ``n`` is down if it changes to ``m`` (0 for its current mode).
@@ -21,7 +23,8 @@ bound, latency bound) and :func:`evaluate` scores it as
 that leave node ``n`` or must be re-laid-out because ``n`` switched mode.
 
 Feasibility (:func:`feasible`): every request assigned once, only to nodes that are on;
-GPUs in use ``<= gpu_budget``; per node ``sum_b kv*c <= (u + eps) * cap[m]`` where ``u`` is the
+GPUs in use ``<= gpu_budget`` (default: the snapshot's ``node_gpus`` summed) and no node in a
+mode needing more GPUs than its ``node_gpus``; per node ``sum_b kv*c <= (u + eps) * cap[m]`` where ``u`` is the
 cluster's current KV demand over current capacity (the KV-balance constraint).
 """
 
@@ -77,6 +80,7 @@ class PlanProblem:
     switch: F64
     kv_limit: float
     beta: float
+    allowed: NDArray[np.bool_]
 
     @property
     def n_nodes(self) -> int:
@@ -102,6 +106,7 @@ def build_problem(
     snap: ClusterSnapshot,
     remaining: NDArray[np.float64],
     *,
+    tail: NDArray[np.float64] | None = None,
     cand: I64,
     model: ModelSpec,
     hw: HardwareSpec,
@@ -125,6 +130,11 @@ def build_problem(
     count = np.bincount(req_bucket, minlength=nb).astype(np.int64)
     ctx = q.context.astype(np.float64)
     ctx_b = np.bincount(req_bucket, weights=ctx, minlength=nb) / np.maximum(count, 1)
+    tail_b = blen.copy()
+    if tail is not None:
+        if len(tail) != len(q):
+            raise ConfigError(f"tail has {len(tail)} entries, snapshot {len(q)} requests")
+        np.maximum.at(tail_b, req_bucket, np.asarray(tail, dtype=np.float64))
     req_node = snap.replicas.node[q.replica].astype(np.int64)
     holdings = np.zeros((n_nodes, nb), dtype=np.int64)
     np.add.at(holdings, (req_node, req_bucket), 1)
@@ -141,7 +151,7 @@ def build_problem(
         b_sat = saturated_concurrency(md, mean_foot, bs_max, model, hw)
         per_tok = step_time(md, b_sat, b_sat * x_b, model, hw) / b_sat
         work[j] = blen * per_tok / max(reps[j], 1)
-        lat[j] = blen * step_time(md, 1.0, x_b, model, hw)
+        lat[j] = tail_b * step_time(md, 1.0, ctx_b + tail_b / 2, model, hw)
         cap[j] = reps[j] * kv_capacity_tokens(md, model, hw)
     mode_gpus = reps * np.array([md.gpus for md in modes], dtype=np.int64)
     kv = ctx_b + blen
@@ -155,6 +165,7 @@ def build_problem(
     cur_cap = float(cap[cur[on]].sum()) if on.any() else float(cap.max() * n_nodes)
     kv_limit = demand / max(cur_cap, 1.0) + kv_tolerance
     budget = int(snap.node_gpus.sum()) if gpu_budget is None else int(gpu_budget)
+    allowed = mode_gpus[None, :] <= snap.node_gpus[:, None]
     return PlanProblem(
         modes=modes,
         cand=np.asarray(cand, dtype=np.int64),
@@ -175,6 +186,7 @@ def build_problem(
         switch=switch,
         kv_limit=kv_limit,
         beta=(1.0 / max(n_nodes, 1)) if beta is None else float(beta),
+        allowed=allowed,
     )
 
 
@@ -233,6 +245,8 @@ def feasible(p: PlanProblem, mode: I64, c: I64) -> str | None:
         return "requests assigned to a node that is off"
     if np.any(mode >= len(p.modes)):
         return "mode index out of range"
+    if np.any(~p.allowed[np.nonzero(on)[0], mode[on]]):
+        return "a node runs a mode needing more GPUs than it has"
     gpus = int(p.mode_gpus[mode[on]].sum())
     if gpus > p.gpu_budget:
         return f"uses {gpus} GPUs, budget {p.gpu_budget}"

@@ -9,7 +9,8 @@
 - :func:`solve_relaxed` — the LP relaxation of the full MILP picks a mode *mix* (fractional
   node counts per mode, rounded by largest remainder, given to the nodes the relaxation
   prefers, current mode first); a greedy local search moves one node between modes at a
-  time; the best mix is polished by :func:`assign_lp`.
+  time (at most ``max_evals`` mixes, so results do not depend on machine speed unless the
+  deadline cuts in); the best mix is polished by :func:`assign_lp`.
 - :func:`solve_milp` — the full MILP (binary modes and bucket-presence indicators, integer
   counts) with HiGHS branch-and-cut, warm-started, under a time limit.
 
@@ -364,7 +365,7 @@ def _full_model(p: PlanProblem):  # noqa: ANN202
     cost[lay.mv0 : lay.t] = p.beta * np.tile(p.mig, n)
     cost[lay.t] = 1.0
     col_hi = np.full(lay.size, np.inf)
-    col_hi[:lay.c0] = 1.0
+    col_hi[: lay.c0] = p.allowed[node_of_nm, mode_of_nm].astype(float)
     col_hi[lay.c0 : lay.z0] = p.count[b_of]
     col_hi[lay.z0 : lay.mv0] = 1.0
     integer = np.zeros(lay.size, dtype=bool)
@@ -421,18 +422,19 @@ def solve_milp(
 def _round_mix(p: PlanProblem, xs: F64) -> I64:
     """Largest-remainder rounding of per-mode node counts; nodes get modes they prefer."""
     n, mc = xs.shape
-    mass = np.append(xs.sum(axis=0), max(n - xs.sum(), 0.0))
+    mass = np.append(xs.sum(axis=0), 0.0)  # idle nodes help nobody unless the budget binds
+    mass *= n / max(mass.sum(), 1e-12)
     k = np.floor(mass + 1e-9).astype(np.int64)
     short = n - int(k.sum())
     k[np.argsort(-(mass - k), kind="stable")[:short]] += 1
-    pref = np.hstack([xs, np.zeros((n, 1))])
+    pref = np.hstack([np.where(p.allowed[:, p.cand], xs, -np.inf), np.zeros((n, 1))])
     cur = p.current
     for j, m in enumerate(p.cand):
         pref[cur == m, j] += 0.5  # staying put avoids a switch
     mode = np.full(n, -2, dtype=np.int64)
     order = np.dstack(np.unravel_index(np.argsort(-pref, axis=None), pref.shape))[0]
     for i, j in order:
-        if mode[i] == -2 and k[j] > 0:
+        if mode[i] == -2 and k[j] > 0 and np.isfinite(pref[i, j]):
             mode[i] = p.cand[j] if j < mc else -1
             k[j] -= 1
     mode[mode == -2] = -1
@@ -453,12 +455,16 @@ def _neighbours(p: PlanProblem, mode: I64) -> list[I64]:
             pick = home[0] if len(home) else nodes[np.argmin(p.holdings[nodes].sum(axis=1))]
             nb = mode.copy()
             nb[pick] = m_to
+            if not p.allowed[pick, m_to]:
+                continue
             if int(p.mode_gpus[nb[nb >= 0]].sum()) <= p.gpu_budget:
                 out.append(nb)
     return out
 
 
-def solve_relaxed(p: PlanProblem, *, deadline: float, polish: bool = True) -> Solution | None:
+def solve_relaxed(
+    p: PlanProblem, *, deadline: float, max_evals: int = 40, polish: bool = True
+) -> Solution | None:
     """LP relaxation -> mode-mix rounding -> greedy local search -> LP polish (see module)."""
     lay, cost, a, lo, hi, clo, chi, _ = _full_model(p)
     res = _highs.solve(cost, a, lo, hi, clo, chi, time_limit=max(deadline - time.perf_counter(), 0.01))
@@ -469,7 +475,7 @@ def solve_relaxed(p: PlanProblem, *, deadline: float, polish: bool = True) -> So
     seen: set[bytes] = set()
     for mode in starts:
         frontier = [mode]
-        while frontier and time.perf_counter() < deadline:
+        while frontier and time.perf_counter() < deadline and len(seen) < max_evals:
             nxt = []
             for md in frontier:
                 key = md.tobytes()
@@ -483,7 +489,7 @@ def solve_relaxed(p: PlanProblem, *, deadline: float, polish: bool = True) -> So
                 if best is None or obj < best[0] - 1e-9:
                     best = (obj, md, c)
                     nxt = _neighbours(p, md)
-                if time.perf_counter() >= deadline:
+                if time.perf_counter() >= deadline or len(seen) >= max_evals:
                     break
             frontier = nxt
     if best is None:

@@ -1,0 +1,26 @@
+"""Discrete-event simulator of a disaggregated RL cluster that drives :mod:`flowrl.sched`.
+
+Emits the hub's own event types (:mod:`flowrl.events`) to observers, so planner, balancer
+and forecaster subscribe exactly as they would to a real hub. CLI: :func:`flowrl.sim.cli.main`.
+"""
+
+from __future__ import annotations
+
+from flowrl.sim.cluster import DEFAULT_MODES, ClusterSpec
+from flowrl.sim.engine import SimResult, Simulator, StepResult
+from flowrl.sim.schemes import Scheme, latency_mode, standard_schemes, throughput_mode
+from flowrl.sim.workload import StepRequests, Workload
+
+__all__ = [
+    "ClusterSpec",
+    "DEFAULT_MODES",
+    "Scheme",
+    "SimResult",
+    "Simulator",
+    "StepRequests",
+    "StepResult",
+    "Workload",
+    "latency_mode",
+    "standard_schemes",
+    "throughput_mode",
+]

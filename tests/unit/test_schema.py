@@ -43,11 +43,6 @@ COLUMNS = [
 TASKS = {"train": ["ids", "reward"], "score": ["ids"]}
 
 
-def xbug(reason: str) -> Any:
-    """A test that documents a bug in src/: it must fail until the bug is fixed."""
-    return pytest.mark.xfail(reason=f"BUG: {reason}", strict=True)
-
-
 def rows(n: int, start: int = 0) -> dict[str, Any]:
     """Valid values for every column; sample i's values are derived from i."""
     r = range(start, start + n)
@@ -91,14 +86,6 @@ SCALARS = [
 def test_scalar_round_trip(
     make_hub, request: pytest.FixtureRequest, dtype: str, values: np.ndarray, source: str
 ) -> None:
-    if source == "list" and dtype.startswith("uint"):
-        request.applymarker(
-            xbug(
-                "encode.py _checked_array: np.asarray([0, 7, 255]) is int64 and "
-                "np.can_cast(int64, uint8, 'same_kind') is False, so no Python int list "
-                "can be put into any unsigned column (while [300] into int8 wraps silently)"
-            )
-        )
     hub = make_hub(columns=[Column.scalar("x", dtype)], tasks={"t": ["x"]})
     data: Any = {
         "numpy": values,
@@ -466,20 +453,12 @@ BAD_CALLS: list[Any] = [
         lambda h, m: h.put(_with(small=[300, 1])),
         SchemaError,
         ["'small'"],
-        marks=xbug(
-            "encode.py _checked_array: a list of Python ints is cast to int8 with "
-            "wraparound (300 -> 44); same_kind casting is not lossless"
-        ),
     ),
     pytest.param(
         "put-ragged-mixed-dtypes",
         lambda h, m: h.put(_with(ids=[np.zeros(2, np.int32), np.zeros(1, np.int64)])),
         SchemaError,
         ["'ids'", "int32"],
-        marks=xbug(
-            "encode.py _encode_ragged: numpy items are concatenated before the dtype "
-            "check, so an int32 item next to an int64 one is silently upcast"
-        ),
     ),
     # -- put: shape
     (
@@ -524,10 +503,6 @@ BAD_CALLS: list[Any] = [
         lambda h, m: h.put(_with(ids=[np.zeros((2, 2), np.int64), np.zeros(1, np.int64)])),
         SchemaError,
         ["'ids'"],
-        marks=xbug(
-            "ragged.py RaggedArray.from_list raises 'sequence 0 must be 1-D' without "
-            "naming the column (encode.py _encode_ragged does not wrap it)"
-        ),
     ),
     # -- put: length, names, mapping
     (
@@ -571,20 +546,12 @@ BAD_CALLS: list[Any] = [
         lambda h, m: h.put(rows(2, 2), timeout="1"),
         ConfigError,
         ["timeout"],
-        marks=xbug(
-            "base.py HubClient._put does not validate timeout; inproc.py _reserve "
-            "raises a bare TypeError from time.monotonic() + '1'"
-        ),
     ),
     pytest.param(
         "put-producer-int",
         lambda h, m: h.put(rows(2, 2), producer=7),
         ConfigError,
         ["producer"],
-        marks=xbug(
-            "base.py HubClient._put does not validate producer; a put with "
-            "producer=7 succeeds and emits a Put event with producer=7"
-        ),
     ),
     # -- put to existing indices
     (
@@ -691,10 +658,6 @@ BAD_CALLS: list[Any] = [
         lambda h, m: h.claim("train", 1, timeout=float("nan")),
         ConfigError,
         ["timeout"],
-        marks=xbug(
-            "base.py _claim_checked accepts timeout=nan (nan < 0 is False); with "
-            "nothing ready the claim then waits forever instead of timing out"
-        ),
     ),
     (
         "claim-lease-zero",
@@ -713,10 +676,6 @@ BAD_CALLS: list[Any] = [
         lambda h, m: h.claim_nowait("train", 1, lease_timeout=float("nan")),
         ConfigError,
         ["lease_timeout"],
-        marks=xbug(
-            "base.py _claim_checked accepts lease_timeout=nan; the NaN deadline sits "
-            "at the top of the controller's heap and blocks expiry of every lease"
-        ),
     ),
     (
         "claim-sampler",
@@ -753,20 +712,12 @@ BAD_CALLS: list[Any] = [
         lambda h, m: h.claim_nowait("train", 1, columns=5),
         ConfigError,
         ["columns"],
-        marks=xbug(
-            "schema.py Schema.check_names does tuple(names): columns=5 raises a bare "
-            "TypeError ('int' object is not iterable)"
-        ),
     ),
     pytest.param(
         "claim-dp_rank-str",
         lambda h, m: h.claim_nowait("train", 1, sampler=flowrl.BalancedSampler(2), dp_rank="0"),
         ConfigError,
         ["dp_rank"],
-        marks=xbug(
-            "base.py _claim_checked does not validate dp_rank; controller.py try_claim "
-            "raises a bare TypeError from 0 <= '0'"
-        ),
     ),
     (
         "claim-dp_rank-range",
@@ -779,10 +730,6 @@ BAD_CALLS: list[Any] = [
         lambda h, m: h.claim_nowait("train", 1, consumer=5),
         ConfigError,
         ["consumer"],
-        marks=xbug(
-            "base.py _claim_checked does not validate consumer; the claim succeeds and "
-            "emits Claimed(consumer=5)"
-        ),
     ),
     ("claim_nowait-unknown", lambda h, m: h.claim_nowait("nope", 1), UnknownTaskError, ["nope"]),
     # -- get
@@ -793,7 +740,6 @@ BAD_CALLS: list[Any] = [
         lambda h, m: h.get(m, columns=5),
         ConfigError,
         ["columns"],
-        marks=xbug("schema.py Schema.check_names: get(meta, columns=5) raises a bare TypeError"),
     ),
     # -- ack
     ("ack-not-meta", lambda h, m: h.ack(m.lease), ConfigError, ["BatchMeta"]),
@@ -849,10 +795,6 @@ BAD_CALLS: list[Any] = [
         lambda h, m: _declare_and_shadow(h),
         SchemaError,
         ["'reward'"],
-        marks=xbug(
-            "inproc.py Hub._declare_columns declares column by column: a conflict on "
-            "the 2nd column leaves the 1st declared"
-        ),
     ),
     # -- publish_version
     ("version-str", lambda h, m: h.publish_version("1"), ConfigError, ["'1'"]),
@@ -868,7 +810,6 @@ BAD_CALLS: list[Any] = [
         lambda h, m: h.end_stream(5),
         ConfigError,
         ["columns"],
-        marks=xbug("schema.py Schema.check_names: end_stream(5) raises a bare TypeError"),
     ),
     # -- subscribe
     ("subscribe-not-callable", lambda h, m: h.subscribe(42), ConfigError, ["42"]),
@@ -881,7 +822,6 @@ BAD_CALLS: list[Any] = [
         lambda h, m: h.meta([0], 5),
         ConfigError,
         ["columns"],
-        marks=xbug("schema.py Schema.check_names: meta([0], 5) raises a bare TypeError"),
     ),
 ]
 
@@ -988,11 +928,6 @@ def test_closed_column_cannot_be_put_again(make_hub) -> None:
 
 
 # -- a failed put must not change the schema either -------------------------------------------
-@xbug(
-    "base.py HubClient._put declares inferred columns (self._declare_columns) before "
-    "_reserve/_check_update; a put that then fails (HubFull, UnknownIndexError) leaves the "
-    "new column declared"
-)
 @pytest.mark.parametrize("case", ["hub-full", "unknown-index"])
 def test_failed_put_does_not_declare_inferred_columns(make_hub, case: str) -> None:
     hub = make_hub(config=HubConfig(capacity=2))
@@ -1008,10 +943,6 @@ def test_failed_put_does_not_declare_inferred_columns(make_hub, case: str) -> No
     assert hub.columns == before_cols
 
 
-@xbug(
-    "schema.py Schema.check_names iterates a str: get(meta, columns='ab') reads columns "
-    "'a' and 'b' instead of rejecting the str (register_task rejects it)"
-)
 def test_columns_given_as_a_string_are_rejected(make_hub) -> None:
     hub = make_hub(
         columns=[Column.scalar("a", "int64"), Column.scalar("b", "int64")],
@@ -1023,7 +954,6 @@ def test_columns_given_as_a_string_are_rejected(make_hub) -> None:
         hub.get(meta, columns="ab")
 
 
-@xbug("base.py subscribe does not validate strict; strict='no' subscribes a strict policy")
 def test_subscribe_strict_must_be_bool(make_hub) -> None:
     hub = make_hub(columns=COLUMNS, tasks=TASKS)
     with pytest.raises(ConfigError, match="strict"):
@@ -1063,10 +993,6 @@ def test_config_errors() -> None:
     assert Column.scalar("x", np.dtype("int16")) == Column.scalar("x", "int16")
 
 
-@xbug(
-    "columns.py _dtype_name does np.dtype(str(dtype)); str(np.int16) is "
-    "\"<class 'numpy.int16'>\", so the documented np.float32-style dtype raises ConfigError"
-)
 def test_column_accepts_numpy_scalar_types() -> None:
     assert Column.scalar("x", np.int16) == Column.scalar("x", "int16")
     assert Column.ragged("x", np.float32) == Column.ragged("x", "float32")

@@ -9,7 +9,6 @@ leaves no half-written sample behind.
 from __future__ import annotations
 
 import abc
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,7 +17,7 @@ import pyarrow as pa
 
 from flowrl._client.config import HubStats
 from flowrl._controller.controller import CellWrite
-from flowrl._controller.eventlog import Subscription
+from flowrl._controller.eventlog import EventLog, Subscription
 from flowrl._controller.meta import BatchMeta
 from flowrl._controller.samplers import FifoSampler, Sampler
 from flowrl._schema.columns import Column
@@ -102,6 +101,9 @@ class HubClient(abc.ABC):
         where = f"put() from {producer!r}" if producer else "put()"
         if not isinstance(partition, str):
             raise ConfigError(f"partition must be a str, got {partition!r} in {where}")
+        if not isinstance(producer, str):
+            raise ConfigError(f"producer must be a str, got {producer!r} in put()")
+        _check_seconds(timeout, "put() timeout", allow_zero=True)
         if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
             raise ConfigError(f"version must be an int, got {version!r} in {where}")
         target = _as_indices(indices, where) if indices is not None else None
@@ -111,12 +113,16 @@ class HubClient(abc.ABC):
         tokens_arr = _per_sample(tokens, n, "tokens", where)
         cells = {k: CellWrite(e.nbytes, e.lengths) for k, e in encoded.items()}
         arrays = {k: e.array for k, e in encoded.items()}
-        if new_columns:
-            self._declare_columns(tuple(new_columns))
+        types = {c.name: c for c in new_columns}
+        types.update((k, self.schema[k]) for k in arrays if k not in types)
+        # Inferred columns are declared only once the bytes are stored, just before the
+        # commit, so a put that fails earlier leaves the schema as it was.
         if target is None:
             idx, unit = self._reserve(n, timeout)
             try:
-                self._write(unit, idx, arrays)
+                self._write(unit, idx, arrays, types)
+                if new_columns:
+                    self._declare_columns(tuple(new_columns))
                 self._commit(idx, cells, True, partition, groups_arr, version, tokens_arr, producer)
             except BaseException:
                 self._discard(unit, idx, tuple(arrays))
@@ -126,7 +132,9 @@ class HubClient(abc.ABC):
         units = self._check_update(target, tuple(arrays))
         for unit, pos in _split_by_unit(units):
             part = {k: a if pos is None else a.take(pa.array(pos)) for k, a in arrays.items()}
-            self._write(unit, target if pos is None else target[pos], part)
+            self._write(unit, target if pos is None else target[pos], part, types)
+        if new_columns:
+            self._declare_columns(tuple(new_columns))
         self._commit(target, cells, False, partition, groups_arr, version, tokens_arr, producer)
         return target
 
@@ -178,12 +186,12 @@ class HubClient(abc.ABC):
             raise ConfigError(f"claim() n must be a positive int, got {n!r}")
         if min_n is not None and (not isinstance(min_n, int) or not 1 <= min_n <= n):
             raise ConfigError(f"claim() min_n must be an int in [1, n={n}], got {min_n!r}")
-        if timeout is not None and (not isinstance(timeout, int | float) or timeout < 0):
-            raise ConfigError(f"claim() timeout must be >= 0 seconds or None, got {timeout!r}")
-        if lease_timeout is not None and (
-            not isinstance(lease_timeout, int | float) or lease_timeout <= 0
-        ):
-            raise ConfigError(f"claim() lease_timeout must be > 0, got {lease_timeout!r}")
+        _check_seconds(timeout, "claim() timeout", allow_zero=True)
+        _check_seconds(lease_timeout, "claim() lease_timeout", allow_zero=False)
+        if not isinstance(dp_rank, int) or isinstance(dp_rank, bool) or dp_rank < 0:
+            raise ConfigError(f"claim() dp_rank must be an int >= 0, got {dp_rank!r}")
+        if not isinstance(consumer, str):
+            raise ConfigError(f"claim() consumer must be a str, got {consumer!r}")
         if sampler is not None and not isinstance(sampler, Sampler):
             raise ConfigError(f"claim() sampler must be a flowrl Sampler, got {sampler!r}")
         cols = None if columns is None else self.schema.check_names(columns, f"claim({task!r})")
@@ -260,11 +268,19 @@ class HubClient(abc.ABC):
     def end_stream(self, columns: Sequence[str] = ()) -> None:
         """No new samples will be put; ``columns`` will not be written again either."""
 
-    @abc.abstractmethod
     def subscribe(
         self, observer: Observer | Callable[[Event], Any], *, strict: bool = False
     ) -> Subscription:
         """Receive every event from now on (observers fail soft; ``strict`` policies fail hard)."""
+        if not callable(observer):
+            raise ConfigError(f"subscribe() expects an Observer or a callable, got {observer!r}")
+        if not isinstance(strict, bool):
+            raise ConfigError(f"subscribe() strict must be a bool, got {strict!r}")
+        return self._event_log().subscribe(observer, strict=strict)
+
+    @abc.abstractmethod
+    def _event_log(self) -> EventLog:
+        """The log subscribers attach to (the controller's, or a local relay of it)."""
 
     @abc.abstractmethod
     def statistics(self) -> HubStats: ...
@@ -299,7 +315,13 @@ class HubClient(abc.ABC):
     def _check_update(self, indices: np.ndarray, columns: tuple[str, ...]) -> np.ndarray: ...
 
     @abc.abstractmethod
-    def _write(self, unit: int, indices: np.ndarray, arrays: dict[str, pa.Array]) -> None: ...
+    def _write(
+        self,
+        unit: int,
+        indices: np.ndarray,
+        arrays: dict[str, pa.Array],
+        types: dict[str, Column],
+    ) -> None: ...
 
     @abc.abstractmethod
     def _discard(self, unit: int, indices: np.ndarray, columns: tuple[str, ...]) -> None: ...
@@ -346,8 +368,16 @@ class HubClient(abc.ABC):
     def _release(self, task: str, lease: int) -> None: ...
 
 
-def deadline_of(timeout: float | None) -> float | None:
-    return None if timeout is None else time.monotonic() + timeout
+def _check_seconds(value: Any, what: str, *, allow_zero: bool) -> None:
+    """None, or a finite-or-infinite non-negative number (NaN is rejected)."""
+    if value is None:
+        return
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if ok:
+        ok = value >= 0 if allow_zero else value > 0  # False for NaN
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{what} must be a number of seconds {bound} or None, got {value!r}")
 
 
 def _as_indices(indices: Any, where: str) -> np.ndarray:

@@ -9,8 +9,8 @@ move outside the controller's lock.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, final
+from collections.abc import Iterable, Sequence
+from typing import final
 
 import numpy as np
 import pyarrow as pa
@@ -18,15 +18,13 @@ import pyarrow as pa
 from flowrl._client.base import HubClient, _split_by_unit
 from flowrl._client.config import HubConfig, HubStats, TaskStats, UnitStats
 from flowrl._controller.controller import CellWrite, Controller
-from flowrl._controller.eventlog import Subscription
+from flowrl._controller.eventlog import EventLog
 from flowrl._controller.meta import BatchMeta
 from flowrl._controller.samplers import Sampler
 from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
 from flowrl._store.unit import StorageUnit
 from flowrl.errors import ConfigError, HubFull, NothingReady, Timeout
-from flowrl.events import Event
-from flowrl.hooks import Observer
 
 __all__ = ["Hub"]
 
@@ -64,8 +62,8 @@ class Hub(HubClient):
     # -- primitives -------------------------------------------------------------------------
     def _declare_columns(self, columns: tuple[Column, ...]) -> None:
         with self.controller.cond:
+            self.schema.declare(*columns)
             for col in columns:
-                self.schema.declare(col)
                 self.controller.add_column(col.name)
 
     def _register_task(self, task: str, columns: tuple[str, ...]) -> None:
@@ -101,7 +99,13 @@ class Hub(HubClient):
         with self.controller.cond:
             return self.controller.check_update(indices, columns)
 
-    def _write(self, unit: int, indices: np.ndarray, arrays: dict[str, pa.Array]) -> None:
+    def _write(
+        self,
+        unit: int,
+        indices: np.ndarray,
+        arrays: dict[str, pa.Array],
+        types: dict[str, Column],
+    ) -> None:
         self.units[unit].write(indices, arrays)
 
     def _discard(self, unit: int, indices: np.ndarray, columns: tuple[str, ...]) -> None:
@@ -205,12 +209,8 @@ class Hub(HubClient):
         with self.controller.cond:
             self.controller.end_stream(cols)
 
-    def subscribe(
-        self, observer: Observer | Callable[[Event], Any], *, strict: bool = False
-    ) -> Subscription:
-        if not callable(observer):
-            raise ConfigError(f"subscribe() expects an Observer or a callable, got {observer!r}")
-        return self.controller.log.subscribe(observer, strict=strict)
+    def _event_log(self) -> EventLog:
+        return self.controller.log
 
     def flush_events(self, timeout: float | None = 5.0) -> bool:
         """Wait until subscribers have received every event so far."""

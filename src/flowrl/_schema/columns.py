@@ -130,11 +130,11 @@ class Column(msgspec.Struct, frozen=True):
 
 def _dtype_name(dtype: object) -> str:
     """Accept 'float32', np.float32, np.dtype('float32') or torch.float32."""
-    text = str(dtype)
-    if text.startswith("torch."):
-        text = text.removeprefix("torch.")
+    spec = dtype
+    if str(dtype).startswith("torch."):
+        spec = str(dtype).removeprefix("torch.")
     try:
-        return np.dtype(text).name
+        return np.dtype(spec).name  # type: ignore[call-overload]
     except TypeError:
         raise ConfigError(
             f"unknown dtype {dtype!r}; expected one of {', '.join(_DTYPES)}"

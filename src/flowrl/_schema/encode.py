@@ -132,10 +132,10 @@ def _checked_array(column: Column, values: Any, where: str) -> np.ndarray:
                 f"column {column.name!r} expects {column.describe()}; the list given in {where} "
                 f"is not rectangular ({exc})"
             ) from None
-        if arr.size and not np.can_cast(arr.dtype, want, casting="same_kind"):
+        if arr.size and not _lossless(arr, want):
             raise SchemaError(
-                f"column {column.name!r} expects {column.describe()}, got Python values of kind "
-                f"{arr.dtype} in {where}, which do not convert losslessly"
+                f"column {column.name!r} expects {column.describe()}, got Python values of "
+                f"kind {arr.dtype} in {where} that do not convert to {want} without loss"
             )
         return arr.astype(want, copy=False)
     raise SchemaError(
@@ -144,22 +144,39 @@ def _checked_array(column: Column, values: Any, where: str) -> np.ndarray:
     )
 
 
+def _lossless(arr: np.ndarray, want: np.dtype) -> bool:
+    """Python values convert when the kind allows it and every value fits."""
+    if want.kind == "b":
+        return arr.dtype.kind == "b"
+    if want.kind in "iu":
+        if arr.dtype.kind not in "iu":
+            return False
+        info = np.iinfo(want)
+        return bool(info.min <= arr.min() and arr.max() <= info.max)
+    return arr.dtype.kind in "iuf"
+
+
 # -- ragged --------------------------------------------------------------------------------
 def _encode_ragged(column: Column, values: Any, n: int | None, where: str) -> Encoded:
     if isinstance(values, RaggedArray):
         ragged = values
     elif isinstance(values, list | tuple):
         seqs = []
-        for i, s in enumerate(values):
-            if isinstance(s, list | tuple):
-                s = _checked_array(column, s, where)
-            elif not (isinstance(s, np.ndarray) or _is_tensor(s)):
+        for i, item in enumerate(values):
+            if isinstance(item, list | tuple) or isinstance(item, np.ndarray) or _is_tensor(item):
+                seq = _checked_array(column, item, where)
+            else:
                 raise SchemaError(
                     f"column {column.name!r} expects {column.describe()}; item {i} in {where} is "
-                    f"a {type(s).__name__}, expected a 1-D array, tensor or list"
+                    f"a {type(item).__name__}, expected a 1-D array, tensor or list"
                 )
-            seqs.append(s)
-        ragged = RaggedArray.from_list(seqs, dtype=None if seqs else column.np_dtype)
+            if seq.ndim != 1:
+                raise SchemaError(
+                    f"column {column.name!r} expects {column.describe()}; item {i} in {where} "
+                    f"has shape {seq.shape}, expected a 1-D sequence"
+                )
+            seqs.append(seq)
+        ragged = RaggedArray.from_list(seqs, dtype=column.np_dtype)
     elif isinstance(values, np.ndarray) or _is_tensor(values):
         raise SchemaError(
             f"column {column.name!r} expects {column.describe()}, got a dense array of shape "

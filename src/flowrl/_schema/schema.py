@@ -42,17 +42,23 @@ class Schema:
     def columns(self) -> tuple[Column, ...]:
         return tuple(self._columns.values())
 
-    def declare(self, column: Column) -> None:
+    def declare(self, *columns: Column) -> None:
+        """Declare columns all-or-nothing: a conflict on any leaves the schema unchanged."""
         with self._lock:
-            existing = self._columns.get(column.name)
-            if existing is not None and existing != column:
-                raise SchemaError(
-                    f"column {column.name!r} is already declared as {existing.describe()}, "
-                    f"cannot redeclare it as {column.describe()}"
-                )
-            self._columns[column.name] = column
+            seen: dict[str, Column] = {}
+            for column in columns:
+                existing = seen.get(column.name) or self._columns.get(column.name)
+                if existing is not None and existing != column:
+                    raise SchemaError(
+                        f"column {column.name!r} is already declared as {existing.describe()}, "
+                        f"cannot redeclare it as {column.describe()}"
+                    )
+                seen[column.name] = column
+            self._columns.update(seen)
 
     def check_names(self, names: Iterable[str], where: str) -> tuple[str, ...]:
+        if isinstance(names, str | bytes) or not isinstance(names, Iterable):
+            raise ConfigError(f"columns in {where} must be a list of column names, got {names!r}")
         names = tuple(names)
         for name in names:
             if not isinstance(name, str):

@@ -127,8 +127,9 @@ def _to_python(column: Column, arr: pa.Array) -> Any:
         offsets = np.frombuffer(arr.buffers()[1], dtype=np.int64)[
             arr.offset : arr.offset + len(arr) + 1
         ]
-        values = _primitive_view(arr.flatten(), column.np_dtype)
-        return RaggedArray(values, offsets - offsets[0] if offsets[0] else offsets)
+        start = int(offsets[0])
+        values = _primitive_view(arr.values.slice(start, int(offsets[-1]) - start), column.np_dtype)
+        return RaggedArray(values, offsets - start if start else offsets)
     if kind == "string":
         return arr.to_pylist()
     return [_msgpack.decode(b) for b in arr.to_pylist()]

@@ -151,8 +151,8 @@ class ControllerServer:
                 version=ctl.version,
             )
         if isinstance(msg, wire.Declare):
+            self.schema.declare(*msg.columns)
             for col in msg.columns:
-                self.schema.declare(col)
                 ctl.add_column(col.name)
             return wire.Done()
         if isinstance(msg, wire.RegisterTask):

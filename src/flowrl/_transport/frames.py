@@ -36,8 +36,9 @@ def to_frames(name: str, column: Column, arr: pa.Array) -> tuple[ArrayHeader, li
         storage = arr.storage if isinstance(arr, pa.ExtensionArray) else arr
         return ArrayHeader(name, n, 1), [_primitive_slice(storage.flatten())]
     if kind == "ragged":
-        offsets = _offsets(arr)
-        return ArrayHeader(name, n, 2), [offsets, _primitive_slice(arr.flatten())]
+        start, end = _bounds(arr)
+        values = arr.values.slice(start, end - start)  # the slice's child values, no compute
+        return ArrayHeader(name, n, 2), [_offsets(arr), _primitive_slice(values)]
     # string / object: offsets + data bytes of the slice
     offsets = _offsets(arr)
     data = arr.buffers()[2]

@@ -21,7 +21,7 @@ import zmq
 from flowrl._client.base import HubClient
 from flowrl._client.config import HubConfig, HubStats
 from flowrl._controller.controller import CellWrite
-from flowrl._controller.eventlog import EventLog, Subscription
+from flowrl._controller.eventlog import EventLog
 from flowrl._controller.meta import BatchMeta
 from flowrl._controller.samplers import Sampler
 from flowrl._schema.columns import Column
@@ -29,8 +29,7 @@ from flowrl._schema.schema import Schema
 from flowrl._transport import wire
 from flowrl._transport.frames import from_frames, to_frames
 from flowrl.errors import ConfigError, HubClosed, TransportError
-from flowrl.events import Event, event_decoder
-from flowrl.hooks import Observer
+from flowrl.events import event_decoder
 
 __all__ = ["RemoteHub"]
 
@@ -116,9 +115,8 @@ class RemoteHub(HubClient):
 
     # -- primitives -------------------------------------------------------------------------
     def _declare_columns(self, columns: tuple[Column, ...]) -> None:
-        for col in columns:
-            self.schema.declare(col)
-        self._call(None, wire.Declare(columns=list(columns)))
+        self._call(None, wire.Declare(columns=list(columns)))  # the controller checks first
+        self.schema.declare(*columns)
 
     def _register_task(self, task: str, columns: tuple[str, ...]) -> None:
         self._call(None, wire.RegisterTask(task=task, columns=list(columns)))
@@ -136,15 +134,21 @@ class RemoteHub(HubClient):
         )
         return np.frombuffer(reply.units, dtype=np.int16)
 
-    def _write(self, unit: int, indices: np.ndarray, arrays: dict[str, pa.Array]) -> None:
+    def _write(
+        self,
+        unit: int,
+        indices: np.ndarray,
+        arrays: dict[str, pa.Array],
+        types: dict[str, Column],
+    ) -> None:
         headers, frames = [], []
         for name, arr in arrays.items():
-            header, bufs = to_frames(name, self.schema[name], arr)
+            header, bufs = to_frames(name, types[name], arr)
             headers.append(header)
             frames.extend(bufs)
         msg = wire.Write(
             indices=indices.tobytes(),
-            columns=[self.schema[name] for name in arrays],
+            columns=[types[name] for name in arrays],
             arrays=headers,
         )
         self._call(unit, msg, frames)
@@ -256,15 +260,11 @@ class RemoteHub(HubClient):
         cols = self.schema.check_names(columns, "end_stream()")
         self._call(None, wire.End(columns=list(cols)))
 
-    def subscribe(
-        self, observer: Observer | Callable[[Event], Any], *, strict: bool = False
-    ) -> Subscription:
-        if not callable(observer):
-            raise ConfigError(f"subscribe() expects an Observer or a callable, got {observer!r}")
+    def _event_log(self) -> EventLog:
         if self._events is None:
             self._events = EventLog()
             self._start_subscriber()
-        return self._events.subscribe(observer, strict=strict)
+        return self._events
 
     def flush_events(self, timeout: float | None = 5.0) -> bool:
         """Wait until subscribers received every event this client has received so far."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import inspect
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, final
+from typing import Any, cast, final
 
 import msgspec
 
@@ -137,7 +137,7 @@ def stage(
     def decorate(obj: object) -> StageSpec:
         frame = sys._getframe(1)
         loc = _Where(name, obj, frame.f_code.co_filename, frame.f_lineno)
-        ins = _names(inputs, "inputs", loc, allow_columns=False)
+        ins = cast(list[str], _names(inputs, "inputs", loc, allow_columns=False))
         outs = _names(outputs, "outputs", loc, allow_columns=True)
         _check_columns(ins, [c.name if isinstance(c, Column) else c for c in outs], loc)
         is_class, is_gen, setup_ctx = _check_callable(obj, bool(ins), loc)
@@ -199,9 +199,7 @@ class _Where:
         return PipelineError(self._text(what, hint))
 
 
-def _names(
-    values: object, what: str, loc: _Where, *, allow_columns: bool
-) -> list[str | Column]:
+def _names(values: object, what: str, loc: _Where, *, allow_columns: bool) -> list[str | Column]:
     if isinstance(values, str | Column) or not isinstance(values, Sequence):
         raise loc.pipeline(
             f"{what} must be a list of column names, got {values!r}",
@@ -209,9 +207,7 @@ def _names(
         )
     out: list[str | Column] = []
     for v in values:
-        if isinstance(v, Column) and allow_columns:
-            out.append(v)
-        elif isinstance(v, str) and v.isidentifier():
+        if (isinstance(v, Column) and allow_columns) or (isinstance(v, str) and v.isidentifier()):
             out.append(v)
         else:
             kinds = "a column name or a flowrl.Column" if allow_columns else "a column name"
@@ -230,8 +226,7 @@ def _check_columns(inputs: list[Any], outputs: list[str], loc: _Where) -> None:
     both = sorted(set(inputs) & set(outputs))
     if both:
         raise loc.pipeline(
-            f"columns {both} are both inputs and outputs; a stage may not overwrite what it "
-            "reads",
+            f"columns {both} are both inputs and outputs; a stage may not overwrite what it reads",
             f"write a new column instead, e.g. outputs=['{both[0]}_v2']",
         )
 

@@ -1,0 +1,352 @@
+"""Loader: iterate a hub task's micro-batches in a trainer, like a ``torch`` DataLoader.
+
+Each ``next()`` claims ``batch_size`` samples whose columns are ready and returns their
+:class:`~flowrl.Batch`; at the end of the stream iteration stops. A batch you received
+counts as trained when you ask for the next one (``ack="next"``, the default), call
+:meth:`Loader.ack`, or take a checkpoint with :meth:`Loader.state_dict`.
+
+Exactly-once across a restart. The hub redelivers whatever was never acked (a released or
+expired lease), so the question is only which batches a checkpoint covers:
+
+* ``state_dict()`` covers every batch handed out so far. It lists their indices as
+  ``pending`` and acks them only at the next ``next()``/``ack()``/``close()`` — after your
+  checkpoint was written. A crash before that ack makes the hub redeliver them; a loader
+  restored with ``load_state_dict`` recognises them and acks them without yielding them.
+* batches trained after the last checkpoint are lost with the crash. With
+  ``ack="checkpoint"`` they stay leased (un-acked) until the next ``state_dict()``, so the
+  hub redelivers them after a crash: nothing skipped, nothing repeated. Leases must then
+  outlive a checkpoint interval (``lease_timeout=``). With ``ack="next"`` they were acked
+  on ``next()``: checkpoint every step for exactly-once.
+
+``state_dict()["samples"]`` counts samples handed out up to the checkpoint; after a resume
+it continues from there, so a run's total is checkable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from typing import Any, Literal, final
+
+import msgspec
+import numpy as np
+
+from flowrl._client.base import HubClient
+from flowrl._controller.meta import BatchMeta
+from flowrl._controller.samplers import (
+    BalancedSampler,
+    FifoSampler,
+    GroupSampler,
+    Sampler,
+    StalenessSampler,
+)
+from flowrl._pipeline.constants import POLL_S
+from flowrl._store.batch import Batch
+from flowrl.errors import ConfigError, EndOfStream, LeaseError, StageError, Timeout
+
+__all__ = ["Loader", "LoaderStats"]
+
+_STATE_KEYS = ("task", "dp_rank", "dp_size", "batches", "samples", "tokens", "pending")
+
+
+@final
+class LoaderStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Batches, samples and tokens handed out; ``unacked``: samples leased but not acked."""
+
+    batches: int
+    samples: int
+    tokens: int
+    unacked: int
+
+
+@final
+class Loader:
+    """Micro-batches of ``task`` for data-parallel rank ``dp_rank`` of ``dp_size``.
+
+    ``columns``: what the trainer reads (the task is registered with them: create the
+    loader before samples are produced). ``balance``: claim one token-balanced global
+    batch for all ranks at once (``BalancedSampler``); otherwise each rank claims on its
+    own (disjoint, not balanced). ``groups``: GRPO group size — batches hold whole groups
+    only (with ``balance``, whole groups per global batch). ``max_staleness``: skip samples
+    more than this many versions old. ``timeout``: seconds one ``next()`` may wait
+    (:class:`~flowrl.errors.Timeout`). ``ack``: ``"next"`` or ``"checkpoint"`` (module
+    docstring).
+    """
+
+    def __init__(
+        self,
+        hub: HubClient,
+        *,
+        task: str,
+        columns: Sequence[str],
+        batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        balance: bool = False,
+        groups: int | None = None,
+        max_staleness: int | None = None,
+        timeout: float | None = None,
+        ack: Literal["next", "checkpoint"] = "next",
+        lease_timeout: float | None = None,
+    ) -> None:
+        _check_options(task, batch_size, dp_rank, dp_size, groups, timeout, ack, lease_timeout)
+        self.hub = hub
+        self.task = task
+        self.batch_size = batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.timeout = timeout
+        self.ack_mode = ack
+        self.lease_timeout = lease_timeout
+        self.sampler = _sampler(groups, max_staleness, dp_size if balance else None)
+        hub.register_task(task, columns)
+        self._current: BatchMeta | None = None  # handed out last, not acked
+        self._held: list[BatchMeta] = []  # ack="checkpoint": trained, waiting for a checkpoint
+        self._committing: list[BatchMeta] = []  # covered by a state_dict, acked next
+        self._skip: set[int] = set()  # covered by a loaded checkpoint: ack on sight
+        self._batches = self._samples = self._tokens = 0
+        self._error: BaseException | None = None
+        self._ended = False
+
+    # -- iteration --------------------------------------------------------------------------
+    def __iter__(self) -> Loader:
+        return self
+
+    def __next__(self) -> Batch:
+        self._settle()
+        if self._ended:
+            raise StopIteration
+        meta = None
+        while meta is None:
+            meta = self._drop_skipped(self._claim())
+        try:
+            batch = self.hub.get(meta)
+        except BaseException:
+            self.hub.release(meta)
+            raise
+        self._current = meta
+        self._batches += 1
+        self._samples += len(meta)
+        self._tokens += int(meta.tokens.sum())
+        return batch
+
+    def _claim(self) -> BatchMeta:
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            if self._error is not None:
+                raise StageError(
+                    f"Loader for task {self.task!r}: the pipeline feeding it failed: {self._error}",
+                    stage=getattr(self._error, "stage", ""),
+                    indices=getattr(self._error, "indices", ()),
+                ) from self._error
+            left = None if deadline is None else deadline - time.monotonic()
+            try:
+                return self.hub.claim(
+                    self.task,
+                    self.batch_size,
+                    sampler=self.sampler,
+                    timeout=POLL_S if left is None else min(POLL_S, max(left, 1e-3)),
+                    dp_rank=self.dp_rank,
+                    lease_timeout=self.lease_timeout,
+                    consumer=f"{self.task}/rank{self.dp_rank}",
+                )
+            except EndOfStream:
+                self._ended = True
+                raise StopIteration from None
+            except Timeout:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise Timeout(
+                        f"Loader for task {self.task!r} (rank {self.dp_rank}) waited "
+                        f"{self.timeout}s for {self.batch_size} ready samples; are the "
+                        "producers running, and is the stream ended when they are done?"
+                    ) from None
+
+    def _drop_skipped(self, meta: BatchMeta) -> BatchMeta | None:
+        """Ack samples a restored checkpoint already covers; return the rest (or None)."""
+        if not self._skip:
+            return meta
+        hit = np.isin(meta.indices, np.fromiter(self._skip, dtype=np.int64))
+        if not hit.any():
+            return meta
+        self.hub.ack(meta, meta.indices[hit])
+        self._skip.difference_update(meta.indices[hit].tolist())
+        if hit.all():
+            return None
+        keep = ~hit
+        return BatchMeta(
+            task=meta.task,
+            lease=meta.lease,
+            columns=meta.columns,
+            indices=meta.indices[keep],
+            units=meta.units[keep],
+            tokens=meta.tokens[keep],
+            versions=meta.versions[keep],
+            groups=meta.groups[keep],
+            nbytes=meta.nbytes,  # an upper bound: the skipped samples are not read
+            deadline=meta.deadline,
+            dp_rank=meta.dp_rank,
+        )
+
+    def _abort(self, error: BaseException) -> None:
+        """Called by a failing ``PipelineRun``: make the next claim raise ``error``."""
+        self._error = error
+
+    # -- acking and checkpoints -------------------------------------------------------------
+    def _settle(self) -> None:
+        """The previous batch was trained: ack it (or hold it until the next checkpoint)."""
+        if self._current is not None:
+            if self.ack_mode == "next":
+                self._ack(self._current)
+            else:
+                self._held.append(self._current)
+            self._current = None
+        for meta in self._committing:
+            self._ack(meta)
+        self._committing.clear()
+
+    def _ack(self, meta: BatchMeta) -> None:
+        try:
+            self.hub.ack(meta)
+        except LeaseError as exc:
+            exc.add_note(
+                f"Loader for task {self.task!r}: a batch stayed un-acked past its lease, so the "
+                "hub delivered its samples again; raise lease_timeout= (with ack='checkpoint', "
+                "above the time between checkpoints)"
+            )
+            raise
+
+    def ack(self) -> None:
+        """Mark every batch handed out so far as consumed, now."""
+        for meta in [*self._committing, *self._held, *([self._current] if self._current else [])]:
+            self._ack(meta)
+        self._committing.clear()
+        self._held.clear()
+        self._current = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """A checkpoint covering every batch handed out so far (save it with your model)."""
+        self._committing.extend(self._held)
+        if self._current is not None:
+            self._committing.append(self._current)
+        self._held.clear()
+        self._current = None
+        pending = sorted(i for m in self._committing for i in m.indices.tolist())
+        return {
+            "task": self.task,
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+            "batches": self._batches,
+            "samples": self._samples,
+            "tokens": self._tokens,
+            "pending": pending,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()`` output; call before iterating."""
+        if not isinstance(state, dict) or set(state) != set(_STATE_KEYS):
+            raise ConfigError(
+                f"load_state_dict expects what Loader.state_dict() returned (keys "
+                f"{list(_STATE_KEYS)}), got {state!r:.200}"
+            )
+        mine = (self.task, self.dp_rank, self.dp_size)
+        theirs = (state["task"], state["dp_rank"], state["dp_size"])
+        if mine != theirs:
+            raise ConfigError(
+                f"this checkpoint is for task/dp_rank/dp_size {theirs}, this loader is {mine}; "
+                "restore each rank's loader from its own state_dict"
+            )
+        if self._batches or self._current is not None:
+            raise ConfigError("load_state_dict must be called before iterating the loader")
+        self._batches = int(state["batches"])
+        self._samples = int(state["samples"])
+        self._tokens = int(state["tokens"])
+        self._skip = {int(i) for i in state["pending"]}
+
+    def statistics(self) -> LoaderStats:
+        unacked = [*self._committing, *self._held, *([self._current] if self._current else [])]
+        return LoaderStats(
+            batches=self._batches,
+            samples=self._samples,
+            tokens=self._tokens,
+            unacked=sum(len(m) for m in unacked),
+        )
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Ack what was trained and checkpointed; give back what a checkpoint does not cover.
+
+        With ``ack="next"`` the last batch handed out counts as trained and is acked; with
+        ``ack="checkpoint"`` batches after the last ``state_dict()`` return to the hub.
+        """
+        if self.ack_mode == "next":
+            self.ack()
+            return
+        for meta in self._committing:
+            self._ack(meta)
+        self._committing.clear()
+        self._release_all()
+
+    def _release_all(self) -> None:
+        for meta in [*self._committing, *self._held, *([self._current] if self._current else [])]:
+            with contextlib.suppress(LeaseError):  # expired: its samples are back already
+                self.hub.release(meta)
+        self._committing.clear()
+        self._held.clear()
+        self._current = None
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # the step that raised did not train: give everything un-acked back
+            self._release_all()
+
+
+def _sampler(groups: int | None, max_staleness: int | None, dp_size: int | None) -> Sampler:
+    sampler: Sampler = GroupSampler(groups) if groups is not None else FifoSampler()
+    if max_staleness is not None:
+        sampler = StalenessSampler(max_staleness, sampler)
+    if dp_size is not None:
+        sampler = BalancedSampler(dp_size, sampler)
+    return sampler
+
+
+def _check_options(
+    task: object,
+    batch_size: object,
+    dp_rank: object,
+    dp_size: object,
+    groups: object,
+    timeout: object,
+    ack: object,
+    lease_timeout: object,
+) -> None:
+    def positive_int(x: object) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+    if not isinstance(task, str) or not task:
+        raise ConfigError(f"Loader task must be a non-empty str, got {task!r}")
+    if not positive_int(batch_size):
+        raise ConfigError(f"Loader batch_size must be a positive int, got {batch_size!r}")
+    if not positive_int(dp_size):
+        raise ConfigError(f"Loader dp_size must be a positive int, got {dp_size!r}")
+    if not isinstance(dp_rank, int) or isinstance(dp_rank, bool) or not 0 <= dp_rank < dp_size:  # type: ignore[operator]
+        raise ConfigError(
+            f"Loader dp_rank must be an int in [0, dp_size={dp_size}), got {dp_rank!r}"
+        )
+    if groups is not None and (not positive_int(groups) or batch_size % groups):  # type: ignore[operator]
+        raise ConfigError(
+            f"Loader groups (the GRPO group size) must be a positive int dividing "
+            f"batch_size={batch_size}, got {groups!r}; batches hold whole groups only"
+        )
+    if timeout is not None and (not isinstance(timeout, int | float) or timeout < 0):
+        raise ConfigError(f"Loader timeout must be >= 0 seconds or None, got {timeout!r}")
+    if ack not in ("next", "checkpoint"):
+        raise ConfigError(f"Loader ack must be 'next' or 'checkpoint', got {ack!r}")
+    if lease_timeout is not None and (
+        not isinstance(lease_timeout, int | float) or not lease_timeout > 0
+    ):
+        raise ConfigError(f"Loader lease_timeout must be > 0 seconds, got {lease_timeout!r}")

@@ -77,6 +77,7 @@ class ControllerServer:
         self.ctl.on_evict = self._evict
         self.ctl.log.journal = self._publish  # every event, in order, leaves on PUB
         self.parked: list[_Parked] = []
+        self._seen_seq = 0
         self.running = True
 
     # -- loop -------------------------------------------------------------------------------
@@ -97,8 +98,9 @@ class ControllerServer:
                     except zmq.Again:
                         break
                     self._handle(frames)
-            self.ctl.expire()
-            self._retry_parked()
+            changed = self.ctl.log.seq != self._seen_seq or self.ctl.expire() > 0
+            self._seen_seq = self.ctl.log.seq
+            self._retry_parked(changed)
         self._shutdown()
 
     def _poll_timeout(self) -> int | None:
@@ -162,6 +164,7 @@ class ControllerServer:
             return wire.Done()
         if isinstance(msg, wire.Abort):
             ctl.abort(_ints(msg.indices))
+            self._seen_seq = -1  # freed room without an event: parked reserves may proceed
             return wire.Done()
         if isinstance(msg, wire.CheckUpdate):
             units = ctl.check_update(_ints(msg.indices), tuple(msg.columns))
@@ -219,16 +222,20 @@ class ControllerServer:
         )
         return None if meta is None else wire.MetaReply(meta=meta.to_wire())
 
-    def _retry_parked(self) -> None:
+    def _retry_parked(self, changed: bool) -> None:
+        """Answer parked requests that can proceed now (only worth trying after a state
+        change: every mutation appends an event) or whose time is up."""
         if not self.parked:
             return
         now = time.monotonic()
         still: list[_Parked] = []
         for p in self.parked:
-            try:
-                reply = self._try(p.msg)
-            except FlowRLError as exc:
-                reply = wire.error_of(exc)
+            reply = None
+            if changed:
+                try:
+                    reply = self._try(p.msg)
+                except FlowRLError as exc:
+                    reply = wire.error_of(exc)
             if reply is None and p.deadline is not None and now >= p.deadline:
                 reply = wire.error_of(Timeout(_wait_message(p.msg, p.msg.timeout)))
             if reply is None:

@@ -57,7 +57,7 @@ F64 = NDArray[np.float64]
 class FusionConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Candidate thresholds (fractions of the step's requests) and the next stage's cost."""
 
-    fractions: tuple[float, ...] = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3)
+    fractions: tuple[float, ...] = (0.0, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.15, 0.2)
     infer_flops_per_token: float = 2 * 14.7e9
     infer_eta: float = 0.5
     setup_s: float = 3.0
@@ -164,8 +164,13 @@ def choose_threshold(
     model: ModelSpec,
     hw: HardwareSpec,
     config: FusionConfig,
+    unit_replicas: int = 1,
 ) -> ThresholdChoice:
-    """Pick ``R_t`` by simulating each candidate on a forecast sample (module docstring)."""
+    """Pick ``R_t`` by simulating each candidate on a forecast sample (module docstring).
+
+    Consolidation keeps whole units of ``unit_replicas`` replicas (e.g. a node), as the
+    simulator does; the other units' GPUs go to the next stage.
+    """
     lens = np.asarray(lengths, dtype=np.float64)
     proms = np.asarray(prompts, dtype=np.float64)
     if len(lens) != len(proms) or not len(lens):
@@ -190,7 +195,11 @@ def choose_threshold(
         t_r, rem, ctx = states[mark]
         r_tot = len(rem) * n_replicas
         demand = float((ctx + rem).sum()) * n_replicas
-        m = consolidation_size(r_tot, demand, config.bs_max, cap, n_replicas)
+        units = max(1, n_replicas // unit_replicas)
+        mu = consolidation_size(
+            r_tot, demand, config.bs_max * unit_replicas, cap * unit_replicas, units
+        )
+        m = mu * unit_replicas
         per_m = max(1, math.ceil(r_tot / m))
         reps = np.resize(np.arange(len(rem)), per_m)
         move = float(ctx.max(initial=0.0)) * model.kv_bytes_per_token / hw.net_bw

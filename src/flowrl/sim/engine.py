@@ -19,7 +19,8 @@ Model (one run = ``steps`` generation steps of a :class:`~flowrl.sim.workload.Wo
   estimates; every ``balance_interval_s`` the balancer gets a snapshot. Mode switches take a
   node down for ``switch_time``; its requests are re-laid out (KV moved over NVLink or
   recomputed, the cheaper). Migrations move KV over RDMA or recompute it (the cheaper);
-  waiting requests move for free. With fusion, when the step's remaining requests drop to
+  waiting requests move for free. ``migrated``/``relaid`` count requests that carried state
+  (generated tokens or KV) when moved / re-laid out. With fusion, when the step's remaining requests drop to
   ``R_t`` they are consolidated onto the nodes holding most of them and the other nodes start
   the next stage.
 - **Stages after generation.** The next stage (reference inference) runs on generation GPUs
@@ -151,12 +152,17 @@ class Simulator:
         observers: tuple[Observer, ...] = (),
         forecast: ForecastConfig | None = None,
         curve_points: int = 200,
+        capture_at: tuple[float, ...] = (),
     ) -> None:
         if steps < 1 or tick_s <= 0:
             raise ConfigError(f"need steps >= 1 and tick_s > 0, got {steps}, {tick_s}")
         self.c, self.w, self.scheme = cluster, workload, scheme
         self.steps, self.seed, self.tick = steps, seed, tick_s
         self.curve_points = curve_points
+        self.capture_at = tuple(sorted(capture_at))
+        #: ``(snapshot, expected remaining, tail remaining)`` captured when a step's finished
+        #: fraction first reaches each of ``capture_at`` (for offline study of the policies)
+        self.captured: list[tuple[ClusterSnapshot, F64, F64]] = []
         self._observers = list(observers)
         fc = forecast or ForecastConfig(
             median=workload.median, sigma=max(workload.sigma, 0.05), max_len=workload.max_len
@@ -312,13 +318,14 @@ class Simulator:
         next_plan = start
         next_bal = start
         marks = [0.25, 0.5, 0.75]
+        captures = list(self.capture_at)
         curve_t: list[float] = [start]
         curve_r: list[int] = [n]
         t = start
         done_count = 0
         while done_count < n:
             self._flush(t)
-            if sch.planner is not None and t >= next_plan and fused_at < 0:
+            if sch.planner is not None and t >= next_plan:
                 self._replan(s, t, n, done_count)
                 next_plan = t + sch.plan_interval_s
             if sch.balancer is not None and t >= next_bal:
@@ -327,6 +334,12 @@ class Simulator:
             if threshold > 0 and fused_at < 0 and n - done_count <= threshold:
                 freed_gpus = self._fuse(t)
                 fused_at = t
+            while captures and done_count >= captures[0] * n:
+                captures.pop(0)
+                snap = self.snapshot(s, t, n, done_count)
+                g = st.gen[snap.requests.rid]
+                exp, tail = self.forecaster.estimates(g, g[snap.requests.running])
+                self.captured.append((snap, exp, tail))
             while marks and done_count >= marks[0] * n:
                 marks.pop(0)
                 self._score_forecast()
@@ -522,14 +535,20 @@ class Simulator:
             up = t + (switch_time(c.modes[m], c.model, c.hw) if m >= 0 else 0.0)
             self._activate(int(node), m, up)
             mine = rid[(st.rep[rid] // self.slots == node) & (pl.target_node == node)]
+            self._count(self.relaid_ids, mine)
             self._place(mine, int(node), up, same_node=True)
-            self.relaid_ids.update(int(i) + st.base for i in mine)
         cur_node = st.rep[rid] // self.slots
         movers = pl.target_node != cur_node
         for node in np.unique(pl.target_node[movers]):
             sel = rid[movers & (pl.target_node == node)]
+            self._count(self.migrated_ids, sel)
             self._place(sel, int(node), t, same_node=False)
-            self.migrated_ids.update(int(i) + st.base for i in sel)
+
+    def _count(self, into: set[int], ids: I64) -> None:
+        """Record requests that carry state (tokens generated or KV) as moved."""
+        st = self.st
+        busy = ids[(st.gen[ids] > 0) | (st.state[ids] == RUN) | (st.state[ids] == TRANSIT)]
+        into.update(int(i) + st.base for i in busy)
 
     def _place(self, ids: I64, node: int, t: float, *, same_node: bool) -> None:
         """Spread ``ids`` over ``node``'s replicas; requests holding KV move it or recompute."""
@@ -571,13 +590,13 @@ class Simulator:
             return
         ids = np.array([m.rid for m in moves], dtype=np.int64)
         dst = np.array([m.dst for m in moves], dtype=np.int64)
+        self._count(self.migrated_ids, ids)
         same = (st.rep[ids] // self.slots) == (dst // self.slots)
         st.rep[ids] = dst
         for flag in (True, False):
             sel = ids[same == flag]
             if len(sel):
                 self._move_kv(sel, t, same_node=flag)
-        self.migrated_ids.update(int(i) + st.base for i in ids)
 
     def _pick_threshold(self, n: int) -> int:
         fz = self.scheme.fusion
@@ -591,7 +610,7 @@ class Simulator:
         choice = choose_threshold(
             np.maximum(lens, 1.0), self.st.prompt.astype(np.float64),
             n_replicas=int((self.rep_mode >= 0).sum()), mode=mode, total_gpus=c.gpus,
-            model=c.model, hw=c.hw, config=fz,
+            model=c.model, hw=c.hw, config=fz, unit_replicas=c.hw.gpus_per_node // mode.gpus,
         )
         return choice.threshold
 
@@ -617,9 +636,9 @@ class Simulator:
             self.node_gpus[node] = 0
             self._activate(int(node), -1, t)
             freed += c.hw.gpus_per_node
+            self._count(self.migrated_ids, ids)
             for j, dst in enumerate(np.array_split(ids, len(keep))):
                 self._place(dst, int(keep[j]), t, same_node=False)
-            self.migrated_ids.update(int(i) + st.base for i in ids)
         return freed
 
     def _next_stage_end(

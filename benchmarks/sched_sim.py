@@ -39,8 +39,8 @@ import time
 import numpy as np
 
 from flowrl.sched import BalancerConfig, PlannerConfig, plan, rebalance
-from flowrl.sched.problem import build_problem, evaluate
 from flowrl.sched.planner import candidate_modes
+from flowrl.sched.problem import build_problem
 from flowrl.sched.solver import solve_milp, solve_relaxed
 from flowrl.sim import ClusterSpec, Scheme, Simulator, Workload, standard_schemes
 from flowrl.sim.report import format_table, plot_curves, run_schemes, summarise
@@ -49,8 +49,12 @@ from flowrl.sim.report import format_table, plot_curves, run_schemes, summarise
 def _captured(gpus: int, requests: int, mode: str, at: tuple[float, ...], seed: int):
     c = ClusterSpec(gpus=gpus)
     sim = Simulator(
-        c, Workload(requests_per_step=requests), Scheme(name="probe", initial_mode=mode),
-        steps=1, seed=seed, capture_at=at,
+        c,
+        Workload(requests_per_step=requests),
+        Scheme(name="probe", initial_mode=mode),
+        steps=1,
+        seed=seed,
+        capture_at=at,
     )
     sim.run()
     return c, sim.captured
@@ -62,13 +66,27 @@ def _gap(milp_limit: float, seed: int) -> dict[str, float]:
     ratios, vs_bound, exact = [], [], 0
     for snap, exp, tail in caps:
         cand = candidate_modes(
-            snap.modes, snap.progress, snap.node_mode, keep=cfg.keep_modes,
-            mean_ctx=float(np.mean(snap.requests.context + exp / 2)), bs_max=cfg.bs_max,
-            model=c.model, hw=c.hw,
+            snap.modes,
+            snap.progress,
+            snap.node_mode,
+            keep=cfg.keep_modes,
+            mean_ctx=float(np.mean(snap.requests.context + exp / 2)),
+            bs_max=cfg.bs_max,
+            model=c.model,
+            hw=c.hw,
         )
         p = build_problem(
-            snap, exp, tail=tail, cand=cand, model=c.model, hw=c.hw, bs_max=cfg.bs_max,
-            bucket=cfg.bucket, kv_tolerance=cfg.kv_tolerance, beta=None, gpu_budget=None,
+            snap,
+            exp,
+            tail=tail,
+            cand=cand,
+            model=c.model,
+            hw=c.hw,
+            bs_max=cfg.bs_max,
+            bucket=cfg.bucket,
+            kv_tolerance=cfg.kv_tolerance,
+            beta=None,
+            gpu_budget=None,
         )
         fast = solve_relaxed(p, deadline=time.perf_counter() + cfg.time_limit)
         best = solve_milp(p, time_limit=milp_limit, start=fast)
@@ -158,10 +176,12 @@ def main(argv: list[str] | None = None) -> int:
         "replan p99 <= 1000 ms": [out["replan_p99_ms"], out["replan_p99_ms"] <= 1000],
         "objective <= 1.08x exact MILP": [out["planner_gap"], out["planner_gap"] <= 1.08],
         "feasible plan <= 100 ms at 512 GPUs": [
-            out["feasible_plan_ms_512"], out["feasible_plan_ms_512"] <= 100,
+            out["feasible_plan_ms_512"],
+            out["feasible_plan_ms_512"] <= 100,
         ],
         "balancer tick <= 2 ms at 64 workers": [
-            out["balancer_tick_ms"], out["balancer_tick_ms"] <= 2,
+            out["balancer_tick_ms"],
+            out["balancer_tick_ms"] <= 2,
         ],
     }
     out["wall_s"] = round(time.perf_counter() - t0, 1)

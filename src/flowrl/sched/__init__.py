@@ -4,7 +4,7 @@ Nothing here imports Ray, zmq or the hub: a real pipeline and the simulator
 (:mod:`flowrl.sim`) feed the same snapshots to the same functions.
 
 - :mod:`~flowrl.sched.costmodel` — decode step time, KV capacity, migrate-vs-recompute;
-- :mod:`~flowrl.sched.forecast` — online remaining-length distribution (ARIMA + Kaplan–Meier);
+- :mod:`~flowrl.sched.forecast` — online remaining-length distribution (ARIMA + Kaplan-Meier);
 - :mod:`~flowrl.sched.planner` — proactive planner (MILP over modes and length buckets);
 - :mod:`~flowrl.sched.balancer` — reactive balancer (congestion score, KV-headroom moves);
 - :mod:`~flowrl.sched.fusion` — long-tail migration threshold and consolidation.

@@ -7,7 +7,8 @@ OrchestrRL §4.2. Each replica ``i`` gets a congestion score (higher = more cong
     C_i = (running_i + waiting_i) / N_i * (mean(mu) / mu_i)
 
 ``footprint_i`` is the mean KV tokens per request queued or running on ``i`` (the cluster
-mean where ``i`` is empty); a replica with no running request gets ``mu_i = mean(mu)``.
+mean where ``i`` is empty); a replica with no running request or no observed rate yet gets
+``mu_i = mean(mu)`` over the others (``1`` if none is known).
 ``C`` ranks replicas only — it is not a completion-time prediction.
 
 Each tick, while ``C_max - C_min >= start_gap`` (and then until it drops below
@@ -117,10 +118,10 @@ def congestion_scores(snap: ClusterSnapshot) -> tuple[F64, F64, F64]:
     r = snap.replicas
     foot = np.maximum(_footprint(snap), 1.0)
     stable = np.maximum(1.0, np.minimum(r.bs_max, np.floor(r.kv_capacity / foot)))
-    mu = np.where(r.running > 0, r.token_rate / np.maximum(r.running, 1), np.nan)
-    on = r.mode >= 0
-    ref = float(np.nanmean(mu[on])) if np.any(on & ~np.isnan(mu)) else 1.0
-    mu = np.where(np.isnan(mu) | (mu <= 0), ref, mu)
+    mu = r.token_rate / np.maximum(r.running, 1)
+    known = (r.mode >= 0) & (r.running > 0) & (mu > 0)
+    ref = float(mu[known].mean()) if known.any() else 1.0
+    mu = np.where(known, mu, ref)
     slow = ref / mu
     return (r.running + r.waiting) / stable * slow, stable, slow
 

@@ -177,7 +177,7 @@ class ParallelMode(msgspec.Struct, frozen=True, kw_only=True):
                 )
             if self.tp > self.afd_attn or self.ep > self.gpus - self.afd_attn:
                 raise ConfigError(
-                    f"ParallelMode {self.name!r}: tp must fit the attention GPUs and ep the FFN GPUs"
+                    f"ParallelMode {self.name!r}: tp must fit the attention GPUs, ep the FFN GPUs"
                 )
         elif self.tp > self.gpus or self.ep > self.gpus:
             raise ConfigError(f"ParallelMode {self.name!r}: tp and ep must be <= gpus={self.gpus}")
@@ -277,17 +277,19 @@ def saturated_token_rate(
     return float(b / step_time(mode, b, b * mean_ctx, model, hw))
 
 
-def latency_per_token(mode: ParallelMode, ctx: ArrayLike, model: ModelSpec, hw: HardwareSpec) -> F64:
+def latency_per_token(
+    mode: ParallelMode, ctx: ArrayLike, model: ModelSpec, hw: HardwareSpec
+) -> F64:
     """Seconds per token of a lone sequence with ``ctx`` context tokens (tail regime)."""
     return step_time(mode, 1.0, ctx, model, hw)
 
 
-def prefill_time(
-    mode: ParallelMode, tokens: ArrayLike, model: ModelSpec, hw: HardwareSpec
-) -> F64:
+def prefill_time(mode: ParallelMode, tokens: ArrayLike, model: ModelSpec, hw: HardwareSpec) -> F64:
     """Seconds to prefill ``tokens`` (compute-bound) on one replica of ``mode``."""
     t = np.asarray(tokens, dtype=np.float64)
-    flops = 2.0 * model.active_params * t + 2.0 * model.layers * model.n_heads * model.head_dim * t**2
+    flops = (
+        2.0 * model.active_params * t + 2.0 * model.layers * model.n_heads * model.head_dim * t**2
+    )
     return flops / (mode.gpus * hw.flops * hw.eta_flop)
 
 

@@ -10,7 +10,7 @@ distribution ... using an ARIMA model", updated as requests complete):
    extrapolated linearly beyond the outer ones, give the *prior* survival function of the
    next step. Before any step is seen the prior is ``lognormal(median, sigma)`` from config.
 2. **Within a step** — finished responses are exact observations, running requests are
-   right-censored at their generated length. The Kaplan–Meier estimator gives the survival
+   right-censored at their generated length. The Kaplan-Meier estimator gives the survival
    function wherever at least ``min_at_risk`` requests were at risk; beyond that the prior's
    tail is spliced on (scaled to be continuous). So the estimate follows the realised
    lengths as the wave completes, and the prior only speaks about lengths nobody reached.
@@ -134,7 +134,7 @@ class LengthDistribution:
 
 
 def kaplan_meier(events: ArrayLike, censored: ArrayLike, grid: ArrayLike) -> tuple[F64, F64]:
-    """Kaplan–Meier survival ``P(L > x)`` and the number at risk, both evaluated on ``grid``.
+    """Kaplan-Meier survival ``P(L > x)`` and the number at risk, both evaluated on ``grid``.
 
     ``events`` are exact lengths of finished responses, ``censored`` the generated lengths of
     running ones (known only to exceed that).
@@ -149,7 +149,8 @@ def kaplan_meier(events: ArrayLike, censored: ArrayLike, grid: ArrayLike) -> tup
     n = (len(ev) - np.searchsorted(ev, times, side="left")) + (
         len(ce) - np.searchsorted(ce, times, side="left")
     )
-    log_s = np.cumsum(np.log1p(-d / n))
+    with np.errstate(divide="ignore"):  # d == n: survival drops to exactly 0
+        log_s = np.cumsum(np.log1p(-d / n))
     idx = np.searchsorted(times, x, side="right") - 1
     surv = np.where(idx >= 0, np.exp(log_s[np.maximum(idx, 0)]), 1.0)
     at_risk = (len(ev) - np.searchsorted(ev, x, side="right")) + (

@@ -180,7 +180,7 @@ def choose_threshold(
     n_total = len(lens)
     per = max(1, n_total // n_replicas)
     group_l, group_p = lens[:per], proms[:per]
-    marks = sorted({int(round(f * n_total / n_replicas)) for f in config.fractions if f > 0})
+    marks = sorted({round(f * n_total / n_replicas) for f in config.fractions if f > 0})
     gen_end, states = _wave(group_l, group_p, mode, config.bs_max, model, hw, marks)
     rate = hw.flops * config.infer_eta / config.infer_flops_per_token  # tokens/s per GPU
     work = float((lens + proms).sum())
@@ -188,11 +188,14 @@ def choose_threshold(
     cap = kv_capacity_tokens(mode, model, hw)
     results = []
     for f in config.fractions:
-        mark = int(round(f * n_total / n_replicas))
+        mark = round(f * n_total / n_replicas)
         if f == 0 or mark not in states:
             results.append(serial)
             continue
         t_r, rem, ctx = states[mark]
+        if not len(rem):
+            results.append(serial)
+            continue
         r_tot = len(rem) * n_replicas
         demand = float((ctx + rem).sum()) * n_replicas
         units = max(1, n_replicas // unit_replicas)
@@ -211,7 +214,7 @@ def choose_threshold(
     i = int(np.argmin(results))
     f = config.fractions[i]
     return ThresholdChoice(
-        threshold=int(round(f * n_total)),
+        threshold=round(f * n_total),
         fraction=f,
         predicted_end=results[i],
         predicted_serial_end=serial,

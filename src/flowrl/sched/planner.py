@@ -53,7 +53,13 @@ from flowrl.sched.costmodel import (
 )
 from flowrl.sched.problem import Evaluation, PlanProblem, build_problem, evaluate, feasible
 from flowrl.sched.snapshot import ClusterSnapshot
-from flowrl.sched.solver import Solution, assign_greedy, solve_milp, solve_relaxed
+from flowrl.sched.solver import (
+    Solution,
+    assign_greedy,
+    fit_budget,
+    solve_milp,
+    solve_relaxed,
+)
 
 __all__ = ["Plan", "PlannerConfig", "candidate_modes", "plan", "realize"]
 
@@ -128,9 +134,7 @@ def candidate_modes(
     hw: HardwareSpec,
 ) -> I64:
     """Indices of modes worth considering at this point of the wave (see module docstring)."""
-    thr = np.array(
-        [saturated_token_rate(m, mean_ctx, bs_max, model, hw) / m.gpus for m in modes]
-    )
+    thr = np.array([saturated_token_rate(m, mean_ctx, bs_max, model, hw) / m.gpus for m in modes])
     lat = np.array([float(latency_per_token(m, mean_ctx, model, hw)) for m in modes])
     w = float(np.clip(progress, 0.0, 1.0))
     score = (1 - w) * thr / thr.max() + w * lat.min() / lat
@@ -184,6 +188,11 @@ def plan(
     deadline = t0 + config.time_limit
     q = snap.requests
     rem = np.asarray(remaining, dtype=np.float64)
+    if rem.shape != (len(q),):
+        raise ConfigError(
+            f"remaining has {rem.size} entries, snapshot {len(q)} requests; pass one expected "
+            "remaining length per pending request, in snapshot order"
+        )
     mean_ctx = float(np.mean(q.context + rem / 2)) if len(q) else 1.0
     cand = candidate_modes(
         snap.modes,
@@ -211,9 +220,10 @@ def plan(
     keep_mode, keep_c = _keep_plan(p)
     keep = evaluate(p, keep_mode, keep_c)
     sols: list[Solution] = []
-    c = assign_greedy(p, keep_mode)
+    start = fit_budget(p, keep_mode)
+    c = assign_greedy(p, start)
     if c is not None:
-        sols.append(Solution(keep_mode, c, evaluate(p, keep_mode, c).objective, "greedy"))
+        sols.append(Solution(start, c, evaluate(p, start, c).objective, "greedy"))
     bound = float("nan")
     if config.method in ("lp", "milp") and len(q):
         s = solve_relaxed(p, deadline=deadline, max_evals=config.max_evals)

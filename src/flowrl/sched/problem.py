@@ -24,8 +24,9 @@ that leave node ``n`` or must be re-laid-out because ``n`` switched mode.
 
 Feasibility (:func:`feasible`): every request assigned once, only to nodes that are on;
 GPUs in use ``<= gpu_budget`` (default: the snapshot's ``node_gpus`` summed) and no node in a
-mode needing more GPUs than its ``node_gpus``; per node ``sum_b kv*c <= (u + eps) * cap[m]`` where ``u`` is the
-cluster's current KV demand over current capacity (the KV-balance constraint).
+mode needing more GPUs than its ``node_gpus``; per node ``sum_b kv*c <= (u + eps) * cap[m]``
+where ``u`` is the cluster's current KV demand over current capacity (the KV-balance
+constraint).
 """
 
 from __future__ import annotations

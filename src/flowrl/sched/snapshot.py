@@ -64,7 +64,9 @@ class ReplicaView:
         n = len(self.node)
         for f in ("mode", "running", "waiting", "kv_used", "kv_capacity", "bs_max", "token_rate"):
             if len(getattr(self, f)) != n:
-                raise ConfigError(f"ReplicaView.{f} has {len(getattr(self, f))} entries, node has {n}")
+                raise ConfigError(
+                    f"ReplicaView.{f} has {len(getattr(self, f))} entries, node has {n}"
+                )
 
     def __len__(self) -> int:
         return len(self.node)
@@ -88,7 +90,9 @@ class RequestView:
         n = len(self.rid)
         for f in ("replica", "prompt", "generated", "running"):
             if len(getattr(self, f)) != n:
-                raise ConfigError(f"RequestView.{f} has {len(getattr(self, f))} entries, rid has {n}")
+                raise ConfigError(
+                    f"RequestView.{f} has {len(getattr(self, f))} entries, rid has {n}"
+                )
 
     def __len__(self) -> int:
         return len(self.rid)

@@ -30,7 +30,7 @@ from scipy import sparse
 from flowrl.sched import _highs
 from flowrl.sched.problem import PlanProblem, evaluate, feasible
 
-__all__ = ["Solution", "assign_greedy", "assign_lp", "solve_milp", "solve_relaxed"]
+__all__ = ["Solution", "assign_greedy", "assign_lp", "fit_budget", "solve_milp", "solve_relaxed"]
 
 F64 = NDArray[np.float64]
 I64 = NDArray[np.int64]
@@ -52,9 +52,7 @@ def _thetas(p: PlanProblem, mode: I64) -> F64:
     return np.unique(vals)
 
 
-def _fill_bucket(
-    n_req: int, loads: F64, a: F64, cap: I64
-) -> I64 | None:
+def _fill_bucket(n_req: int, loads: F64, a: F64, cap: I64) -> I64 | None:
     """Integer water-filling of ``n_req`` requests (cost ``a`` each) onto ``loads``."""
     if cap.sum() < n_req:
         return None
@@ -101,7 +99,7 @@ def _greedy_at(p: PlanProblem, mode: I64, theta: float) -> I64 | None:
     return c
 
 
-def _search_theta(p: PlanProblem, mode: I64, assign) -> I64 | None:  # noqa: ANN001
+def _search_theta(p: PlanProblem, mode: I64, assign) -> I64 | None:
     """Binary search on the latency threshold; returns the best counts found."""
     thetas = _thetas(p, mode)
     lo, hi = 0, len(thetas) - 1
@@ -227,9 +225,7 @@ def _lp_at(p: PlanProblem, mode: I64, theta: float) -> I64 | None:
     cost = np.zeros(nv)
     cost[k : k + n * nb] = p.beta * np.tile(p.mig, n)
     cost[t_col] = 1.0
-    res = _highs.solve(
-        cost, a, np.array(lo), np.array(hi), np.zeros(nv), np.full(nv, np.inf)
-    )
+    res = _highs.solve(cost, a, np.array(lo), np.array(hi), np.zeros(nv), np.full(nv, np.inf))
     if not res.ok:
         return None
     frac = np.zeros((n, nb))
@@ -276,7 +272,7 @@ class _Layout:
         return self.t + 1
 
 
-def _full_model(p: PlanProblem):  # noqa: ANN202
+def _full_model(p: PlanProblem):
     n, nb = p.n_nodes, p.n_buckets
     cand = p.cand
     mc = len(cand)
@@ -361,7 +357,7 @@ def _full_model(p: PlanProblem):  # noqa: ANN202
         shape=(r, lay.size),
     )
     cost = np.zeros(lay.size)
-    cost[:lay.c0] = p.beta * p.switch[node_of_nm, mode_of_nm]
+    cost[: lay.c0] = p.beta * p.switch[node_of_nm, mode_of_nm]
     cost[lay.mv0 : lay.t] = p.beta * np.tile(p.mig, n)
     cost[lay.t] = 1.0
     col_hi = np.full(lay.size, np.inf)
@@ -438,6 +434,13 @@ def _round_mix(p: PlanProblem, xs: F64) -> I64:
             mode[i] = p.cand[j] if j < mc else -1
             k[j] -= 1
     mode[mode == -2] = -1
+    return fit_budget(p, mode)
+
+
+def fit_budget(p: PlanProblem, mode: I64) -> I64:
+    """Turn off the nodes holding fewest requests until the GPU budget holds."""
+    mode = mode.copy()
+    mode[(mode >= 0) & ~p.allowed[np.arange(p.n_nodes), np.maximum(mode, 0)]] = -1
     while int(p.mode_gpus[mode[mode >= 0]].sum()) > p.gpu_budget:
         on = np.nonzero(mode >= 0)[0]
         mode[on[np.argmin(p.holdings[on].sum(axis=1))]] = -1
@@ -467,8 +470,10 @@ def solve_relaxed(
 ) -> Solution | None:
     """LP relaxation -> mode-mix rounding -> greedy local search -> LP polish (see module)."""
     lay, cost, a, lo, hi, clo, chi, _ = _full_model(p)
-    res = _highs.solve(cost, a, lo, hi, clo, chi, time_limit=max(deadline - time.perf_counter(), 0.01))
-    starts = [p.current.copy()]
+    res = _highs.solve(
+        cost, a, lo, hi, clo, chi, time_limit=max(deadline - time.perf_counter(), 0.01)
+    )
+    starts = [fit_budget(p, p.current)]
     if res.ok:
         starts.insert(0, _round_mix(p, res.x[: lay.c0].reshape(p.n_nodes, lay.mc)))
     best: tuple[float, I64, I64] | None = None

@@ -12,8 +12,8 @@ from flowrl.sim.schemes import Scheme, latency_mode, standard_schemes, throughpu
 from flowrl.sim.workload import StepRequests, Workload
 
 __all__ = [
-    "ClusterSpec",
     "DEFAULT_MODES",
+    "ClusterSpec",
     "Scheme",
     "SimResult",
     "Simulator",

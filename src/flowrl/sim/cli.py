@@ -34,9 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=32768, help="generation length cap")
     p.add_argument("--trace", help="file of recorded response lengths, one per line")
     p.add_argument("--tick", type=float, default=0.25, help="simulation tick, seconds")
-    p.add_argument(
-        "--schemes", default="all", help="comma-separated scheme names, or 'all'"
-    )
+    p.add_argument("--schemes", default="all", help="comma-separated scheme names, or 'all'")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="PATH", help="write remaining-requests plot (PNG)")
     return p
@@ -65,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise ConfigError(f"unknown scheme(s) {unknown}; choose from {list(schemes)}")
         results = run_schemes(
-            cluster, workload, [schemes[n] for n in names], steps=args.steps, seed=args.seed,
+            cluster,
+            workload,
+            [schemes[n] for n in names],
+            steps=args.steps,
+            seed=args.seed,
             tick_s=args.tick,
         )
     except (ConfigError, OSError, ValueError) as exc:

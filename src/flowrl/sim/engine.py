@@ -20,9 +20,9 @@ Model (one run = ``steps`` generation steps of a :class:`~flowrl.sim.workload.Wo
   node down for ``switch_time``; its requests are re-laid out (KV moved over NVLink or
   recomputed, the cheaper). Migrations move KV over RDMA or recompute it (the cheaper);
   waiting requests move for free. ``migrated``/``relaid`` count requests that carried state
-  (generated tokens or KV) when moved / re-laid out. With fusion, when the step's remaining requests drop to
-  ``R_t`` they are consolidated onto the nodes holding most of them and the other nodes start
-  the next stage.
+  (generated tokens or KV) when moved / re-laid out. With fusion, when the step's remaining
+  requests drop to ``R_t`` they are consolidated onto the nodes holding most of them and the
+  other nodes start the next stage.
 - **Stages after generation.** The next stage (reference inference) runs on generation GPUs
   after the step's generation (or on freed GPUs from the fusion trigger); training of step
   ``s`` starts when that stage ends and training of ``s-1`` is done; generation of step
@@ -183,7 +183,9 @@ class Simulator:
         self.rep_clock = np.zeros(nr)
         self.rep_cap = np.zeros(nr, dtype=np.int64)
         self.rep_rate = np.zeros(nr)
-        self._caps = np.array([kv_capacity_tokens(m, cluster.model, cluster.hw) for m in cluster.modes])
+        self._caps = np.array(
+            [kv_capacity_tokens(m, cluster.model, cluster.hw) for m in cluster.modes]
+        )
         for n in range(n_nodes):
             self._activate(n, int(self.node_mode[n]), 0.0)
         self.migrated_ids: set[int] = set()
@@ -294,7 +296,7 @@ class Simulator:
             wall_s=time.perf_counter() - wall,
         )
 
-    # -- one generation step ------------------------------------------------------------------------
+    # -- one generation step --------------------------------------------------------------------
     def _gen_step(
         self, s: int, start: float, prompt: I64, length: I64, base: int, version: int
     ) -> StepResult:
@@ -302,8 +304,14 @@ class Simulator:
         n = len(length)
         self._flush(start)
         self._emit(
-            Put, start, indices=tuple(range(base, base + n)), columns=("prompt",), new=True,
-            partition=f"step-{s}", version=version, tokens=tuple(int(v) for v in prompt),
+            Put,
+            start,
+            indices=tuple(range(base, base + n)),
+            columns=("prompt",),
+            new=True,
+            partition=f"step-{s}",
+            version=version,
+            tokens=tuple(int(v) for v in prompt),
         )
         st = _StepState(prompt, length, base)
         self.st = st
@@ -366,8 +374,8 @@ class Simulator:
             requests=n,
             fused_at=fused_at,
             threshold=threshold,
-            curve_t=tuple(curve_t[::keep]) + (gen_end,),
-            curve_remaining=tuple(curve_r[::keep]) + (0,),
+            curve_t=(*tuple(curve_t[::keep]), gen_end),
+            curve_remaining=(*tuple(curve_r[::keep]), 0),
         )
 
     def _tick(self, t0: float, t1: float, version: int) -> int:
@@ -402,7 +410,9 @@ class Simulator:
         st.state[fin_idx] = DONE
         produced = np.bincount(rep, weights=adv, minlength=nr)
         self.rep_rate = 0.5 * self.rep_rate + 0.5 * produced / (t1 - t0)
-        self.rep_clock = np.where(b > 0, clock + k * np.where(b > 0, step, 0.0), np.maximum(clock, t1))
+        self.rep_clock = np.where(
+            b > 0, clock + k * np.where(b > 0, step, 0.0), np.maximum(clock, t1)
+        )
         self._flush(t1)
         if len(fin_idx):
             order = fin_idx[np.lexsort((st.finish[fin_idx], st.rep[fin_idx]))]
@@ -411,8 +421,13 @@ class Simulator:
             for grp in np.split(order, cuts):
                 r = int(st.rep[grp[0]])
                 self._emit(
-                    Put, t1, indices=tuple(int(i) for i in grp + st.base), columns=("response",),
-                    version=version, tokens=tuple(int(v) for v in st.length[grp]), unit=r,
+                    Put,
+                    t1,
+                    indices=tuple(int(i) for i in grp + st.base),
+                    columns=("response",),
+                    version=version,
+                    tokens=tuple(int(v) for v in st.length[grp]),
+                    unit=r,
                     producer=f"gen-{r}",
                 )
         self._preempt(run[~fin])
@@ -506,14 +521,17 @@ class Simulator:
                 token_rate=self.rep_rate,
             ),
             requests=RequestView(
-                rid=pend, replica=rep, prompt=st.prompt[pend], generated=st.gen[pend],
+                rid=pend,
+                replica=rep,
+                prompt=st.prompt[pend],
+                generated=st.gen[pend],
                 running=running,
             ),
         )
 
     def _replan(self, s: int, t: float, total: int, finished: int) -> None:
         cfg = self.scheme.planner
-        assert cfg is not None  # noqa: S101 - guarded by caller
+        assert cfg is not None
         snap = self.snapshot(s, t, total, finished)
         st = self.st
         g = st.gen[snap.requests.rid]
@@ -554,7 +572,7 @@ class Simulator:
         """Spread ``ids`` over ``node``'s replicas; requests holding KV move it or recompute."""
         if not len(ids):
             return
-        st, c = self.st, self.c
+        st, _c = self.st, self.c
         reps = self._node_reps(node)
         load = np.bincount(st.rep[st.state != DONE], minlength=len(self.rep_mode))[reps]
         order = np.argsort(load, kind="stable")
@@ -576,7 +594,7 @@ class Simulator:
 
     def _balance(self, s: int, t: float, total: int, finished: int) -> None:
         cfg = self.scheme.balancer
-        assert cfg is not None  # noqa: S101 - guarded by caller
+        assert cfg is not None
         snap = self.snapshot(s, t, total, finished)
         t0 = time.perf_counter()
         dec = rebalance(snap, cfg, self._bal_mem)
@@ -600,7 +618,7 @@ class Simulator:
 
     def _pick_threshold(self, n: int) -> int:
         fz = self.scheme.fusion
-        assert fz is not None  # noqa: S101 - guarded by caller
+        assert fz is not None
         c = self.c
         prior = self.forecaster.prior()
         u = (np.arange(n) + 0.5) / n
@@ -608,9 +626,15 @@ class Simulator:
         lens = np.interp(1.0 - rng.permutation(u), prior.surv[::-1], prior.grid[::-1])
         mode = c.modes[c.mode_index(self.scheme.initial_mode)]
         choice = choose_threshold(
-            np.maximum(lens, 1.0), self.st.prompt.astype(np.float64),
-            n_replicas=int((self.rep_mode >= 0).sum()), mode=mode, total_gpus=c.gpus,
-            model=c.model, hw=c.hw, config=fz, unit_replicas=c.hw.gpus_per_node // mode.gpus,
+            np.maximum(lens, 1.0),
+            self.st.prompt.astype(np.float64),
+            n_replicas=int((self.rep_mode >= 0).sum()),
+            mode=mode,
+            total_gpus=c.gpus,
+            model=c.model,
+            hw=c.hw,
+            config=fz,
+            unit_replicas=c.hw.gpus_per_node // mode.gpus,
         )
         return choice.threshold
 
@@ -620,12 +644,16 @@ class Simulator:
         pend = np.nonzero(st.state != DONE)[0]
         g = st.gen[pend]
         ctx = st.prompt[pend] + g
-        demand = float((ctx + self.forecaster.expected_remaining(g, g[st.state[pend] != WAIT])).sum())
+        demand = float(
+            (ctx + self.forecaster.expected_remaining(g, g[st.state[pend] != WAIT])).sum()
+        )
         on = np.nonzero(self.node_mode >= 0)[0]
         cap_node = np.array([self._caps[self.node_mode[n]] * len(self._node_reps(n)) for n in on])
         per_node = np.bincount(st.rep[pend] // self.slots, minlength=c.nodes)[on]
         reps_per_node = max(1, len(self._node_reps(int(on[0]))))
-        m = consolidation_size(len(pend), demand, c.bs_max * reps_per_node, float(cap_node.min()), len(on))
+        m = consolidation_size(
+            len(pend), demand, c.bs_max * reps_per_node, float(cap_node.min()), len(on)
+        )
         keep = on[select_targets(per_node, m)]
         freed = 0
         for node in on:

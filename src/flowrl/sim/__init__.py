@@ -6,13 +6,12 @@ and forecaster subscribe exactly as they would to a real hub. CLI: :func:`flowrl
 
 from __future__ import annotations
 
-from flowrl.sim.cluster import DEFAULT_MODES, ClusterSpec
+from flowrl.sim.cluster import ClusterSpec
 from flowrl.sim.engine import SimResult, Simulator, StepResult
 from flowrl.sim.schemes import Scheme, latency_mode, standard_schemes, throughput_mode
 from flowrl.sim.workload import StepRequests, Workload
 
 __all__ = [
-    "DEFAULT_MODES",
     "ClusterSpec",
     "Scheme",
     "SimResult",

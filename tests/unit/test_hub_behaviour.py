@@ -379,7 +379,7 @@ def test_expired_samples_come_back_first_in_line(make_hub) -> None:
 def test_partial_ack_then_expiry_returns_only_the_rest(make_hub) -> None:
     hub = make_hub(columns=COLS, tasks=TWO_TASKS)
     hub.put(sample(4))
-    meta = hub.claim("train", 4, lease_timeout=0.1, timeout=GUARD)
+    meta = hub.claim("train", 4, lease_timeout=0.5, timeout=GUARD)
     hub.ack(meta, indices=[1, 3])
     with pytest.raises(LeaseError):
         hub.ack(meta, indices=[1])  # already acked

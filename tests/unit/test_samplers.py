@@ -317,7 +317,7 @@ def test_balanced_sampler_rank_waits_for_a_full_global_batch(make_hub) -> None:
 
 
 def test_balanced_part_of_a_rank_that_never_comes_is_returned(make_hub) -> None:
-    hub = make_hub(columns=COLS, tasks={"train": ["x"]}, config=HubConfig(lease_timeout=0.2))
+    hub = make_hub(columns=COLS, tasks={"train": ["x"]}, config=HubConfig(lease_timeout=0.5))
     hub.put({"x": np.arange(4)}, tokens=[1, 2, 3, 4])
     m0 = hub.claim("train", 2, sampler=BalancedSampler(2), dp_rank=0, timeout=2)
     hub.ack(m0)

@@ -59,7 +59,7 @@ class BalancerConfig(msgspec.Struct, frozen=True, kw_only=True):
     start_gap: float = 0.3
     stop_gap: float = 0.1
     cooldown: int = 5
-    max_moves: int = 256
+    max_moves: int = 64
     move_running: bool = True
 
     def __post_init__(self) -> None:
@@ -148,59 +148,69 @@ def rebalance(
     active = mem.active or gap0 >= config.start_gap
     if not active:
         return BalanceDecision((), BalancerMemory(tick, moved_at, received_at, False), gap0, gap0)
-    # candidate requests per replica, cheapest first: waiting before running, short context
-    order = np.lexsort((q.context, q.running, q.replica))
-    rep_sorted = q.replica[order]
-    starts = np.searchsorted(rep_sorted, np.arange(len(r) + 1))
+    # candidate requests per replica, cheapest first: waiting before running, short context;
+    # a replica with waiting requests offers only those, else its running ones if allowed
+    key = (q.replica << 33) | (q.running.astype(np.int64) << 32) | np.minimum(q.context, 2**32 - 1)
+    order = np.argsort(key, kind="stable")  # one int64 key: ~8x faster than lexsort
+    starts = np.searchsorted(q.replica[order], np.arange(len(r) + 1))
     ptr = starts[:-1].copy()
+    offer = np.where(r.waiting > 0, r.waiting, r.running if config.move_running else 0)
+    end = ptr + offer
+    ctx_all = q.context
+    rid_all = q.rid
+    run_all = q.running
     moves: list[Migration] = []
-    src_block = np.zeros(len(r), dtype=bool)
-    dst_block = np.zeros(len(r), dtype=bool)
+    src_ok = on & (offer > 0)
     for k in received_at:
         if 0 <= k < len(r):
-            src_block[k] = True
+            src_ok[k] = False
+    dst_ok = on.copy()
+    src_arr = np.where(src_ok, score, -np.inf)
+    dst_arr = np.where(dst_ok & (load < stable), score, np.inf)
+
+    def refresh(j: int) -> None:
+        src_arr[j] = score[j] if src_ok[j] else -np.inf
+        dst_arr[j] = score[j] if dst_ok[j] and load[j] < stable[j] else np.inf
+
     gap = gap0
     while len(moves) < config.max_moves:
-        src_score = np.where(on & ~src_block, score, -np.inf)
-        s = int(np.argmax(src_score))
-        dst_ok = on & ~dst_block & (load < stable)
-        dst_ok[s] = False
-        dst_score = np.where(dst_ok, score, np.inf)
-        d = int(np.argmin(dst_score))
-        if not np.isfinite(src_score[s]) or not np.isfinite(dst_score[d]):
+        s = int(np.argmax(src_arr))
+        d = int(np.argmin(dst_arr))
+        if s == d or not (np.isfinite(src_arr[s]) and np.isfinite(dst_arr[d])):
             break
-        gap = float(src_score[s] - dst_score[d])
+        gap = float(src_arr[s] - dst_arr[d])
         if gap < config.stop_gap:
             break
         pick = -1
-        while ptr[s] < starts[s + 1]:
-            i = order[ptr[s]]
+        while ptr[s] < end[s]:
+            i = int(order[ptr[s]])
             ptr[s] += 1
-            if moved_at.get(int(q.rid[i]), -(10**9)) > tick - cd - 1 and cd > 0:
+            if cd > 0 and tick - moved_at.get(int(rid_all[i]), -(10**9)) <= cd:
                 continue
-            if q.running[i] and (not config.move_running or r.waiting[s] > 0):
-                continue
-            pick = int(i)
+            pick = i
             break
         if pick < 0:
-            src_block[s] = True
+            src_ok[s] = False
+            refresh(s)
             continue
-        ctx = int(q.context[pick])
+        ctx = int(ctx_all[pick])
         if kv_room[d] < ctx:
             ptr[s] -= 1  # no headroom at d: keep the request, try the next destination
-            dst_block[d] = True
+            dst_ok[d] = False
+            refresh(d)
             continue
-        run = bool(q.running[pick])
-        moves.append(Migration(int(q.rid[pick]), s, d, run, ctx))
-        moved_at[int(q.rid[pick])] = tick
+        moves.append(Migration(int(rid_all[pick]), s, d, bool(run_all[pick]), ctx))
+        moved_at[int(rid_all[pick])] = tick
         received_at[d] = tick
-        src_block[d] = True
+        src_ok[d] = False
         load[s] -= 1
         load[d] += 1
         kv_room[d] -= ctx
         kv_room[s] += ctx
-        for j in (s, d):
-            score[j] = load[j] / stable[j] * slow[j]
+        score[s] = load[s] / stable[s] * slow[s]
+        score[d] = load[d] / stable[d] * slow[d]
+        refresh(s)
+        refresh(d)
     still = bool(moves) and gap >= config.stop_gap
     return BalanceDecision(
         tuple(moves), BalancerMemory(tick, moved_at, received_at, still), gap0, gap

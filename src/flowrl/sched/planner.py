@@ -80,7 +80,7 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True):
     min_gain: float = 0.03
     method: Literal["greedy", "lp", "milp"] = "lp"
     time_limit: float = 1.0
-    max_evals: int = 40
+    max_evals: int = 60
     gpu_budget: int | None = None
     keep_modes: int = 3
 

@@ -8,9 +8,10 @@
   counts with migration cost, then largest-remainder rounding and a KV repair.
 - :func:`solve_relaxed` — the LP relaxation of the full MILP picks a mode *mix* (fractional
   node counts per mode, rounded by largest remainder, given to the nodes the relaxation
-  prefers, current mode first); a greedy local search moves one node between modes at a
-  time (at most ``max_evals`` mixes, so results do not depend on machine speed unless the
-  deadline cuts in); the best mix is polished by :func:`assign_lp`.
+  prefers, current mode first), plus the current and every homogeneous layout as starts; a
+  greedy local search moves one, half or all of a mode's nodes to another mode (at most
+  ``max_evals`` mixes, so results do not depend on machine speed unless the deadline cuts
+  in); the best mix is polished by :func:`assign_lp`.
 - :func:`solve_milp` — the full MILP (binary modes and bucket-presence indicators, integer
   counts) with HiGHS branch-and-cut, warm-started, under a time limit.
 
@@ -448,20 +449,28 @@ def fit_budget(p: PlanProblem, mode: I64) -> I64:
 
 
 def _neighbours(p: PlanProblem, mode: I64) -> list[I64]:
+    """Mixes reached by moving 1, half or all of one mode's nodes to another mode.
+
+    Makespan is a max over nodes, so single-node moves often sit on a plateau; moving a
+    group at once crosses it. Nodes already in the target mode, then those holding fewest
+    requests, are moved first (fewest switches and re-layouts).
+    """
     out = []
     for m_from in np.unique(mode[mode >= 0]):
         nodes = np.nonzero(mode == m_from)[0]
         for m_to in p.cand:
             if m_to == m_from:
                 continue
-            home = nodes[p.current[nodes] == m_to]
-            pick = home[0] if len(home) else nodes[np.argmin(p.holdings[nodes].sum(axis=1))]
-            nb = mode.copy()
-            nb[pick] = m_to
-            if not p.allowed[pick, m_to]:
+            ok = nodes[p.allowed[nodes, m_to]]
+            if not len(ok):
                 continue
-            if int(p.mode_gpus[nb[nb >= 0]].sum()) <= p.gpu_budget:
-                out.append(nb)
+            key = np.lexsort((p.holdings[ok].sum(axis=1), p.current[ok] != m_to))
+            ranked = ok[key]
+            for k in sorted({1, (len(ranked) + 1) // 2, len(ranked)}):
+                nb = mode.copy()
+                nb[ranked[:k]] = m_to
+                if int(p.mode_gpus[nb[nb >= 0]].sum()) <= p.gpu_budget:
+                    out.append(nb)
     return out
 
 
@@ -476,6 +485,8 @@ def solve_relaxed(
     starts = [fit_budget(p, p.current)]
     if res.ok:
         starts.insert(0, _round_mix(p, res.x[: lay.c0].reshape(p.n_nodes, lay.mc)))
+    for m in p.cand:  # homogeneous layouts: cheap, and often where the optimum sits
+        starts.append(fit_budget(p, np.where(p.allowed[:, m], m, -1).astype(np.int64)))
     best: tuple[float, I64, I64] | None = None
     seen: set[bytes] = set()
     for mode in starts:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from flowrl import BalancedSampler, Column, GroupSampler
+from flowrl import BalancedSampler, Column, GroupSampler, Hub
 from flowrl._pipeline.loader import Loader
 from flowrl._pipeline.pipeline import Pipeline
 from flowrl._pipeline.stage import Rows, StageContext, StageSpec, stage
@@ -197,13 +197,13 @@ def test_raising_stage_surfaces_with_indices_and_leaves_no_lease(make_hub: Any) 
     assert fragile_stats.ready + fragile_stats.consumed == 16  # nothing lost
 
 
-def test_wrong_output_columns_and_oversized_source_batches(make_hub: Any) -> None:
+def test_wrong_output_columns_and_oversized_source_batches() -> None:
     @stage(inputs=["x"], outputs=[Y], batch_size=4)
     def forgetful(batch):
         return {"z": batch.numpy("x")}
 
     with pytest.raises(StageError) as info:
-        Pipeline([counter_source(4), forgetful], columns=[Z]).run(make_hub(), timeout=30)
+        Pipeline([counter_source(4), forgetful], columns=[Z]).run(timeout=30)
     assert isinstance(info.value.__cause__, SchemaError)
     assert "missing ['y'], undeclared ['z']" in str(info.value)
 
@@ -212,7 +212,7 @@ def test_wrong_output_columns_and_oversized_source_batches(make_hub: Any) -> Non
         return {"x": np.arange(3)}
 
     with pytest.raises(StageError, match="more than its batch_size=2"):
-        Pipeline([greedy]).run(make_hub(), timeout=30)
+        Pipeline([greedy]).run(timeout=30)
 
 
 def test_filter_stage_is_one_function(make_hub: Any) -> None:
@@ -237,7 +237,7 @@ def test_filter_stage_is_one_function(make_hub: Any) -> None:
     assert result.stages["safety"].samples == 20 and result.stages["train"].samples == 10
 
 
-def test_class_stages_get_setup_per_worker_and_generator_sources(make_hub: Any) -> None:
+def test_class_stages_get_setup_per_worker_and_generator_sources() -> None:
     workers: list[int] = []
 
     @stage(outputs=[X], batch_size=5)
@@ -260,12 +260,12 @@ def test_class_stages_get_setup_per_worker_and_generator_sources(make_hub: Any) 
         assert (batch.numpy("y") == batch.numpy("x") + 100).all()
         assert (batch.meta.versions == 7).all()
 
-    result = Pipeline([numbers, Model, check]).run(make_hub(), timeout=30)
+    result = Pipeline([numbers, Model, check]).run(timeout=30)
     assert sorted(workers) == [0, 1]
     assert result.stages["check"].samples == 20
 
 
-def test_balanced_stage_workers_are_dp_ranks(make_hub: Any) -> None:
+def test_balanced_stage_workers_are_dp_ranks() -> None:
     ranks: dict[int, list[int]] = collections.defaultdict(list)
     lock = threading.Lock()
 
@@ -274,12 +274,12 @@ def test_balanced_stage_workers_are_dp_ranks(make_hub: Any) -> None:
         with lock:
             ranks[batch.meta.dp_rank].extend(batch.indices.tolist())
 
-    Pipeline([counter_source(16), train]).run(make_hub(), timeout=30)
+    Pipeline([counter_source(16), train]).run(timeout=30)
     assert sorted(ranks[0] + ranks[1]) == list(range(16))
     assert len(ranks[0]) == len(ranks[1]) == 8
 
 
-def test_max_samples_stops_an_endless_source(make_hub: Any) -> None:
+def test_max_samples_stops_an_endless_source() -> None:
     @stage(outputs=[X], batch_size=4)
     def endless():
         return {"x": np.zeros(4, dtype=np.int64)}
@@ -288,28 +288,28 @@ def test_max_samples_stops_an_endless_source(make_hub: Any) -> None:
     def sink(batch):
         return None
 
-    result = Pipeline([endless, sink]).run(make_hub(), max_samples=12, timeout=30)
+    result = Pipeline([endless, sink]).run(max_samples=12, timeout=30)
     assert result.completed and result.stages["sink"].samples == 12
 
 
-def test_timeout_stops_a_pipeline_that_cannot_finish(make_hub: Any) -> None:
+def test_timeout_stops_a_pipeline_that_cannot_finish() -> None:
     @stage(inputs=["prompt"], outputs=[X], batch_size=1)
     def waits(batch):
         return {}
 
-    hub = make_hub()
+    hub = Hub()
     with pytest.raises(Timeout, match=r"did not finish within timeout=0\.3s"):
         Pipeline([waits], columns=[Column.string("prompt")]).run(hub, timeout=0.3)
     assert hub.statistics().leases == 0
 
 
-def test_start_feeds_a_loader_and_stop_ends_early(make_hub: Any) -> None:
+def test_start_feeds_a_loader_and_stop_ends_early() -> None:
     @stage(inputs=["x"], outputs=[Y], batch_size=4)
     def double(batch):
         return {"y": batch.numpy("x") * 2}
 
     pipe = Pipeline([counter_source(20), double])
-    hub = make_hub(pipe.columns)  # declared, so the trainer's task can be registered first
+    hub = Hub(pipe.columns)  # declared, so the trainer's task can be registered first
     loader = Loader(hub, task="train", columns=["x", "y"], batch_size=4, timeout=10)
     seen: list[int] = []
     with pipe.start(hub, loaders=[loader]) as run:
@@ -322,7 +322,7 @@ def test_start_feeds_a_loader_and_stop_ends_early(make_hub: Any) -> None:
     def endless():
         return {"x": np.zeros(4, dtype=np.int64)}
 
-    other = make_hub()
+    other = Hub()
     run = Pipeline([endless, double]).start(other)
     run.stop()
     assert not run.result(timeout=30).completed

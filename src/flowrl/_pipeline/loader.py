@@ -44,6 +44,7 @@ from flowrl._controller.samplers import (
 from flowrl._pipeline.constants import POLL_S
 from flowrl._store.batch import Batch
 from flowrl.errors import ConfigError, EndOfStream, LeaseError, StageError, Timeout
+from flowrl.events import Event, StreamEnded
 
 __all__ = ["Loader", "LoaderStats"]
 
@@ -100,7 +101,8 @@ class Loader:
         self.ack_mode = ack
         self.lease_timeout = lease_timeout
         self.sampler = _sampler(groups, max_staleness, dp_size if balance else None)
-        hub.register_task(task, columns)
+        self.columns = tuple(columns)
+        hub.register_task(task, self.columns)
         self._current: BatchMeta | None = None  # handed out last, not acked
         self._held: list[BatchMeta] = []  # ack="checkpoint": trained, waiting for a checkpoint
         self._committing: list[BatchMeta] = []  # covered by a state_dict, acked next
@@ -108,6 +110,10 @@ class Loader:
         self._batches = self._samples = self._tokens = 0
         self._error: BaseException | None = None
         self._ended = False
+        # ack="checkpoint": our own held leases keep the task's stream open, so the end is
+        # detected from closed columns (StreamEnded events) plus the task's counters.
+        self._closed: set[str] = set()
+        self._subscription = hub.subscribe(self._on_event) if ack == "checkpoint" else None
 
     # -- iteration --------------------------------------------------------------------------
     def __iter__(self) -> Loader:
@@ -155,12 +161,27 @@ class Loader:
                 self._ended = True
                 raise StopIteration from None
             except Timeout:
+                if self._only_own_leases_left():
+                    self._ended = True
+                    raise StopIteration from None
                 if deadline is not None and time.monotonic() >= deadline:
                     raise Timeout(
                         f"Loader for task {self.task!r} (rank {self.dp_rank}) waited "
                         f"{self.timeout}s for {self.batch_size} ready samples; are the "
                         "producers running, and is the stream ended when they are done?"
                     ) from None
+
+    def _on_event(self, event: Event) -> None:
+        if isinstance(event, StreamEnded):
+            self._closed.update(event.columns)
+
+    def _only_own_leases_left(self) -> bool:
+        """ack="checkpoint": the stream is over but for the batches this loader holds."""
+        if not self._held or not self._closed.issuperset(self.columns):
+            return False
+        stats = self.hub.statistics()
+        task = stats.tasks[self.task]
+        return stats.ended and task.ready == 0 and task.leased == sum(len(m) for m in self._held)
 
     def _drop_skipped(self, meta: BatchMeta) -> BatchMeta | None:
         """Ack samples a restored checkpoint already covers; return the rest (or None)."""
@@ -281,11 +302,13 @@ class Loader:
         """
         if self.ack_mode == "next":
             self.ack()
-            return
-        for meta in self._committing:
-            self._ack(meta)
-        self._committing.clear()
-        self._release_all()
+        else:
+            for meta in self._committing:
+                self._ack(meta)
+            self._committing.clear()
+            self._release_all()
+        if self._subscription is not None:
+            self._subscription.cancel()
 
     def _release_all(self) -> None:
         for meta in [*self._committing, *self._held, *([self._current] if self._current else [])]:
@@ -303,6 +326,8 @@ class Loader:
             self.close()
         else:  # the step that raised did not train: give everything un-acked back
             self._release_all()
+            if self._subscription is not None:
+                self._subscription.cancel()
 
 
 def _sampler(groups: int | None, max_staleness: int | None, dp_size: int | None) -> Sampler:

@@ -13,6 +13,7 @@ from flowrl.sched import (
     ParallelMode,
     choose_threshold,
     consolidation_size,
+    flat_batch,
     select_targets,
 )
 
@@ -53,3 +54,10 @@ def test_choose_threshold_never_predicts_worse_than_serial() -> None:
     assert ch.threshold == round(ch.fraction * 2048)
     with pytest.raises(ConfigError):
         FusionConfig(fractions=(1.5,))
+
+
+def test_flat_batch_shrinks_with_context() -> None:
+    m, hw, tp8 = ModelSpec(), HardwareSpec(), ParallelMode.tensor(8)
+    short = flat_batch(tp8, 500, 256, m, hw, 0.25)
+    long = flat_batch(tp8, 20_000, 256, m, hw, 0.25)
+    assert 1 <= long < short <= 256

@@ -46,6 +46,7 @@ from flowrl.sched.fusion import (
     ThresholdChoice,
     choose_threshold,
     consolidation_size,
+    flat_batch,
     select_targets,
 )
 from flowrl.sched.planner import Plan, PlannerConfig, candidate_modes, plan, realize
@@ -85,6 +86,7 @@ __all__ = [
     "consolidation_size",
     "evaluate",
     "feasible",
+    "flat_batch",
     "kaplan_meier",
     "kv_capacity_tokens",
     "kv_move_cost",

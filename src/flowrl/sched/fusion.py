@@ -9,6 +9,10 @@ the samples already finished, overlapping the tail.
   with the longest possible sample (``R * M / C``); we pass the tail's expected KV demand
   (``sum(context + E[remaining])`` from the forecaster), which is less wasteful; a caller
   wanting the paper's bound passes ``R * max_footprint``.
+  RLHFuse's ``BS_max`` assumes decode latency is flat up to the saturating batch; that holds
+  for short contexts but not for a long-context tail, whose KV reads grow with the batch.
+  :func:`flat_batch` gives the largest batch whose step time stays within ``1 + slack`` of a
+  lone sequence's at the tail's context; callers pass ``min(bs_max, flat_batch)``.
 - :func:`select_targets` — the ``m`` units holding the most remaining requests (fewest moves).
 - :func:`choose_threshold` — simulates, on a sample of the forecast length distribution,
   the generation wave of one representative replica (continuous batching with the
@@ -47,6 +51,7 @@ __all__ = [
     "ThresholdChoice",
     "choose_threshold",
     "consolidation_size",
+    "flat_batch",
     "select_targets",
 ]
 
@@ -62,6 +67,7 @@ class FusionConfig(msgspec.Struct, frozen=True, kw_only=True):
     infer_eta: float = 0.5
     setup_s: float = 3.0
     bs_max: int = 256
+    slack: float = 0.25
 
     def __post_init__(self) -> None:
         if not self.fractions or any(not 0 <= f < 1 for f in self.fractions):
@@ -91,6 +97,15 @@ def consolidation_size(
         return 1
     m = max(math.ceil(remaining / bs_max), math.ceil(kv_demand / max(kv_capacity, 1.0)), 1)
     return int(min(m, n_units))
+
+
+def flat_batch(
+    mode: ParallelMode, ctx: float, bs_max: int, model: ModelSpec, hw: HardwareSpec, slack: float
+) -> int:
+    """Largest batch (<= bs_max) of ``ctx``-token sequences with step <= (1+slack) * step(1)."""
+    b = np.arange(1, bs_max + 1, dtype=np.float64)
+    t = step_time(mode, b, b * max(ctx, 1.0), model, hw)
+    return int(np.nonzero(t <= (1.0 + slack) * t[0])[0][-1] + 1)
 
 
 def select_targets(remaining_per_unit: ArrayLike, m: int) -> NDArray[np.int64]:
@@ -199,9 +214,8 @@ def choose_threshold(
         r_tot = len(rem) * n_replicas
         demand = float((ctx + rem).sum()) * n_replicas
         units = max(1, n_replicas // unit_replicas)
-        mu = consolidation_size(
-            r_tot, demand, config.bs_max * unit_replicas, cap * unit_replicas, units
-        )
+        bs = flat_batch(mode, float(np.mean(ctx + rem)), config.bs_max, model, hw, config.slack)
+        mu = consolidation_size(r_tot, demand, bs * unit_replicas, cap * unit_replicas, units)
         m = mu * unit_replicas
         per_m = max(1, math.ceil(r_tot / m))
         reps = np.resize(np.arange(len(rem)), per_m)

@@ -71,7 +71,7 @@ from flowrl.sched.costmodel import (
     switch_time,
 )
 from flowrl.sched.forecast import ForecastConfig, LengthForecaster
-from flowrl.sched.fusion import choose_threshold, consolidation_size, select_targets
+from flowrl.sched.fusion import choose_threshold, consolidation_size, flat_batch, select_targets
 from flowrl.sched.planner import Plan, plan
 from flowrl.sched.snapshot import ClusterSnapshot, ReplicaView, RequestView
 from flowrl.sim.cluster import ClusterSpec
@@ -531,7 +531,8 @@ class Simulator:
 
     def _replan(self, s: int, t: float, total: int, finished: int) -> None:
         cfg = self.scheme.planner
-        assert cfg is not None
+        if cfg is None:  # guarded by the caller
+            return
         snap = self.snapshot(s, t, total, finished)
         st = self.st
         g = st.gen[snap.requests.rid]
@@ -594,7 +595,8 @@ class Simulator:
 
     def _balance(self, s: int, t: float, total: int, finished: int) -> None:
         cfg = self.scheme.balancer
-        assert cfg is not None
+        if cfg is None:  # guarded by the caller
+            return
         snap = self.snapshot(s, t, total, finished)
         t0 = time.perf_counter()
         dec = rebalance(snap, cfg, self._bal_mem)
@@ -618,7 +620,8 @@ class Simulator:
 
     def _pick_threshold(self, n: int) -> int:
         fz = self.scheme.fusion
-        assert fz is not None
+        if fz is None:  # guarded by the caller
+            return -1
         c = self.c
         prior = self.forecaster.prior()
         u = (np.arange(n) + 0.5) / n
@@ -650,9 +653,14 @@ class Simulator:
         on = np.nonzero(self.node_mode >= 0)[0]
         cap_node = np.array([self._caps[self.node_mode[n]] * len(self._node_reps(n)) for n in on])
         per_node = np.bincount(st.rep[pend] // self.slots, minlength=c.nodes)[on]
+        fz = self.scheme.fusion
+        if fz is None:  # guarded by the caller
+            return 0
         reps_per_node = max(1, len(self._node_reps(int(on[0]))))
+        mode = c.modes[int(self.node_mode[on[0]])]
+        bs = flat_batch(mode, demand / max(len(pend), 1), c.bs_max, c.model, c.hw, fz.slack)
         m = consolidation_size(
-            len(pend), demand, c.bs_max * reps_per_node, float(cap_node.min()), len(on)
+            len(pend), demand, bs * reps_per_node, float(cap_node.min()), len(on)
         )
         keep = on[select_targets(per_node, m)]
         freed = 0

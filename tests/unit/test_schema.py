@@ -578,12 +578,12 @@ BAD_CALLS: list[Any] = [
     ("put-tokens-2d", lambda h, m: h.put(rows(2, 2), tokens=[[1, 2]]), SchemaError, ["tokens"]),
     pytest.param(
         "put-tokens-overflow",
-        lambda h, m: h.put(rows(2, 2), tokens=[2**63, 1]),
+        lambda h, m: h.put(rows(2, 2), tokens=np.array([2**63, 1], dtype=np.uint64)),
         SchemaError,
         ["tokens"],
         marks=xbug(
-            "base.py _per_sample: [2**63, 1] becomes uint64 and astype(int64) wraps it to "
-            "-2**63; the put succeeds with a negative token count"
+            "base.py _per_sample: a uint64 token array is cast with astype(int64), so 2**63 "
+            "wraps to -2**63 and the put succeeds (so does tokens=[2**63] for one sample)"
         ),
     ),
     pytest.param(

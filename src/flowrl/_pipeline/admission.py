@@ -60,7 +60,8 @@ class Staleness(msgspec.Struct, frozen=True, kw_only=True):
 
 @final
 class AdmissionStats(msgspec.Struct, frozen=True, kw_only=True):
-    """``admitted`` samples so far, ``allowed`` at ``version``, producers ``waiting`` now."""
+    """``admitted`` samples so far, ``allowed`` at ``version``; ``waiting``: producers
+    blocked right now because the bound is reached."""
 
     admitted: int
     allowed: int
@@ -108,7 +109,7 @@ class AdmissionController:
             )
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            self._waiting += 1
+            blocked = False
             try:
                 while self._admitted + n > self._allowed():
                     remaining = None if deadline is None else deadline - time.monotonic()
@@ -116,10 +117,13 @@ class AdmissionController:
                         if timeout == 0:
                             raise WouldBlock(self._blocked_message(n))
                         raise Timeout(f"admit() waited {timeout}s: {self._blocked_message(n)}")
+                    if not blocked:
+                        blocked = True
+                        self._waiting += 1
                     self._cond.wait(remaining)
                 self._admitted += n
             finally:
-                self._waiting -= 1
+                self._waiting -= blocked
 
     def admit_nowait(self, n: int) -> None:
         """Like :meth:`admit`, but raises :class:`~flowrl.errors.WouldBlock` at once."""

@@ -286,12 +286,6 @@ def test_end_stream_with_closed_columns_ends_tasks_that_need_them(make_hub) -> N
     assert hub.claim("score", 2, timeout=GUARD).indices.tolist() == [0, 1]
 
 
-@pytest.mark.xfail(
-    reason="BUG: controller.py Controller._nothing_more treats a pending sample as 'could "
-    "become ready' when ANY open column is missing, although a missing CLOSED column means "
-    "it never can; the claim times out instead of raising EndOfStream",
-    strict=True,
-)
 def test_end_stream_closed_column_missing_alongside_an_open_one(make_hub) -> None:
     hub = make_hub(
         columns=[*COLS, Column.scalar("adv", "float32")],

@@ -55,6 +55,8 @@ class HubClient(abc.ABC):
         Register every task before producing: a sample is evicted once all tasks registered
         at that time have acked it.
         """
+        if not isinstance(task, str) or not task:
+            raise ConfigError(f"register_task() task must be a non-empty str, got {task!r}")
         if isinstance(columns, str) or not isinstance(columns, Sequence):
             raise ConfigError(f"register_task columns must be a list of names, got {columns!r}")
         cols = self.schema.check_names(columns, f"register_task({task!r})")
@@ -104,8 +106,8 @@ class HubClient(abc.ABC):
         if not isinstance(producer, str):
             raise ConfigError(f"producer must be a str, got {producer!r} in put()")
         _check_seconds(timeout, "put() timeout", allow_zero=True)
-        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
-            raise ConfigError(f"version must be an int, got {version!r} in {where}")
+        if version is not None:
+            _check_version(version, where)
         target = _as_indices(indices, where) if indices is not None else None
         n_expected = None if target is None else int(target.size)
         encoded, new_columns, n = self.schema.encode_all(data, n_expected, where)
@@ -255,9 +257,13 @@ class HubClient(abc.ABC):
             raise LeaseError(f"{what}(): this BatchMeta came from meta(), not from a claim")
 
     # -- versions, stream end, events -------------------------------------------------------
-    @abc.abstractmethod
     def publish_version(self, version: int) -> None:
-        """Announce a new policy version (a ``VersionPublished`` event)."""
+        """Announce a new policy version (a ``VersionPublished`` event); never decreasing."""
+        _check_version(version, "publish_version()")
+        self._publish_version(version)
+
+    @abc.abstractmethod
+    def _publish_version(self, version: int) -> None: ...
 
     @property
     @abc.abstractmethod
@@ -366,6 +372,13 @@ class HubClient(abc.ABC):
 
     @abc.abstractmethod
     def _release(self, task: str, lease: int) -> None: ...
+
+
+def _check_version(version: Any, where: str) -> None:
+    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**63:
+        raise ConfigError(
+            f"a policy version must be an int in [0, 2**63), got {version!r} in {where}"
+        )
 
 
 def _check_seconds(value: Any, what: str, *, allow_zero: bool) -> None:

@@ -196,7 +196,7 @@ class Hub(HubClient):
         self.controller.log.check()
 
     # -- the rest of the API ----------------------------------------------------------------
-    def publish_version(self, version: int) -> None:
+    def _publish_version(self, version: int) -> None:
         with self.controller.cond:
             self.controller.publish_version(version)
 

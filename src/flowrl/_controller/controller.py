@@ -551,11 +551,13 @@ class Controller:
         pending = np.flatnonzero((state.status == PENDING) & (t.owner >= 0) & t.committed)
         if pending.size == 0:
             return True
-        open_cols = [c for c in state.columns if c not in self.closed_columns]
-        could = np.zeros(pending.size, dtype=bool)
-        for c in open_cols:
-            could |= ~t.ready[c][pending]
-        return not could.any()
+        # A pending sample can still become ready only if none of its missing columns is
+        # closed; one missing closed column blocks it for good.
+        blocked = np.zeros(pending.size, dtype=bool)
+        for c in state.columns:
+            if c in self.closed_columns:
+                blocked |= ~t.ready[c][pending]
+        return bool(blocked.all())
 
     def _outstanding(self, state: TaskState) -> bool:
         return any(lease.task == state.name for lease in self._leases.values())

@@ -28,7 +28,7 @@ from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
 from flowrl._transport import wire
 from flowrl._transport.frames import from_frames, to_frames
-from flowrl.errors import ConfigError, HubClosed, TransportError
+from flowrl.errors import HubClosed, TransportError
 from flowrl.events import event_decoder
 
 __all__ = ["RemoteHub"]
@@ -63,9 +63,10 @@ class RemoteHub(HubClient):
         self.schema = Schema(welcome.columns, infer=infer)
         self.unit_addresses: list[str] = list(welcome.units)
         self.events_address: str = welcome.events
-        self._version = welcome.version
         self._events: EventLog | None = None
         self._sub_thread: threading.Thread | None = None
+        self._hello = threading.Condition()
+        self._hello_seen = 0
 
     # -- rpc --------------------------------------------------------------------------------
     def _socket(self, unit: int | None) -> zmq.Socket:
@@ -246,15 +247,12 @@ class RemoteHub(HubClient):
         self._call(None, wire.Release(task=task, lease=lease))
 
     # -- the rest of the API ----------------------------------------------------------------
-    def publish_version(self, version: int) -> None:
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise ConfigError(f"policy versions must be ints, got {version!r}")
+    def _publish_version(self, version: int) -> None:
         self._call(None, wire.Publish(version=version))
-        self._version = version
 
     @property
     def version(self) -> int:
-        return self.statistics().version
+        return self._controller_stats().version
 
     def end_stream(self, columns: Sequence[str] = ()) -> None:
         cols = self.schema.check_names(columns, "end_stream()")
@@ -267,8 +265,20 @@ class RemoteHub(HubClient):
         return self._events
 
     def flush_events(self, timeout: float | None = 5.0) -> bool:
-        """Wait until subscribers received every event this client has received so far."""
-        return True if self._events is None else self._events.flush(timeout)
+        """Wait until subscribers received every event the controller had logged at the call.
+
+        A marker sent through the ordered event stream proves every earlier event arrived.
+        """
+        if self._events is None:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        token = next(self._rid)
+        self._call(None, wire.PublishHello(token=token))
+        with self._hello:
+            if not self._hello.wait_for(lambda: self._hello_seen >= token, timeout=timeout):
+                return False
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self._events.flush(left)
 
     def _start_subscriber(self) -> None:
         sub = self._zctx.socket(zmq.SUB)
@@ -295,15 +305,23 @@ class RemoteHub(HubClient):
                 topic, body = sub.recv_multipart()
                 if topic == b"e":
                     events.append(event_decoder.decode(body))
+                elif topic == b"h":
+                    with self._hello:
+                        self._hello_seen = max(self._hello_seen, int.from_bytes(body, "little"))
+                        self._hello.notify_all()
             sub.close()
 
         self._sub_thread = threading.Thread(target=pump, name="flowrl-sub", daemon=True)
         self._sub_thread.start()
         self._on_close.append(stop.set)
 
-    def statistics(self) -> HubStats:
+    def _controller_stats(self) -> HubStats:
         reply, _ = self._call(None, wire.Stats())
         stats: HubStats = reply.stats
+        return stats
+
+    def statistics(self) -> HubStats:
+        stats = self._controller_stats()
         units = []
         for u in range(len(self.unit_addresses)):
             units.append(self._call(u, wire.UnitStatsReq())[0].stats)

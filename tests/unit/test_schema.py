@@ -608,11 +608,6 @@ BAD_CALLS: list[Any] = [
         lambda h, m: h.put(rows(2, 2), version=2**63),
         ConfigError,
         ["version"],
-        marks=xbug(
-            "base.py _put only checks isinstance(version, int); 2**63 fails later in "
-            "controller.commit (t.version[slots] = version) with a bare OverflowError, after "
-            "indices were reserved and bytes written"
-        ),
     ),
     pytest.param(
         "put-timeout-str",
@@ -880,10 +875,6 @@ BAD_CALLS: list[Any] = [
         lambda h, m: h.publish_version(2**63),
         ConfigError,
         ["version"],
-        marks=xbug(
-            "controller.py publish_version accepts 2**63; every later put then fails in "
-            "commit with OverflowError, and versions can never go back down"
-        ),
     ),
     # -- end_stream
     ("end-unknown", lambda h, m: h.end_stream(["nope"]), UnknownColumnError, ["'nope'"]),
@@ -919,21 +910,11 @@ def _param(entry: Any) -> Any:
 @pytest.mark.parametrize(("name", "call", "error", "words"), [_param(e) for e in BAD_CALLS])
 def test_wrong_input_raises_and_leaves_hub_unchanged(
     env: Env,
-    placement: str,
-    request: pytest.FixtureRequest,
     name: str,
     call: Callable[..., Any],
     error: type[Exception],
     words: list[str],
 ) -> None:
-    if placement == "zmq" and name == "register-task-int":
-        request.applymarker(
-            xbug(
-                "remote.py: register_task(5, ...) is not validated client-side; the server's "
-                "msgspec decode fails and the client raises TransportError('malformed "
-                "request: Expected `str`, got `int` - at `$.task`') instead of ConfigError"
-            )
-        )
     with pytest.raises(error) as info:
         call(env.hub, env.lease)
     message = str(info.value)

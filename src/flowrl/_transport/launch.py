@@ -72,16 +72,16 @@ def launch_hub(
     deadline = time.monotonic() + startup_timeout
     while not os.path.exists(f"{folder}/controller"):
         if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-            _stop(procs, folder, unit_controls=controls, controller=None)
+            _stop(procs, folder, units)
             raise TransportError("the hub's server processes failed to start")
         time.sleep(0.002)
     try:
         client = RemoteHub(addr, rpc_timeout=startup_timeout)
     except Exception:
-        _stop(procs, folder, unit_controls=controls, controller=None)
+        _stop(procs, folder, units)
         raise
     client.rpc_timeout = RPC_TIMEOUT_S
-    client._on_close.append(lambda: _stop(procs, folder, controls, addr))
+    client._on_close.append(lambda: _stop(procs, folder, [addr, *units]))
     return client
 
 
@@ -92,28 +92,24 @@ def connect(address: str) -> RemoteHub:
     return RemoteHub(address)
 
 
-def _stop(
-    procs: list[subprocess.Popen], folder: str, unit_controls: list[str], controller: str | None
-) -> None:
+def _stop(procs: list[subprocess.Popen], folder: str, addresses: list[str]) -> None:
+    """Ask every server to shut down (acknowledged requests), then reap; kill stragglers."""
     import zmq
 
     zctx: zmq.Context = zmq.Context.instance()
-    if controller is not None:
+    socks = []
+    for addr in addresses:
         s = zctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 200)
-        s.connect(controller)
-        s.send_multipart([b"\0" * 8, wire.encode(wire.Shutdown())])
-        s.poll(1000)
-        s.close()
-    for addr in unit_controls:
-        s = zctx.socket(zmq.PUSH)
-        s.setsockopt(zmq.LINGER, 200)
+        s.setsockopt(zmq.LINGER, 0)
         s.connect(addr)
-        s.send(wire.encode(wire.Shutdown()))
+        s.send_multipart([b"shutdown", wire.encode(wire.Shutdown())])
+        socks.append(s)
+    for s in socks:
+        s.poll(2000)  # the reply means the server left its loop
         s.close()
     for p in procs:
         try:
-            p.wait(timeout=3)
+            p.wait(timeout=5)
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()

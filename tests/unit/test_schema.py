@@ -276,6 +276,24 @@ def test_arrays_handed_out_are_not_aliases_of_the_input(make_hub) -> None:
     assert hub.get(hub.claim("t", 4, timeout=2))["x"].tolist() == [0, 1, 2, 3]
 
 
+@xbug(
+    "batch.py _primitive_view: np.frombuffer over mutable Arrow buffers returns WRITABLE "
+    "arrays; in-process, batch['x'][0] = 99 rewrites the stored sample for every other task "
+    "and re-read (over zmq the arrays are writable too, but only the local copy changes)"
+)
+def test_batch_arrays_are_read_only_views(make_hub) -> None:
+    """Batch docs: arrays share memory with the hub's storage and are read-only."""
+    hub = make_hub(columns=COLUMNS, tasks={"a": ["ids", "reward", "pix"], "b": ["reward"]})
+    hub.put(rows(3))
+    batch = hub.get(hub.claim("a", 3, timeout=2))
+    dense = [batch["reward"], batch["pix"], batch["ids"].values, batch["ids"].cu_seqlens]
+    for arr in dense:
+        with pytest.raises(ValueError):
+            arr[0] = 1
+    other = hub.get(hub.claim("b", 3, timeout=2))
+    assert other["reward"].tolist() == [0.0, 1.0, 2.0]
+
+
 # -- inference at first write ----------------------------------------------------------------
 INFERRED = [
     ("np-int32", np.array([1, 2], dtype=np.int32), Column.scalar("x", "int32")),

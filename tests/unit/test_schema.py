@@ -294,6 +294,22 @@ def test_batch_arrays_are_read_only_views(make_hub) -> None:
     assert other["reward"].tolist() == [0.0, 1.0, 2.0]
 
 
+@xbug(
+    "batch.py Batch.__getitem__ evaluates self._columns[name] before self.arrow(name), so "
+    "batch['nope'] (and numpy/torch/packed/padded/ragged) raise a bare KeyError('nope') "
+    "instead of arrow()'s UnknownColumnError naming the batch's columns"
+)
+def test_batch_column_not_in_batch_raises_unknown_column(make_hub) -> None:
+    hub = make_hub(columns=COLUMNS, tasks=TASKS)
+    hub.put(rows(2))
+    batch = hub.get(hub.claim("train", 2, timeout=2))
+    with pytest.raises(UnknownColumnError, match="'pix'.*not in this batch"):
+        batch.arrow("pix")
+    for read in (batch.__getitem__, batch.numpy, batch.torch, batch.packed, batch.padded):
+        with pytest.raises(UnknownColumnError, match="'pix'.*not in this batch"):
+            read("pix")
+
+
 # -- inference at first write ----------------------------------------------------------------
 INFERRED = [
     ("np-int32", np.array([1, 2], dtype=np.int32), Column.scalar("x", "int32")),

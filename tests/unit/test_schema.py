@@ -303,10 +303,10 @@ def test_batch_column_not_in_batch_raises_unknown_column(make_hub) -> None:
     hub = make_hub(columns=COLUMNS, tasks=TASKS)
     hub.put(rows(2))
     batch = hub.get(hub.claim("train", 2, timeout=2))
-    with pytest.raises(UnknownColumnError, match="'pix'.*not in this batch"):
+    with pytest.raises(UnknownColumnError, match=r"'pix'.*not in this batch"):
         batch.arrow("pix")
     for read in (batch.__getitem__, batch.numpy, batch.torch, batch.packed, batch.padded):
-        with pytest.raises(UnknownColumnError, match="'pix'.*not in this batch"):
+        with pytest.raises(UnknownColumnError, match=r"'pix'.*not in this batch"):
             read("pix")
 
 

@@ -16,9 +16,9 @@ from typing import Any, cast, final
 import msgspec
 
 from flowrl._client.base import HubClient
-from flowrl._client.inproc import Hub
 from flowrl._pipeline.admission import Staleness
 from flowrl._pipeline.executors.base import Executor
+from flowrl._pipeline.executors.processes import ProcessExecutor
 from flowrl._pipeline.executors.threads import ThreadExecutor
 from flowrl._pipeline.result import RunResult
 from flowrl._pipeline.stage import StageSpec
@@ -111,14 +111,15 @@ class Pipeline(msgspec.Struct, frozen=True):
     ) -> RunResult:
         """Run until every stage reached the end of its stream; raise the first StageError.
 
-        Without ``hub``, an in-process hub is made for the run and closed after it.
-        ``executor``: ``"threads"`` (default) or an :class:`Executor`. ``timeout``: seconds
+        Without ``hub``, the executor makes one for the run (in-process for threads, a
+        ``launch_hub`` for processes) and closes it after. ``executor``: ``"threads"``
+        (default), ``"processes"`` or an :class:`Executor`. ``timeout``: seconds
         for the whole run. ``max_samples``: stop the sources after this many samples.
         """
         runner = _executor(executor, timeout, max_samples)
         if hub is not None:
             return runner.run(self, hub)
-        with Hub(self.columns) as own:
+        with runner.default_hub(self.columns) as own:
             return runner.run(self, own)
 
     def start(
@@ -152,7 +153,7 @@ class PipelineRun:
         self, pipeline: Pipeline, executor: Executor, hub: HubClient | None, loaders: tuple
     ) -> None:
         self.pipeline = pipeline
-        self.hub: HubClient = hub if hub is not None else Hub(pipeline.columns)
+        self.hub: HubClient = hub if hub is not None else executor.default_hub(pipeline.columns)
         self._owns_hub = hub is None
         self._executor = executor
         self._loaders = loaders
@@ -207,7 +208,11 @@ def _executor(executor: str | Executor, timeout: float | None, max_samples: int 
         return executor
     if executor == "threads":
         return ThreadExecutor(timeout=timeout, max_samples=max_samples)
-    raise ConfigError(f"unknown executor {executor!r}; use 'threads' or an Executor instance")
+    if executor == "processes":
+        return ProcessExecutor(timeout=timeout, max_samples=max_samples)
+    raise ConfigError(
+        f"unknown executor {executor!r}; use 'threads', 'processes' or an Executor instance"
+    )
 
 
 # -- validation ------------------------------------------------------------------------------

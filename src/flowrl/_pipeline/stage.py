@@ -20,6 +20,7 @@ the decoration, and end with a hint.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -67,12 +68,30 @@ class StageSpec(msgspec.Struct, frozen=True, kw_only=True):
     def where(self) -> str:
         return f"stage {self.name!r} ({self.file}:{self.line})"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle by reference (module and name) where the spec is importable, as functions
+        are: ``@stage`` replaced the function under its name, so pickling ``fn`` itself would
+        fail. Worker processes import the spec instead."""
+        module = getattr(self.fn, "__module__", None)
+        qualname = getattr(self.fn, "__qualname__", "")
+        if module is not None and "<" not in qualname and _lookup(module, qualname) is self:
+            return (_lookup, (module, qualname))
+        return cast(tuple[Any, ...], super().__reduce__())
+
     def __repr__(self) -> str:
         return (
             f"StageSpec({self.name!r}, inputs={list(self.inputs)}, "
             f"outputs={list(self.outputs)}, batch_size={self.batch_size}, "
             f"workers={self.workers})"
         )
+
+
+def _lookup(module: str, qualname: str) -> object:
+    """The object named ``qualname`` in ``module`` (None if there is none)."""
+    obj: object = sys.modules.get(module) or importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 @final

@@ -6,9 +6,12 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from flowrl._client.base import HubClient
     from flowrl._pipeline.pipeline import Pipeline
     from flowrl._pipeline.result import RunResult
+    from flowrl._schema.columns import Column
 
 __all__ = ["Executor"]
 
@@ -29,3 +32,9 @@ class Executor(ABC):
     @abstractmethod
     def stop(self) -> None:
         """Ask a ``run`` in progress in another thread to stop soon; it then returns."""
+
+    def default_hub(self, columns: Sequence[Column]) -> HubClient:
+        """The hub a run makes when given none (closed after the run): an in-process one."""
+        from flowrl._client.inproc import Hub
+
+        return Hub(columns)

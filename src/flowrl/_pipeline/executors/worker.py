@@ -53,7 +53,7 @@ class Admission(Protocol):
     def refund(self, n: int) -> None: ...
 
 
-class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
+class WorkerReport(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """What one worker did; ``ended``: it stopped because its stream ended (not stopped)."""
 
     stage: str

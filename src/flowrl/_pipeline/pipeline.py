@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Sequence
-from typing import Any, cast, final
+from typing import cast, final
 
 import msgspec
 
@@ -20,6 +20,7 @@ from flowrl._pipeline.admission import Staleness
 from flowrl._pipeline.executors.base import Executor
 from flowrl._pipeline.executors.processes import ProcessExecutor
 from flowrl._pipeline.executors.threads import ThreadExecutor
+from flowrl._pipeline.loader import Loader
 from flowrl._pipeline.result import RunResult
 from flowrl._pipeline.stage import StageSpec
 from flowrl._schema.columns import Column
@@ -50,9 +51,9 @@ class Pipeline(msgspec.Struct, frozen=True):
                 if name not in producer and name not in columns:
                     raise PipelineError(
                         f"{spec.where} reads column {name!r}, which no stage produces and "
-                        f"which is not declared; add a stage with outputs=[{name!r}], or declare "
-                        f"it in Pipeline(columns=[Column...({name!r}, ...)]) if code outside the "
-                        "pipeline puts it"
+                        f"which is not declared; add a stage with outputs=[{name!r}], or, if "
+                        "code outside the pipeline puts it, declare its type in "
+                        "Pipeline(columns=[...])"
                     )
             for name in spec.outputs:
                 if name not in columns:
@@ -84,14 +85,6 @@ class Pipeline(msgspec.Struct, frozen=True):
     def source_columns(self) -> tuple[str, ...]:
         """Columns written by source stages (created with new samples)."""
         return tuple(c for s in self.stages if s.is_source for c in s.outputs)
-
-    def stage(self, name: str) -> StageSpec:
-        for spec in self.stages:
-            if spec.name == name:
-                return spec
-        raise PipelineError(
-            f"no stage named {name!r}; stages: {', '.join(s.name for s in self.stages)}"
-        )
 
     def register(self, hub: HubClient) -> None:
         """Declare the columns on ``hub`` and register one task per consuming stage."""
@@ -129,7 +122,7 @@ class Pipeline(msgspec.Struct, frozen=True):
         executor: str | Executor = "threads",
         timeout: float | None = None,
         max_samples: int | None = None,
-        loaders: Sequence[Any] = (),
+        loaders: Sequence[Loader] = (),
     ) -> PipelineRun:
         """Like :meth:`run`, in a background thread; returns a :class:`PipelineRun`.
 
@@ -150,7 +143,11 @@ class PipelineRun:
     """
 
     def __init__(
-        self, pipeline: Pipeline, executor: Executor, hub: HubClient | None, loaders: tuple
+        self,
+        pipeline: Pipeline,
+        executor: Executor,
+        hub: HubClient | None,
+        loaders: tuple[Loader, ...],
     ) -> None:
         self.pipeline = pipeline
         self.hub: HubClient = hub if hub is not None else executor.default_hub(pipeline.columns)

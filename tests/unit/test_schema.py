@@ -1108,3 +1108,36 @@ def test_config_errors() -> None:
 def test_column_accepts_numpy_scalar_types() -> None:
     assert Column.scalar("x", np.int16) == Column.scalar("x", "int16")
     assert Column.ragged("x", np.float32) == Column.ragged("x", "float32")
+
+
+@xbug(
+    "config.py HubConfig / samplers.py / columns.py check isinstance(x, int), which accepts "
+    "bools: HubConfig(capacity=True), GroupSampler(True), Column.tensor(shape=(True, 2)) "
+    "are accepted (claim() rejects n=True); HubConfig(infer_columns='yes') is accepted too"
+)
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: HubConfig(capacity=True),
+        lambda: HubConfig(n_units=True),
+        lambda: HubConfig(lease_timeout=True),
+        lambda: HubConfig(infer_columns="yes"),
+        lambda: flowrl.GroupSampler(True),
+        lambda: flowrl.BalancedSampler(True),
+        lambda: flowrl.StalenessSampler(False),
+        lambda: Column.tensor("x", "float32", (True, 2)),
+    ],
+    ids=[
+        "capacity",
+        "n_units",
+        "lease_timeout",
+        "infer_columns",
+        "group_size",
+        "dp_size",
+        "max_staleness",
+        "shape",
+    ],
+)
+def test_configs_reject_bools_and_wrong_types(make: Callable[[], Any]) -> None:
+    with pytest.raises(ConfigError):
+        make()

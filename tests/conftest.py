@@ -14,7 +14,7 @@ import pytest
 
 import flowrl
 
-PLACEMENTS = ["inproc"]
+PLACEMENTS = ["inproc", "zmq"]
 
 
 def _inproc(

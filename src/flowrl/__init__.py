@@ -15,6 +15,15 @@ from flowrl._controller.samplers import (
     Sampler,
     StalenessSampler,
 )
+from flowrl._pipeline.admission import AdmissionController, AdmissionStats, Staleness
+from flowrl._pipeline.executors.base import Executor
+from flowrl._pipeline.executors.processes import ProcessExecutor
+from flowrl._pipeline.executors.threads import ThreadExecutor
+from flowrl._pipeline.loader import Loader, LoaderStats
+from flowrl._pipeline.pipeline import Pipeline, PipelineRun
+from flowrl._pipeline.result import RunResult, StageStats
+from flowrl._pipeline.stage import Rows, StageContext, StageSpec, stage
+from flowrl._pipeline.staleness import StalenessMetrics, StalenessStep
 from flowrl._schema.columns import Column
 from flowrl._schema.ragged import RaggedArray
 from flowrl._store.batch import Batch
@@ -26,25 +35,43 @@ from flowrl.hooks import Observer
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdmissionController",
+    "AdmissionStats",
     "BalancedSampler",
     "Batch",
     "BatchMeta",
     "CandidateView",
     "Column",
+    "Executor",
     "FifoSampler",
     "FlowRLError",
     "GroupSampler",
     "Hub",
     "HubConfig",
     "HubStats",
+    "Loader",
+    "LoaderStats",
     "Observer",
+    "Pipeline",
+    "PipelineRun",
+    "ProcessExecutor",
     "RaggedArray",
     "RemoteHub",
+    "Rows",
+    "RunResult",
     "Sampler",
+    "StageContext",
+    "StageSpec",
+    "StageStats",
+    "Staleness",
+    "StalenessMetrics",
     "StalenessSampler",
+    "StalenessStep",
     "TaskStats",
+    "ThreadExecutor",
     "UnitStats",
     "__version__",
     "connect",
     "launch_hub",
+    "stage",
 ]

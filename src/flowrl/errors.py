@@ -125,6 +125,13 @@ class StageError(FlowRLError):
         self.stage = stage
         self.indices = indices
 
+    def __reduce__(self) -> tuple[object, ...]:  # keep stage/indices across processes
+        return (_rebuild_stage_error, (str(self), self.stage, self.indices))
+
 
 class PipelineError(FlowRLError, ValueError):
     """A pipeline specification is invalid (a column without producer, a cycle, ...)."""
+
+
+def _rebuild_stage_error(message: str, stage: str, indices: tuple[int, ...]) -> StageError:
+    return StageError(message, stage=stage, indices=indices)

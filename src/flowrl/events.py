@@ -59,11 +59,15 @@ class Claimed(_EventBase, frozen=True, tag="claim"):
 
 
 class Acked(_EventBase, frozen=True, tag="ack"):
-    """A task finished samples; they will never be delivered to it again."""
+    """A task finished samples; they will never be delivered to it again.
+
+    ``dropped``: the samples were discarded for every task that had not leased them yet.
+    """
 
     task: str
     lease: int
     indices: tuple[int, ...]
+    dropped: bool = False
 
 
 class Released(_EventBase, frozen=True, tag="release"):

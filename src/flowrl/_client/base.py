@@ -243,7 +243,17 @@ class HubClient(abc.ABC):
         """Mark a claim (or some of its samples) consumed: never delivered to the task again."""
         self._check_lease(meta, "ack")
         idx = None if indices is None else _as_indices(indices, "ack()")
-        self._ack(meta.task, meta.lease, idx)
+        self._ack(meta.task, meta.lease, idx, drop=False)
+
+    def drop(self, meta: BatchMeta, indices: np.ndarray | Sequence[int] | None = None) -> None:
+        """Ack samples and discard them for every other task (a filter): they get evicted.
+
+        Tasks that already leased a dropped sample still finish it; the sample is evicted
+        once they ack.
+        """
+        self._check_lease(meta, "drop")
+        idx = None if indices is None else _as_indices(indices, "drop()")
+        self._ack(meta.task, meta.lease, idx, drop=True)
 
     def release(self, meta: BatchMeta) -> None:
         """Give a claim back unprocessed: its samples become claimable again, first in line."""
@@ -368,7 +378,7 @@ class HubClient(abc.ABC):
     def _meta(self, indices: np.ndarray, columns: tuple[str, ...]) -> BatchMeta: ...
 
     @abc.abstractmethod
-    def _ack(self, task: str, lease: int, indices: np.ndarray | None) -> None: ...
+    def _ack(self, task: str, lease: int, indices: np.ndarray | None, drop: bool) -> None: ...
 
     @abc.abstractmethod
     def _release(self, task: str, lease: int) -> None: ...

@@ -180,9 +180,9 @@ class Hub(HubClient):
         with self.controller.cond:
             return self.controller.meta(indices, columns)
 
-    def _ack(self, task: str, lease: int, indices: np.ndarray | None) -> None:
+    def _ack(self, task: str, lease: int, indices: np.ndarray | None, drop: bool) -> None:
         with self.controller.cond:
-            self.controller.ack(task, lease, indices)
+            self.controller.ack(task, lease, indices, drop=drop)
 
     def _release(self, task: str, lease: int) -> None:
         with self.controller.cond:

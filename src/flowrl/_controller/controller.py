@@ -73,13 +73,16 @@ class ControllerStats(NamedTuple):
 
 
 class _Lease:
-    __slots__ = ("deadline", "dp_rank", "id", "indices", "taken", "task")
+    __slots__ = ("consumer", "deadline", "dp_rank", "id", "indices", "taken", "task")
 
-    def __init__(self, lid: int, task: str, indices: np.ndarray, deadline: float) -> None:
+    def __init__(
+        self, lid: int, task: str, indices: np.ndarray, deadline: float, consumer: str = ""
+    ) -> None:
         self.id = lid
         self.task = task
         self.indices = indices
         self.deadline = deadline
+        self.consumer = consumer
         self.dp_rank = 0
         self.taken = True  # False while a balanced part waits for its rank
 
@@ -261,7 +264,7 @@ class Controller:
             columns=tuple(cells),
             new=new,
             partition=partition,
-            version=int(t.version[slots[0]]),
+            version=int(t.version[slots[0]]) if new or version is not None else -1,
             tokens=tuple(t.tokens[slots].tolist()),
             unit=int(t.unit[slots[0]]),
             producer=producer,
@@ -329,16 +332,17 @@ class Controller:
                 f"{len(view)} candidates, at most n)"
             )
         if positions.size == 0 or (positions.size < need and not final):
-            if final and not self._outstanding(state):
+            if final and not self._outstanding(state, consumer):
                 raise EndOfStream(self._end_message(task, len(view)))
             return None
         tokens = view.tokens[positions]
+        groups = view.group[positions]
         chosen = self._take(state, positions)
         if not isinstance(sampler, BalancedSampler):
             return self._meta(self._lease(state, chosen, ttl, consumer), cols)
         mine: _Lease | None = None
         parts: list[_Lease] = []
-        for rank, part in enumerate(sampler.split(tokens)):
+        for rank, part in enumerate(sampler.split(tokens, groups)):
             if part.size == 0:  # only at end of stream, with fewer samples than ranks
                 continue
             lease = self._lease(state, chosen[part], ttl, consumer)
@@ -374,7 +378,7 @@ class Controller:
         state.status[indices % self.table.capacity] = LEASED
         lid = self._next_lease
         self._next_lease += 1
-        lease = _Lease(lid, state.name, indices, time.time() + ttl)
+        lease = _Lease(lid, state.name, indices, time.time() + ttl, consumer)
         self._leases[lid] = lease
         heapq.heappush(self._deadlines, (lease.deadline, lid))
         self._emit(
@@ -438,8 +442,14 @@ class Controller:
         lease = _Lease(0, "", idx, float("inf"))
         return self._meta(lease, columns)
 
-    def ack(self, task: str, lease_id: int, indices: np.ndarray | None = None) -> np.ndarray:
-        """Consume a lease (or part of it); returns the indices evicted as a result."""
+    def ack(
+        self, task: str, lease_id: int, indices: np.ndarray | None = None, *, drop: bool = False
+    ) -> np.ndarray:
+        """Consume a lease (or part of it); returns the indices evicted as a result.
+
+        ``drop`` also consumes the samples for every other task that has not leased them
+        (a filter discarding samples): nothing downstream sees them and they are evicted.
+        """
         state = self.task(task)
         self.expire()
         lease = self._live_lease(task, lease_id, "ack")
@@ -460,10 +470,25 @@ class Controller:
             lease.indices = lease.indices[~np.isin(lease.indices, done)]
             if lease.indices.size == 0:
                 del self._leases[lease_id]
-        self._emit(Acked, task=task, lease=lease_id, indices=tuple(done.tolist()))
+        self._emit(Acked, task=task, lease=lease_id, indices=tuple(done.tolist()), dropped=drop)
+        if drop:
+            self._drop_for_other_tasks(task, slots)
         evicted = self._evict_if_done(slots)
         self.cond.notify_all()
         return evicted
+
+    def _drop_for_other_tasks(self, task: str, slots: np.ndarray) -> None:
+        for name, other in self.tasks.items():
+            if name == task:
+                continue
+            status = other.status[slots]
+            ready = slots[status == READY]
+            gone = slots[(status == READY) | (status == PENDING)]
+            other.status[gone] = CONSUMED
+            other.consumed_total += int(gone.size)
+            if ready.size:
+                queued = other.queue.view()
+                other.queue.replace(queued[~np.isin(queued % self.table.capacity, ready)])
 
     def release(self, task: str, lease_id: int) -> None:
         """Give a lease back: its samples become claimable again, first in line."""
@@ -559,8 +584,16 @@ class Controller:
                 blocked |= ~t.ready[c][pending]
         return bool(blocked.all())
 
-    def _outstanding(self, state: TaskState) -> bool:
-        return any(lease.task == state.name for lease in self._leases.values())
+    def _outstanding(self, state: TaskState, consumer: str = "") -> bool:
+        """Whether leases of the task could still return samples to it.
+
+        Leases held by the claiming ``consumer`` itself do not count: a consumer that keeps
+        batches leased (e.g. until a checkpoint) must still learn that the stream ended.
+        """
+        return any(
+            lease.task == state.name and not (consumer and lease.consumer == consumer)
+            for lease in self._leases.values()
+        )
 
     def exhausted(self, task: str) -> bool:
         state = self.task(task)

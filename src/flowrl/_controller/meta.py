@@ -69,6 +69,26 @@ class BatchMeta:
             f"columns={list(self.columns)}, nbytes={self.nbytes})"
         )
 
+    def subset(self, positions: np.ndarray) -> BatchMeta:
+        """The handle restricted to some of its samples (same lease): for partial ack/put.
+
+        ``nbytes`` is kept as an upper bound (per-sample sizes are not carried).
+        """
+        pos = np.asarray(positions)
+        return BatchMeta(
+            task=self.task,
+            lease=self.lease,
+            columns=self.columns,
+            indices=self.indices[pos],
+            units=self.units[pos],
+            tokens=self.tokens[pos],
+            versions=self.versions[pos],
+            groups=self.groups[pos],
+            nbytes=self.nbytes,
+            deadline=self.deadline,
+            dp_rank=self.dp_rank,
+        )
+
     def to_wire(self) -> WireMeta:
         return WireMeta(
             task=self.task,

@@ -194,18 +194,34 @@ class BalancedSampler(Sampler):
     def select(self, view: CandidateView, n: int) -> np.ndarray:
         return self.inner.select(view, n * self.dp_size)
 
-    def split(self, tokens: np.ndarray) -> list[np.ndarray]:
+    @property
+    def keeps_groups(self) -> bool:
+        """Whole GRPO groups go to one rank when the inner sampler selects whole groups."""
+        inner = self.inner
+        while isinstance(inner, StalenessSampler):
+            inner = inner.inner
+        return isinstance(inner, GroupSampler)
+
+    def split(self, tokens: np.ndarray, groups: np.ndarray | None = None) -> list[np.ndarray]:
         """Partition positions ``0..len(tokens)`` into ``dp_size`` balanced parts.
 
-        Snake order over tokens sorted descending: ranks 0..R-1 then R-1..0, so every rank
-        gets the same count and the heaviest samples are spread evenly. Fully vectorised.
+        Snake order over units sorted by tokens, descending: ranks 0..R-1 then R-1..0, so
+        every rank gets the same number of units and the heaviest are spread evenly. A unit
+        is a sample, or a whole group when :attr:`keeps_groups` and ``groups`` is given.
+        Fully vectorised.
         """
         r = self.dp_size
-        order = np.argsort(-tokens, kind="stable")
-        pos = np.arange(order.size)
-        lap, within = np.divmod(pos, r)
-        rank = np.where(lap % 2 == 0, within, r - 1 - within)
-        return [np.sort(order[rank == k]) for k in range(r)]
+        if groups is not None and self.keeps_groups:
+            uniq, unit_of = np.unique(groups, return_inverse=True)
+            weight = np.bincount(unit_of, weights=tokens, minlength=uniq.size)
+        else:
+            unit_of, weight = np.arange(tokens.size), tokens
+        order = np.argsort(-weight, kind="stable")
+        lap, within = np.divmod(np.arange(order.size), r)
+        rank_of_unit = np.empty(order.size, dtype=np.int64)
+        rank_of_unit[order] = np.where(lap % 2 == 0, within, r - 1 - within)
+        rank = rank_of_unit[unit_of]
+        return [np.flatnonzero(rank == k) for k in range(r)]
 
     def __repr__(self) -> str:
         return f"BalancedSampler(dp_size={self.dp_size}, inner={self.inner!r})"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any, Literal, final
 
@@ -44,7 +45,6 @@ from flowrl._controller.samplers import (
 from flowrl._pipeline.constants import POLL_S
 from flowrl._store.batch import Batch
 from flowrl.errors import ConfigError, EndOfStream, LeaseError, StageError, Timeout
-from flowrl.events import Event, StreamEnded
 
 __all__ = ["Loader", "LoaderStats"]
 
@@ -112,8 +112,9 @@ class Loader:
         self._ended = False
         # ack="checkpoint": our own held leases keep the task's stream open, so the end is
         # detected from closed columns (StreamEnded events) plus the task's counters.
-        self._closed: set[str] = set()
-        self._subscription = hub.subscribe(self._on_event) if ack == "checkpoint" else None
+        # Unique per loader: the hub ends the stream for a claimer even while it still holds
+        # leases itself (ack="checkpoint"), but never ignores another loader's leases.
+        self._consumer = f"{task}/rank{dp_rank}/{uuid.uuid4().hex[:8]}"
 
     # -- iteration --------------------------------------------------------------------------
     def __iter__(self) -> Loader:
@@ -155,33 +156,18 @@ class Loader:
                     timeout=POLL_S if left is None else min(POLL_S, max(left, 1e-3)),
                     dp_rank=self.dp_rank,
                     lease_timeout=self.lease_timeout,
-                    consumer=f"{self.task}/rank{self.dp_rank}",
+                    consumer=self._consumer,
                 )
             except EndOfStream:
                 self._ended = True
                 raise StopIteration from None
             except Timeout:
-                if self._only_own_leases_left():
-                    self._ended = True
-                    raise StopIteration from None
                 if deadline is not None and time.monotonic() >= deadline:
                     raise Timeout(
                         f"Loader for task {self.task!r} (rank {self.dp_rank}) waited "
                         f"{self.timeout}s for {self.batch_size} ready samples; are the "
                         "producers running, and is the stream ended when they are done?"
                     ) from None
-
-    def _on_event(self, event: Event) -> None:
-        if isinstance(event, StreamEnded):
-            self._closed.update(event.columns)
-
-    def _only_own_leases_left(self) -> bool:
-        """ack="checkpoint": the stream is over but for the batches this loader holds."""
-        if not self._held or not self._closed.issuperset(self.columns):
-            return False
-        stats = self.hub.statistics()
-        task = stats.tasks[self.task]
-        return stats.ended and task.ready == 0 and task.leased == sum(len(m) for m in self._held)
 
     def _drop_skipped(self, meta: BatchMeta) -> BatchMeta | None:
         """Ack samples a restored checkpoint already covers; return the rest (or None)."""
@@ -194,20 +180,7 @@ class Loader:
         self._skip.difference_update(meta.indices[hit].tolist())
         if hit.all():
             return None
-        keep = ~hit
-        return BatchMeta(
-            task=meta.task,
-            lease=meta.lease,
-            columns=meta.columns,
-            indices=meta.indices[keep],
-            units=meta.units[keep],
-            tokens=meta.tokens[keep],
-            versions=meta.versions[keep],
-            groups=meta.groups[keep],
-            nbytes=meta.nbytes,  # an upper bound: the skipped samples are not read
-            deadline=meta.deadline,
-            dp_rank=meta.dp_rank,
-        )
+        return meta.subset(np.flatnonzero(~hit))
 
     def _abort(self, error: BaseException) -> None:
         """Called by a failing ``PipelineRun``: make the next claim raise ``error``."""
@@ -307,8 +280,6 @@ class Loader:
                 self._ack(meta)
             self._committing.clear()
             self._release_all()
-        if self._subscription is not None:
-            self._subscription.cancel()
 
     def _release_all(self) -> None:
         for meta in [*self._committing, *self._held, *([self._current] if self._current else [])]:
@@ -326,8 +297,6 @@ class Loader:
             self.close()
         else:  # the step that raised did not train: give everything un-acked back
             self._release_all()
-            if self._subscription is not None:
-                self._subscription.cancel()
 
 
 def _sampler(groups: int | None, max_staleness: int | None, dp_size: int | None) -> Sampler:

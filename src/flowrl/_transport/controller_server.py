@@ -176,7 +176,8 @@ class ControllerServer:
             meta = ctl.meta(_ints(msg.indices), tuple(self.schema.check_names(msg.columns, "meta")))
             return wire.MetaReply(meta=meta.to_wire())
         if isinstance(msg, wire.Ack):
-            ctl.ack(msg.task, msg.lease, None if msg.indices is None else _ints(msg.indices))
+            indices = None if msg.indices is None else _ints(msg.indices)
+            ctl.ack(msg.task, msg.lease, indices, drop=msg.drop)
             return wire.Done()
         if isinstance(msg, wire.Release):
             ctl.release(msg.task, msg.lease)

@@ -237,9 +237,12 @@ class RemoteHub(HubClient):
         reply, _ = self._call(None, wire.MetaOf(indices=indices.tobytes(), columns=list(columns)))
         return BatchMeta.from_wire(reply.meta)
 
-    def _ack(self, task: str, lease: int, indices: np.ndarray | None) -> None:
+    def _ack(self, task: str, lease: int, indices: np.ndarray | None, drop: bool) -> None:
         msg = wire.Ack(
-            task=task, lease=lease, indices=None if indices is None else indices.tobytes()
+            task=task,
+            lease=lease,
+            indices=None if indices is None else indices.tobytes(),
+            drop=drop,
         )
         self._call(None, msg)
 

@@ -146,6 +146,7 @@ class Ack(_Msg, frozen=True, tag="ack"):
     task: str
     lease: int
     indices: bytes | None = None
+    drop: bool = False
 
 
 class Release(_Msg, frozen=True, tag="release"):

@@ -170,10 +170,9 @@ def _process(
         _release(hub, meta)
         return
     rows = _as_rows(spec, out)
+    keep = None if rows.keep is None else _keep_mask(spec, rows.keep, len(meta))
     if spec.outputs:
-        indices = meta.indices
-        if rows.keep is not None:
-            indices = indices[_keep_mask(spec, rows.keep, len(meta))]
+        indices = meta.indices if keep is None else meta.indices[keep]
         if indices.size:
             hub.put(
                 rows.data,
@@ -183,7 +182,12 @@ def _process(
                 tokens=rows.tokens,
                 producer=spec.name,
             )
-    hub.ack(meta)
+    if keep is not None and not keep.all():
+        hub.drop(meta, meta.indices[~keep])  # discarded for every later stage: evicted
+        if keep.any():
+            hub.ack(meta, meta.indices[keep])
+    else:
+        hub.ack(meta)
     counters.batches += 1
     counters.samples += len(meta)
 

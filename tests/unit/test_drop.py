@@ -47,6 +47,6 @@ def test_drop_is_an_acked_event_marked_dropped() -> None:
     acks = [e for e in seen if isinstance(e, Acked)]
     assert len(acks) == 1 and acks[0].dropped
     idx = hub.put({"x": [7]})
-    with pytest.raises(flowrl.errors.LeaseError, match="meta()"):
+    with pytest.raises(flowrl.errors.LeaseError, match=r"meta\(\)"):
         hub.drop(hub.meta(idx, ["x"]))  # an unleased handle cannot drop
     hub.close()

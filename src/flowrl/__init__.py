@@ -24,6 +24,8 @@ from flowrl._pipeline.pipeline import Pipeline, PipelineRun
 from flowrl._pipeline.result import RunResult, StageStats
 from flowrl._pipeline.stage import Rows, StageContext, StageSpec, stage
 from flowrl._pipeline.staleness import StalenessMetrics, StalenessStep
+from flowrl._pipeline.timeline import Timeline
+from flowrl._pipeline.weights import WeightStore
 from flowrl._schema.columns import Column
 from flowrl._schema.ragged import RaggedArray
 from flowrl._store.batch import Batch
@@ -69,7 +71,9 @@ __all__ = [
     "StalenessStep",
     "TaskStats",
     "ThreadExecutor",
+    "Timeline",
     "UnitStats",
+    "WeightStore",
     "__version__",
     "connect",
     "launch_hub",

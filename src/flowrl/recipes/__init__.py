@@ -1,0 +1,1 @@
+"""Ready-to-run jobs (``flowrl run NAME``)."""

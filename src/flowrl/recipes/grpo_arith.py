@@ -1,0 +1,330 @@
+"""The main job: GRPO on CPU, streaming through the embedded hub.
+
+A small transformer (``flowrl.models.TinyLM``) learns multi-digit addition with GRPO.
+After a short supervised warm-up on noisy answers (so sampling is right only part of the
+time), five stages stream micro-batches through an in-process hub while the trainer
+iterates a ``flowrl.Loader``::
+
+    prompts ─► rollout ─► reward ─► advantage ─┐
+                  └─────► logprob ─────────────┴─► trainer (Loader) ─► WeightStore
+
+* ``prompts`` (source): G copies of each problem, one GRPO group id per problem; admission
+  control keeps every trained sample within ``max_staleness`` policy versions.
+* ``rollout``: samples responses with the KV-cache sampler, using the newest published
+  weights (pulled between micro-batches), and records the sampler's log-probs.
+* ``reward``: the rule-based verifier.
+* ``logprob``: recomputes response log-probs with the trainer's weights (the loss never
+  trusts the sampler's) and with the frozen reference model.
+* ``advantage``: group-normalised advantages over whole groups (``GroupSampler``).
+* the trainer: clipped GRPO objective with a k3 KL penalty, one AdamW step per
+  ``prompts_per_step * group_size`` samples, then publishes the weights (a new version).
+
+At the end it writes ``timeline.png`` (stage activity from the hub's event stream) and
+``metrics.jsonl`` to ``--out``, and prints a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+import flowrl
+from flowrl import Column, GroupSampler, Loader, Pipeline, Rows, Staleness, Timeline, WeightStore
+from flowrl.models import TinyLM, TinyLMConfig, generate
+from flowrl.rl import build_batch, group_advantages, grpo_loss, token_logprobs
+from flowrl.tasks import EOS_ID, VOCAB_SIZE, ArithTask, pretrain, verify
+
+__all__ = ["GRPOConfig", "main", "run"]
+
+
+class GRPOConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Every knob of the run; ``max_staleness`` 0 is synchronous (and reproducible)."""
+
+    seed: int = 0
+    steps: int = 40
+    prompts_per_step: int = 8
+    group_size: int = 8
+    rollout_batch: int = 16
+    max_staleness: int = 1
+    max_digits: int = 2
+    pretrain_steps: int = 300
+    noise: float = 0.6
+    lr: float = 1e-4
+    clip_eps: float = 0.2
+    kl_coef: float = 0.01
+    temperature: float = 1.0
+    eval_size: int = 256
+    out: str = "runs/grpo"
+    progress: bool = True
+
+
+def build_pipeline(cfg: GRPOConfig, store: WeightStore, reference: TinyLM) -> Pipeline:
+    """The five stages, closed over the run's config, weights and reference model."""
+    task = ArithTask(digits=(1, cfg.max_digits), seed=cfg.seed)
+    max_new = task.max_response_len + 1
+    g = cfg.group_size
+    per_call = max(cfg.rollout_batch // g, 1)
+
+    @flowrl.stage(outputs=[Column.ragged("prompt", "int64")], batch_size=per_call * g)
+    def prompts() -> Any:
+        group = 0
+        while True:
+            problems = task.sample(per_call)
+            ids = [np.asarray(p.prompt_ids, dtype=np.int64) for p in problems for _ in range(g)]
+            groups = np.repeat(np.arange(group, group + per_call), g)
+            group += per_call
+            yield Rows({"prompt": ids}, groups=groups)
+
+    @flowrl.stage(
+        inputs=["prompt"],
+        outputs=[Column.ragged("response", "int64"), Column.ragged("sample_logprobs", "float32")],
+        batch_size=cfg.rollout_batch,
+        min_batch=1,
+    )
+    class Rollout:
+        def setup(self) -> None:
+            self.model = copy.deepcopy(reference).eval()
+            self.version = store.pull(self.model, -1)
+
+        def __call__(self, batch: flowrl.Batch) -> Rows:
+            self.version = store.pull(self.model, self.version)  # between micro-batches
+            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + int(batch.indices[0]))
+            with torch.no_grad():
+                out = generate(
+                    self.model,
+                    batch.ragged("prompt").tolist(),
+                    max_new,
+                    temperature=cfg.temperature,
+                    eos_id=EOS_ID,
+                    generator=gen,
+                )
+            return Rows(
+                {
+                    "response": [r.numpy() for r in out.responses()],
+                    "sample_logprobs": [lp.numpy() for lp in out.response_logprobs()],
+                },
+                version=self.version,
+            )
+
+    @flowrl.stage(
+        inputs=["prompt", "response"],
+        outputs=[Column.scalar("reward", "float32")],
+        batch_size=cfg.rollout_batch,
+        min_batch=1,
+    )
+    def reward(batch: flowrl.Batch) -> dict[str, Any]:
+        pairs = zip(batch.ragged("prompt"), batch.ragged("response"), strict=True)
+        return {"reward": np.array([verify(p, r) for p, r in pairs], dtype=np.float32)}
+
+    @flowrl.stage(
+        inputs=["prompt", "response"],
+        outputs=[
+            Column.ragged("old_logprobs", "float32"),
+            Column.ragged("ref_logprobs", "float32"),
+        ],
+        batch_size=cfg.rollout_batch,
+        min_batch=1,
+    )
+    class Logprob:
+        def setup(self) -> None:
+            self.model = copy.deepcopy(reference).eval()
+            self.version = -1
+
+        def __call__(self, batch: flowrl.Batch) -> dict[str, Any]:
+            self.version = store.pull(self.model, self.version)
+            ids, mask, starts, cu = _model_inputs(batch)
+            with torch.no_grad():
+                old = token_logprobs(self.model, ids, mask, starts, cu, temperature=cfg.temperature)
+                ref = token_logprobs(reference, ids, mask, starts, cu, temperature=cfg.temperature)
+            cu_np = cu.numpy()
+            return {
+                "old_logprobs": flowrl.RaggedArray(old.numpy(), cu_np),
+                "ref_logprobs": flowrl.RaggedArray(ref.numpy(), cu_np.copy()),
+            }
+
+    @flowrl.stage(
+        inputs=["reward"],
+        outputs=[Column.scalar("advantage", "float32")],
+        batch_size=per_call * g,
+        sampler=GroupSampler(g),
+    )
+    def advantage(batch: flowrl.Batch) -> dict[str, Any]:
+        adv = group_advantages(batch.torch("reward"), torch.from_numpy(batch.meta.groups))
+        return {"advantage": adv.numpy()}
+
+    stages = [prompts, Rollout, reward, Logprob, advantage]
+    return Pipeline(
+        stages,
+        staleness=Staleness(
+            max_staleness=cfg.max_staleness, samples_per_version=cfg.prompts_per_step * g
+        ),
+    )
+
+
+TRAIN_COLUMNS = ["prompt", "response", "old_logprobs", "ref_logprobs", "advantage", "reward"]
+
+
+def _model_inputs(batch: flowrl.Batch) -> tuple[torch.Tensor, ...]:
+    prompts = [torch.from_numpy(p.copy()) for p in batch.ragged("prompt")]
+    responses = [torch.from_numpy(r.copy()) for r in batch.ragged("response")]
+    return build_batch(prompts, responses)
+
+
+def evaluate(model: TinyLM, problems: list[Any], max_new: int) -> float:
+    """Greedy accuracy on held-out problems."""
+    with torch.no_grad():
+        out = generate(
+            model, [p.prompt_ids for p in problems], max_new, temperature=0.0, eos_id=EOS_ID
+        )
+    pairs = zip(problems, out.responses(), strict=True)
+    return float(np.mean([verify(p.prompt_ids, r) for p, r in pairs]))
+
+
+def run(cfg: GRPOConfig) -> dict[str, Any]:
+    """Run the job; returns the summary (also written as the last line of metrics.jsonl)."""
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(1)  # several stage threads compute at once on few cores
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+
+    task = ArithTask(digits=(1, cfg.max_digits), seed=cfg.seed)
+    held_out = ArithTask(digits=(1, cfg.max_digits), seed=10_000 + cfg.seed).sample(cfg.eval_size)
+    max_new = task.max_response_len + 1
+    model = TinyLM(
+        TinyLMConfig(
+            vocab_size=VOCAB_SIZE, d_model=128, n_layers=2, n_heads=4, d_ff=512, max_seq_len=32
+        )
+    )
+    torch.set_num_threads(2)  # the warm-up runs alone
+    pretrain(model, task, cfg.pretrain_steps, lr=2e-3, noise=cfg.noise, seed=cfg.seed)
+    torch.set_num_threads(1)
+    model.eval()
+    eval_before = evaluate(model, held_out, max_new)
+    reference = copy.deepcopy(model).requires_grad_(False)
+
+    store = WeightStore(model)
+    pipe = build_pipeline(cfg, store, reference)
+    hub = flowrl.Hub(pipe.columns, config=flowrl.HubConfig(capacity=8192))
+    timeline = Timeline()
+    hub.subscribe(timeline)
+    batch_size = cfg.prompts_per_step * cfg.group_size
+    loader = Loader(
+        hub, task="trainer", columns=TRAIN_COLUMNS, batch_size=batch_size, groups=cfg.group_size
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    metrics: list[dict[str, Any]] = []
+    t_rl = time.time()
+    run_ = pipe.start(hub, loaders=[loader], max_samples=cfg.steps * batch_size)
+    bar = _progress(cfg)
+    try:
+        for step in range(cfg.steps):
+            t_wait = time.perf_counter()
+            batch = next(loader)
+            waited = time.perf_counter() - t_wait
+            m = _train_step(cfg, model, opt, batch)
+            lag = store.version - batch.meta.versions
+            version = store.publish(model)
+            hub.publish_version(version)
+            m.update(
+                step=step,
+                version=version,
+                lag_mean=float(lag.mean()),
+                lag_max=int(lag.max()),
+                wait_s=waited,
+                samples_per_s=(step + 1) * batch_size / (time.time() - t_rl),
+            )
+            metrics.append(m)
+            bar.set_postfix(reward=f"{m['reward']:.3f}", lag=f"{m['lag_mean']:.2f}")
+            bar.update(1)
+    finally:
+        bar.close()
+        loader.close()
+        run_.stop()
+        result = run_.result(timeout=60)
+    t_end = time.time()
+    model.eval()
+    eval_after = evaluate(model, held_out, max_new)
+    busy = {name: timeline.busy_fraction(name, t_rl, t_end) for name in timeline.spans()}
+    timeline.save_png(str(out / "timeline.png"), title="flowrl GRPO: stage activity")
+    window = max(1, min(5, cfg.steps // 4))
+    summary = {
+        "steps": cfg.steps,
+        "reward_first": float(np.mean([m["reward"] for m in metrics[:window]])),
+        "reward_last": float(np.mean([m["reward"] for m in metrics[-window:]])),
+        "eval_greedy_before": eval_before,
+        "eval_greedy_after": eval_after,
+        "wall_s": time.perf_counter() - t_start,
+        "rl_wall_s": t_end - t_rl,
+        "samples_per_s": cfg.steps * batch_size / (t_end - t_rl),
+        "update_idle_fraction": float(sum(m["wait_s"] for m in metrics) / (t_end - t_rl)),
+        "stage_busy_fraction": busy,
+        "lag_mean": float(np.mean([m["lag_mean"] for m in metrics])),
+        "lag_max": max(m["lag_max"] for m in metrics),
+        "max_staleness": cfg.max_staleness,
+        "stage_samples": {n: s.samples for n, s in result.stages.items()},
+        "timeline_png": str(out / "timeline.png"),
+    }
+    with open(out / "metrics.jsonl", "w") as f:
+        for m in metrics:
+            f.write(json.dumps(m) + "\n")
+        f.write(json.dumps({"summary": summary}) + "\n")
+    hub.close()
+    return summary
+
+
+def _train_step(
+    cfg: GRPOConfig, model: TinyLM, opt: torch.optim.Optimizer, batch: flowrl.Batch
+) -> dict[str, Any]:
+    model.train()
+    ids, mask, starts, cu = _model_inputs(batch)
+    old, _ = batch.packed("old_logprobs", torch=True)
+    ref, _ = batch.packed("ref_logprobs", torch=True)
+    logprobs = token_logprobs(model, ids, mask, starts, cu, temperature=cfg.temperature)
+    loss, m = grpo_loss(
+        logprobs,
+        old,
+        batch.torch("advantage"),
+        cu,
+        ref_logprobs=ref,
+        clip_eps=cfg.clip_eps,
+        kl_coef=cfg.kl_coef,
+    )
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    model.eval()
+    m["loss"] = loss.item()
+    m["reward"] = float(batch.numpy("reward").mean())
+    return m
+
+
+def _progress(cfg: GRPOConfig) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.steps, desc="grpo", unit="step", disable=not cfg.progress)
+
+
+def main(argv: list[str] | None = None) -> int:
+    defaults = GRPOConfig()
+    parser = argparse.ArgumentParser(prog="flowrl run grpo", description=__doc__.splitlines()[0])
+    for field in GRPOConfig.__struct_fields__:
+        value = getattr(defaults, field)
+        flag = "--" + field.replace("_", "-")
+        if isinstance(value, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+        else:
+            parser.add_argument(flag, type=type(value), default=value)
+    args = parser.parse_args(argv)
+    summary = run(GRPOConfig(**vars(args)))
+    print(json.dumps(summary))
+    return 0

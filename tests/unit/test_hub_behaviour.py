@@ -328,17 +328,7 @@ def test_capacity_put_nowait_raises_and_put_blocks_until_eviction(make_hub) -> N
     assert batch["reward"].tolist() == [4.0, 5.0]
 
 
-def test_close_wakes_a_blocked_producer(make_hub, placement: str, request) -> None:
-    if placement == "inproc":
-        request.applymarker(
-            pytest.mark.xfail(
-                reason="BUG: inproc.py Hub._reserve loops on free_slots() and never checks "
-                "controller.closed: a put blocked on a full hub is not woken by close() (it "
-                "raises Timeout when its own timeout runs out, or waits forever with "
-                "timeout=None)",
-                strict=True,
-            )
-        )
+def test_close_wakes_a_blocked_producer(make_hub) -> None:
     hub = make_hub(columns=COLS, tasks=TWO_TASKS, config=HubConfig(capacity=2))
     hub.put(sample(2))
     producer = Background(lambda: hub.put(sample(1, 2), timeout=GUARD))
@@ -348,12 +338,6 @@ def test_close_wakes_a_blocked_producer(make_hub, placement: str, request) -> No
         producer.result()
 
 
-@pytest.mark.xfail(
-    reason="BUG: inproc.py Hub._reserve never checks controller.ended while waiting: a put "
-    "blocked on a full hub is not told EndOfStream by end_stream(); it raises Timeout "
-    "(or waits forever with timeout=None)",
-    strict=True,
-)
 def test_end_stream_wakes_a_blocked_producer(make_hub) -> None:
     hub = make_hub(columns=COLS, tasks=TWO_TASKS, config=HubConfig(capacity=2))
     hub.put(sample(2))
@@ -423,12 +407,6 @@ def test_partial_ack_then_expiry_returns_only_the_rest(make_hub) -> None:
     assert hub.statistics().tasks["train"].consumed == 4
 
 
-@pytest.mark.xfail(
-    reason="BUG: controller.py Controller.ack with indices=[] consumes nothing but still "
-    "emits Acked(indices=()) (statistics().events changes); an empty ack should raise or be "
-    "a silent no-op",
-    strict=True,
-)
 def test_ack_of_no_indices_changes_nothing(make_hub) -> None:
     hub = make_hub(columns=COLS, tasks=TWO_TASKS)
     hub.put(sample(2))

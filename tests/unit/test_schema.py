@@ -43,11 +43,6 @@ COLUMNS = [
 TASKS = {"train": ["ids", "reward"], "score": ["ids"]}
 
 
-def xbug(reason: str) -> Any:
-    """A test that documents a bug in src/: it must fail until the bug is fixed."""
-    return pytest.mark.xfail(reason=f"BUG: {reason}", strict=True)
-
-
 def rows(n: int, start: int = 0) -> dict[str, Any]:
     """Valid values for every column; sample i's values are derived from i."""
     r = range(start, start + n)
@@ -276,11 +271,6 @@ def test_arrays_handed_out_are_not_aliases_of_the_input(make_hub) -> None:
     assert hub.get(hub.claim("t", 4, timeout=2))["x"].tolist() == [0, 1, 2, 3]
 
 
-@xbug(
-    "batch.py _primitive_view: np.frombuffer over mutable Arrow buffers returns WRITABLE "
-    "arrays; in-process, batch['x'][0] = 99 rewrites the stored sample for every other task "
-    "and re-read (over zmq the arrays are writable too, but only the local copy changes)"
-)
 def test_batch_arrays_are_read_only_views(make_hub) -> None:
     """Batch docs: arrays share memory with the hub's storage and are read-only."""
     hub = make_hub(columns=COLUMNS, tasks={"a": ["ids", "reward", "pix"], "b": ["reward"]})
@@ -294,11 +284,6 @@ def test_batch_arrays_are_read_only_views(make_hub) -> None:
     assert other["reward"].tolist() == [0.0, 1.0, 2.0]
 
 
-@xbug(
-    "batch.py Batch.__getitem__ evaluates self._columns[name] before self.arrow(name), so "
-    "batch['nope'] (and numpy/torch/packed/padded/ragged) raise a bare KeyError('nope') "
-    "instead of arrow()'s UnknownColumnError naming the batch's columns"
-)
 def test_batch_column_not_in_batch_raises_unknown_column(make_hub) -> None:
     hub = make_hub(columns=COLUMNS, tasks=TASKS)
     hub.put(rows(2))
@@ -491,30 +476,18 @@ BAD_CALLS: list[Any] = [
         lambda h, m: h.put(_with(obj=[2**70, 1])),
         SchemaError,
         ["'obj'"],
-        marks=xbug(
-            "encode.py _encode_objects catches TypeError/EncodeError only; msgspec raises "
-            "OverflowError for ints beyond 64 bits, which escapes as a bare OverflowError"
-        ),
     ),
     pytest.param(
         "put-string-surrogate",
         lambda h, m: h.put(_with(text=["\ud800", "x"])),
         SchemaError,
         ["'text'"],
-        marks=xbug(
-            "encode.py _encode_strings: a lone surrogate raises a bare UnicodeEncodeError "
-            "(from v.encode() / pa.array) instead of a SchemaError naming the column"
-        ),
     ),
     pytest.param(
         "put-float32-overflow",
         lambda h, m: h.put(_with(reward=[1e300, 1.0])),
         SchemaError,
         ["'reward'"],
-        marks=xbug(
-            "encode.py _lossless accepts any Python float list for a float column; 1e300 "
-            "becomes inf in float32 (float16: 1e10 -> inf) with only a numpy RuntimeWarning"
-        ),
     ),
     ("put-scalar-not-array", lambda h, m: h.put(_with(reward=3.0)), SchemaError, ["'reward'"]),
     pytest.param(
@@ -615,27 +588,18 @@ BAD_CALLS: list[Any] = [
         lambda h, m: h.put(rows(2, 2), tokens=np.array([2**63, 1], dtype=np.uint64)),
         SchemaError,
         ["tokens"],
-        marks=xbug(
-            "base.py _per_sample: a uint64 token array is cast with astype(int64), so 2**63 "
-            "wraps to -2**63 and the put succeeds (so does tokens=[2**63] for one sample)"
-        ),
     ),
     pytest.param(
         "put-tokens-negative",
         lambda h, m: h.put(rows(2, 2), tokens=[-5, 1]),
         SchemaError,
         ["tokens"],
-        marks=xbug("base.py _per_sample accepts negative token counts (tokens=[-5, 1])"),
     ),
     pytest.param(
         "put-groups-overflow",
         lambda h, m: h.put(rows(2, 2), groups=2**63),
         SchemaError,
         ["groups"],
-        marks=xbug(
-            "base.py _per_sample: groups=2**63 reaches np.full(n, 2**63, int64) and raises "
-            "a bare OverflowError"
-        ),
     ),
     pytest.param(
         "put-version-overflow",
@@ -1110,11 +1074,6 @@ def test_column_accepts_numpy_scalar_types() -> None:
     assert Column.ragged("x", np.float32) == Column.ragged("x", "float32")
 
 
-@xbug(
-    "config.py HubConfig / samplers.py / columns.py check isinstance(x, int), which accepts "
-    "bools: HubConfig(capacity=True), GroupSampler(True), Column.tensor(shape=(True, 2)) "
-    "are accepted (claim() rejects n=True); HubConfig(infer_columns='yes') is accepted too"
-)
 @pytest.mark.parametrize(
     "make",
     [

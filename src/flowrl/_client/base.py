@@ -416,17 +416,23 @@ def _as_indices(indices: Any, where: str) -> np.ndarray:
 
 
 def _per_sample(value: Any, n: int, name: str, where: str) -> np.ndarray | None:
+    """One int64 per sample (``tokens`` must be >= 0); a single int is broadcast."""
     if value is None:
         return None
     if isinstance(value, int) and not isinstance(value, bool):
-        return np.full(n, value, dtype=np.int64)
+        value = [value] * n
     arr = np.asarray(value.detach().cpu().numpy() if hasattr(value, "detach") else value)
-    if arr.shape != (n,) or arr.dtype.kind not in "iu":
+    low = 0 if name == "tokens" else -(2**63)
+    if (
+        arr.shape != (n,)
+        or arr.dtype.kind not in "iuO"
+        or (arr.size and not low <= int(arr.min()) <= int(arr.max()) < 2**63)
+    ):
         raise SchemaError(
-            f"{name} in {where} must be an int or {n} ints (one per sample), got "
-            f"{arr.dtype} of shape {arr.shape}"
+            f"{name} in {where} must be an int or {n} ints (one per sample) in "
+            f"[{low}, 2**63), got {arr.dtype} of shape {arr.shape}"
         )
-    return arr.astype(np.int64, copy=False)
+    return arr.astype(np.int64)
 
 
 def _split_by_unit(units: np.ndarray) -> list[tuple[int, np.ndarray | None]]:

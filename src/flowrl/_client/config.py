@@ -6,6 +6,7 @@ from typing import final
 
 import msgspec
 
+from flowrl._validate import is_int
 from flowrl.errors import ConfigError
 
 __all__ = ["HubConfig", "HubStats", "TaskStats", "UnitStats"]
@@ -28,16 +29,24 @@ class HubConfig(msgspec.Struct, frozen=True, kw_only=True):
     infer_columns: bool | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.capacity, int) or self.capacity < 1:
+        if not is_int(self.capacity) or self.capacity < 1:
             raise ConfigError(f"HubConfig.capacity must be a positive int, got {self.capacity!r}")
-        if not isinstance(self.n_units, int) or not 1 <= self.n_units <= 1024:
+        if not is_int(self.n_units) or not 1 <= self.n_units <= 1024:
             raise ConfigError(
                 f"HubConfig.n_units must be an int in [1, 1024], got {self.n_units!r}"
             )
-        if not isinstance(self.lease_timeout, int | float) or not self.lease_timeout > 0:
+        if (
+            isinstance(self.lease_timeout, bool)
+            or not isinstance(self.lease_timeout, int | float)
+            or not self.lease_timeout > 0
+        ):
             raise ConfigError(
                 f"HubConfig.lease_timeout must be a positive number of seconds, got "
                 f"{self.lease_timeout!r}"
+            )
+        if self.infer_columns is not None and not isinstance(self.infer_columns, bool):
+            raise ConfigError(
+                f"HubConfig.infer_columns must be True, False or None, got {self.infer_columns!r}"
             )
 
 

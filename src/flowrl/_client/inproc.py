@@ -80,8 +80,8 @@ class Hub(HubClient):
         deadline = None if timeout is None else time.monotonic() + timeout
         with ctl.cond:
             while True:
-                if ctl.table.free_slots() >= n or timeout == 0:
-                    return ctl.reserve(n)
+                if ctl.table.free_slots() >= n or timeout == 0 or ctl.closed or ctl.ended:
+                    return ctl.reserve(n)  # raises HubFull / HubClosed / EndOfStream
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise Timeout(

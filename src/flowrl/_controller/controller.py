@@ -461,6 +461,8 @@ class Controller:
                 raise LeaseError(
                     f"ack of lease {lease_id} names indices that are not in it (or repeats one)"
                 )
+        if done.size == 0:
+            return done  # acking nothing changes nothing (and logs nothing)
         slots = done % self.table.capacity
         state.status[slots] = CONSUMED
         state.consumed_total += int(done.size)

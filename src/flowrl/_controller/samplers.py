@@ -21,6 +21,7 @@ from typing import final
 
 import numpy as np
 
+from flowrl._validate import is_int
 from flowrl.errors import ConfigError
 
 __all__ = [
@@ -113,7 +114,7 @@ class GroupSampler(Sampler):
     """Whole GRPO groups only: a group is taken once all ``group_size`` members are ready."""
 
     def __init__(self, group_size: int) -> None:
-        if not isinstance(group_size, int) or group_size < 1:
+        if not is_int(group_size) or group_size < 1:
             raise ConfigError(f"GroupSampler group_size must be a positive int, got {group_size!r}")
         self.group_size = group_size
 
@@ -149,7 +150,7 @@ class StalenessSampler(Sampler):
     """Only samples produced by a policy at most ``max_staleness`` versions old."""
 
     def __init__(self, max_staleness: int, inner: Sampler | None = None) -> None:
-        if not isinstance(max_staleness, int) or max_staleness < 0:
+        if not is_int(max_staleness) or max_staleness < 0:
             raise ConfigError(
                 f"StalenessSampler max_staleness must be an int >= 0, got {max_staleness!r}"
             )
@@ -179,7 +180,7 @@ class BalancedSampler(Sampler):
     """
 
     def __init__(self, dp_size: int, inner: Sampler | None = None) -> None:
-        if not isinstance(dp_size, int) or dp_size < 1:
+        if not is_int(dp_size) or dp_size < 1:
             raise ConfigError(f"BalancedSampler dp_size must be a positive int, got {dp_size!r}")
         self.dp_size = dp_size
         self.inner = inner or FifoSampler()

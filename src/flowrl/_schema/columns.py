@@ -21,6 +21,7 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 
+from flowrl._validate import is_int
 from flowrl.errors import ConfigError
 
 __all__ = ["Column", "ColumnKind"]
@@ -72,7 +73,7 @@ class Column(msgspec.Struct, frozen=True):
         elif self.dtype:
             raise ConfigError(f"column {self.name!r}: a {self.kind} column takes no dtype")
         if self.kind == "tensor":
-            if not self.shape or any(not isinstance(d, int) or d <= 0 for d in self.shape):
+            if not self.shape or any(not is_int(d) or d <= 0 for d in self.shape):
                 raise ConfigError(
                     f"column {self.name!r}: a tensor column needs a shape of positive ints, "
                     f"got {self.shape!r}"

@@ -153,7 +153,10 @@ def _lossless(arr: np.ndarray, want: np.dtype) -> bool:
             return False
         info = np.iinfo(want)
         return bool(info.min <= arr.min() and arr.max() <= info.max)
-    return arr.dtype.kind in "iuf"
+    if arr.dtype.kind not in "iuf":
+        return False
+    with np.errstate(over="ignore"):  # a finite value must stay finite (1e300 -> float32)
+        return bool((np.isfinite(arr.astype(want)) | ~np.isfinite(arr)).all())
 
 
 # -- ragged --------------------------------------------------------------------------------
@@ -217,8 +220,15 @@ def _encode_strings(column: Column, values: Any, n: int | None, where: str) -> E
             got = f"a list containing {type(bad).__name__}"
         raise SchemaError(f"column {column.name!r} expects a list of str, got {got} in {where}")
     _check_count(column, len(values), n, where)
+    try:
+        encoded = [v.encode() for v in values]
+    except UnicodeEncodeError as exc:
+        raise SchemaError(
+            f"column {column.name!r}: a str in {where} is not valid Unicode ({exc.reason}); "
+            "remove lone surrogates or store the data as bytes in an object column"
+        ) from None
     array = pa.array(values, type=pa.large_string())
-    nbytes = np.fromiter((len(v.encode()) for v in values), dtype=np.int64, count=len(values))
+    nbytes = np.fromiter((len(b) for b in encoded), dtype=np.int64, count=len(values))
     return Encoded(array, nbytes, None)
 
 
@@ -231,7 +241,7 @@ def _encode_objects(column: Column, values: Any, n: int | None, where: str) -> E
     _check_count(column, len(values), n, where)
     try:
         blobs = [_msgpack.encode(v) for v in values]
-    except (TypeError, msgspec.EncodeError) as exc:
+    except (TypeError, OverflowError, msgspec.EncodeError) as exc:
         raise SchemaError(
             f"column {column.name!r}: a value in {where} is not msgpack-encodable ({exc}); "
             "use plain dicts/lists/str/numbers or a msgspec.Struct"

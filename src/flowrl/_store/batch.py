@@ -68,7 +68,8 @@ class Batch:
         """numpy array (dense), RaggedArray (ragged), list[str] or list of objects."""
         value = self._cache.get(name)
         if value is None:
-            value = self._cache[name] = _to_python(self._columns[name], self.arrow(name))
+            arr = self.arrow(name)  # raises UnknownColumnError for a column not in the batch
+            value = self._cache[name] = _to_python(self._columns[name], arr)
         return value
 
     def numpy(self, name: str) -> np.ndarray:
@@ -127,9 +128,13 @@ def _to_python(column: Column, arr: pa.Array) -> Any:
         offsets = np.frombuffer(arr.buffers()[1], dtype=np.int64)[
             arr.offset : arr.offset + len(arr) + 1
         ]
+        offsets.flags.writeable = False
         start = int(offsets[0])
         values = _primitive_view(arr.values.slice(start, int(offsets[-1]) - start), column.np_dtype)
-        return RaggedArray(values, offsets - start if start else offsets)
+        if start:
+            offsets = offsets - start
+            offsets.flags.writeable = False
+        return RaggedArray(values, offsets)
     if kind == "string":
         return arr.to_pylist()
     return [_msgpack.decode(b) for b in arr.to_pylist()]
@@ -138,11 +143,13 @@ def _to_python(column: Column, arr: pa.Array) -> Any:
 def _primitive_view(arr: pa.Array, dtype: np.dtype) -> np.ndarray:
     """A read-only numpy view of a null-free primitive Arrow array (bools are unpacked)."""
     if dtype == np.bool_:
-        return arr.to_numpy(zero_copy_only=False)
-    data = arr.buffers()[1]
-    if data is None:
-        return np.empty(0, dtype=dtype)
-    return np.frombuffer(data, dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
+        out = arr.to_numpy(zero_copy_only=False)
+    elif (data := arr.buffers()[1]) is None:
+        out = np.empty(0, dtype=dtype)
+    else:
+        out = np.frombuffer(data, dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
+    out.flags.writeable = False  # shared with the hub's storage (and with other tasks)
+    return out
 
 
 def _torch(arr: np.ndarray, copy: bool) -> Any:

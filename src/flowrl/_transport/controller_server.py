@@ -205,8 +205,8 @@ class ControllerServer:
                 raise HubFull(
                     f"put() of {msg.n} samples can never fit capacity {ctl.table.capacity}"
                 )
-            if ctl.table.free_slots() < msg.n:
-                return None
+            if ctl.table.free_slots() < msg.n and not ctl.ended:
+                return None  # (reserve raises EndOfStream once the stream ended)
             indices, unit = ctl.reserve(msg.n)
             return wire.Reserved(indices=indices.tobytes(), unit=unit)
         meta = ctl.try_claim(

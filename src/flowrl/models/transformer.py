@@ -144,9 +144,9 @@ class TinyLM(nn.Module):
         self.ln_f = nn.LayerNorm(config.d_model)
         self.apply(self._init_weights)
         # GPT-2 style: shrink the residual-branch output projections with depth.
-        for block in self.blocks:
-            for proj in (block.attn.out, block.mlp[2]):
-                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * config.n_layers))
+        for name, param in self.named_parameters():
+            if name.endswith(("attn.out.weight", "mlp.2.weight")):
+                nn.init.normal_(param, std=0.02 / math.sqrt(2 * config.n_layers))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

@@ -84,3 +84,12 @@ def test_public_concrete_classes_are_final(cls: type) -> None:
 def test_every_error_derives_from_flowrl_error() -> None:
     for name in flowrl.errors.__all__:
         assert issubclass(getattr(flowrl.errors, name), flowrl.FlowRLError), name
+
+
+def test_import_does_not_load_torch() -> None:
+    """Hub server processes import flowrl; torch would add seconds to their start-up."""
+    import subprocess
+    import sys
+
+    code = "import sys, flowrl; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

@@ -43,6 +43,24 @@ COLUMNS = [
 TASKS = {"train": ["ids", "reward"], "score": ["ids"]}
 
 
+def over(*placements: str) -> Any:
+    """Run a test only under these placements (the client-side checks and conversions are
+    one code path for every placement: the large input matrices run in-process, and over
+    zmq only where the server takes part)."""
+    return pytest.mark.parametrize("placement", placements, indirect=True)
+
+
+def placed(cases: list[Any], zmq: set[str]) -> list[Any]:
+    """(placement, *case) params: every case in-process, the ``zmq`` ids over zmq too."""
+    out = []
+    for case in cases:
+        values = case.values if hasattr(case, "values") else case
+        out.append(pytest.param("inproc", *values, id=f"inproc-{values[0]}"))
+        if values[0] in zmq:
+            out.append(pytest.param("zmq", *values, id=f"zmq-{values[0]}"))
+    return out
+
+
 def rows(n: int, start: int = 0) -> dict[str, Any]:
     """Valid values for every column; sample i's values are derived from i."""
     r = range(start, start + n)
@@ -82,7 +100,11 @@ SCALARS = [
 
 
 @pytest.mark.parametrize(("dtype", "values"), SCALARS, ids=[d for d, _ in SCALARS])
-@pytest.mark.parametrize("source", ["numpy", "torch", "list"])
+@pytest.mark.parametrize(
+    ("placement", "source"),
+    [("inproc", "numpy"), ("inproc", "torch"), ("inproc", "list"), ("zmq", "numpy")],
+    indirect=["placement"],
+)
 def test_scalar_round_trip(
     make_hub, request: pytest.FixtureRequest, dtype: str, values: np.ndarray, source: str
 ) -> None:
@@ -115,7 +137,11 @@ TENSORS = [
 
 
 @pytest.mark.parametrize(("dtype", "shape"), TENSORS, ids=[f"{d}{s}" for d, s in TENSORS])
-@pytest.mark.parametrize("source", ["numpy", "torch", "list"])
+@pytest.mark.parametrize(
+    ("placement", "source"),
+    [("inproc", "numpy"), ("inproc", "torch"), ("inproc", "list"), ("zmq", "numpy")],
+    indirect=["placement"],
+)
 def test_tensor_round_trip(make_hub, dtype: str, shape: tuple[int, ...], source: str) -> None:
     rng = np.random.default_rng(0)
     values = (rng.integers(0, 5, size=(4, *shape)) % (2 if dtype == "bool" else 5)).astype(dtype)
@@ -144,7 +170,12 @@ RAGGED = [
 
 
 @pytest.mark.parametrize("seqs", RAGGED, ids=["mixed", "all-empty", "one", "empty-first"])
-@pytest.mark.parametrize("source", ["lists", "numpy", "torch", "ragged", "padded"])
+@pytest.mark.parametrize(
+    ("placement", "source"),
+    [(p, src) for p in ("inproc",) for src in ("lists", "numpy", "torch", "ragged", "padded")]
+    + [("zmq", "ragged")],
+    indirect=["placement"],
+)
 def test_ragged_round_trip(make_hub, seqs: list[list[int]], source: str) -> None:
     hub = make_hub(columns=[Column.ragged("ids", "int64")], tasks={"t": ["ids"]})
     arrays = [np.array(s, dtype=np.int64) for s in seqs]
@@ -313,6 +344,7 @@ INFERRED = [
 ]
 
 
+@over("inproc")
 @pytest.mark.parametrize(
     ("values", "column"), [v[1:] for v in INFERRED], ids=[v[0] for v in INFERRED]
 )
@@ -346,6 +378,7 @@ def test_inferred_column_is_fixed_by_first_write(make_hub) -> None:
     assert hub.columns == (Column.scalar("x", "int32"),)
 
 
+@over("inproc")
 @pytest.mark.parametrize(
     "values",
     [np.int64(3), np.array(3), [], np.array(["a", "b"]), 3, None, "abc"],
@@ -898,14 +931,41 @@ BAD_CALLS: list[Any] = [
 ]
 
 
-def _param(entry: Any) -> Any:
-    if hasattr(entry, "marks"):  # already a pytest.param (an xfail'd bug)
-        return pytest.param(*entry.values, id=entry.values[0], marks=entry.marks)
-    return pytest.param(*entry, id=entry[0])
+# Calls whose error comes from the server (controller or storage unit) over zmq, plus a
+# few client-side ones as a check that the same validation runs there.
+SERVER_SIDE = {
+    "put-dtype-numpy",
+    "put-unknown-column",
+    "put-index-unknown",
+    "put-index-negative",
+    "put-index-partly-unknown",
+    "put-index-duplicate",
+    "put_nowait-index",
+    "put_nowait-too-big",
+    "put-too-big",
+    "claim-task-unknown",
+    "claim-sampler-class",
+    "claim-columns-not-task",
+    "claim-dp_rank-range",
+    "claim_nowait-unknown",
+    "get-unknown-column",
+    "ack-foreign-index",
+    "ack-repeated-index",
+    "register-task-int",
+    "register-conflict",
+    "declare-conflict",
+    "declare-conflict-after-new",
+    "version-decrease",
+    "meta-index-unknown",
+}
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize(("name", "call", "error", "words"), [_param(e) for e in BAD_CALLS])
+@pytest.mark.parametrize(
+    ("placement", "name", "call", "error", "words"),
+    placed(BAD_CALLS, SERVER_SIDE),
+    indirect=["placement"],
+)
 def test_wrong_input_raises_and_leaves_hub_unchanged(
     env: Env,
     name: str,
@@ -923,7 +983,7 @@ def test_wrong_input_raises_and_leaves_hub_unchanged(
 
 def test_every_error_is_a_flowrl_error() -> None:
     for entry in BAD_CALLS:
-        error = entry.values[2] if hasattr(entry, "marks") else entry[2]
+        error = entry.values[2] if hasattr(entry, "values") else entry[2]
         assert issubclass(error, FlowRLError)
 
 

@@ -10,11 +10,12 @@ weight sync — no serialisation.
 from __future__ import annotations
 
 import threading
-from typing import final
-
-import torch
+from typing import TYPE_CHECKING, final
 
 from flowrl.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported lazily: hub servers import flowrl without it
+    import torch
 
 __all__ = ["WeightStore"]
 
@@ -40,6 +41,8 @@ class WeightStore:
                 "WeightStore.publish: the model's parameters differ from the ones the store "
                 "was built with; publish the same architecture"
             )
+        import torch
+
         with self._lock, torch.no_grad():
             for name, tensor in state.items():
                 self._tensors[name].copy_(tensor)

@@ -178,3 +178,31 @@ def test_close_stops_servers_and_later_calls_fail_cleanly() -> None:
         h.claim("train", 1, timeout=0)
     with pytest.raises(TransportError):
         flowrl._transport.remote.RemoteHub(address, rpc_timeout=0.5)
+
+
+def test_servers_exit_when_the_launching_process_dies() -> None:
+    code = textwrap.dedent(
+        """
+        import os, flowrl
+        hub = flowrl.launch_hub([flowrl.Column.scalar("x", "int64")])
+        print(hub.address, flush=True)
+        os._exit(0)   # dies without closing the hub
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    address = out.stdout.strip()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            flowrl._transport.remote.RemoteHub(address, rpc_timeout=0.3).close()
+        except TransportError:
+            return  # the controller is gone
+        time.sleep(0.2)
+    pytest.fail("the hub's servers outlived the process that launched them")

@@ -63,9 +63,16 @@ def launch_hub(
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "flowrl._transport.serve", msgspec.json.encode(s).decode()],
+            [
+                sys.executable,
+                "-m",
+                "flowrl._transport.serve",
+                msgspec.json.encode(s).decode(),
+                str(os.getpid()),
+            ],
             env=env,
             stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,  # servers log to stderr; never hold the caller's stdout
         )
         for s in specs
     ]

@@ -1,4 +1,4 @@
-"""Process entry point: ``python -m flowrl._transport.serve <json spec>``.
+"""Process entry point: ``python -m flowrl._transport.serve <json spec> <launcher pid>``.
 
 Runs the controller or one storage unit until a Shutdown request arrives. Started by
 ``flowrl.launch_hub``; the spec is a msgspec JSON document (no pickle).
@@ -6,14 +6,31 @@ Runs the controller or one storage unit until a Shutdown request arrives. Starte
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
+import time
 
 import msgspec
 
 from flowrl._transport.specs import ControllerSpec, ServerSpec
 
 
+def _exit_with_parent(parent: int, interval: float = 1.0) -> None:
+    """Servers must not outlive the process that launched them (e.g. one killed by a
+    signal before it could close the hub): exit once it is gone. ``parent`` comes from the
+    launcher, so a launcher that died before this process started is noticed too."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="flowrl-parent-watch", daemon=True).start()
+
+
 def main(argv: list[str]) -> None:
+    _exit_with_parent(int(argv[1]))
     spec = msgspec.json.decode(argv[0], type=ServerSpec)
     fields = {f: getattr(spec, f) for f in spec.__struct_fields__}
     if isinstance(spec, ControllerSpec):

@@ -441,9 +441,9 @@ class ControllerMachine(RuleBasedStateMachine):
         assert s.version == self.version
         assert s.ended == self.ended
         for task in self.tasks:
-            assert s.ready_per_task[task] == len(self.queue[task])
-            assert s.leased_per_task[task] == len(self.leased(task))
-            assert s.consumed_per_task[task] == len(self.consumed[task])
+            assert s.tasks[task].ready == len(self.queue[task])
+            assert s.tasks[task].leased == len(self.leased(task))
+            assert s.tasks[task].consumed == len(self.consumed[task])
 
 
 ControllerMachine.TestCase.settings = settings(

@@ -12,11 +12,12 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import final
 
+import msgspec
 import numpy as np
 import pyarrow as pa
 
 from flowrl._client.base import HubClient, _split_by_unit
-from flowrl._client.config import HubConfig, HubStats, TaskStats, UnitStats
+from flowrl._client.config import HubConfig, HubStats
 from flowrl._controller.controller import CellWrite, Controller
 from flowrl._controller.eventlog import EventLog
 from flowrl._controller.meta import BatchMeta
@@ -218,21 +219,8 @@ class Hub(HubClient):
 
     def statistics(self) -> HubStats:
         with self.controller.cond:
-            s = self.controller.statistics()
-        return HubStats(
-            capacity=s.capacity,
-            live=s.live,
-            reserved=s.reserved,
-            tasks={
-                t: TaskStats(s.ready_per_task[t], s.leased_per_task[t], s.consumed_per_task[t])
-                for t in s.ready_per_task
-            },
-            leases=s.leases,
-            version=s.version,
-            ended=s.ended,
-            events=s.events,
-            units=[UnitStats(*u.statistics()) for u in self.units],
-        )
+            stats = self.controller.statistics()
+        return msgspec.structs.replace(stats, units=[u.statistics() for u in self.units])
 
     def close(self) -> None:
         with self.controller.cond:

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from flowrl._client.config import HubStats, TaskStats
 from flowrl._controller.eventlog import EventLog
 from flowrl._controller.meta import BatchMeta
 from flowrl._controller.samplers import BalancedSampler, CandidateView, Sampler
@@ -49,7 +50,7 @@ from flowrl.events import (
     VersionPublished,
 )
 
-__all__ = ["CellWrite", "Controller", "ControllerStats"]
+__all__ = ["CellWrite", "Controller"]
 
 
 class CellWrite(NamedTuple):
@@ -57,19 +58,6 @@ class CellWrite(NamedTuple):
 
     nbytes: np.ndarray  # int64 per sample
     lengths: np.ndarray | None  # int64 per sample for ragged columns
-
-
-class ControllerStats(NamedTuple):
-    capacity: int
-    live: int
-    reserved: int
-    ready_per_task: dict[str, int]
-    leased_per_task: dict[str, int]
-    consumed_per_task: dict[str, int]
-    leases: int
-    version: int
-    ended: bool
-    events: int
 
 
 class _Lease:
@@ -628,24 +616,27 @@ class Controller:
         if self.closed:
             raise HubClosed("the hub was shut down")
 
-    def statistics(self) -> ControllerStats:
-        t = self.table
-        live = t.owner >= 0
-        return ControllerStats(
-            capacity=t.capacity,
-            live=t.live,
+    def statistics(self) -> HubStats:
+        """Counters of the control plane (``units`` is filled in by the caller)."""
+        live = self.table.owner >= 0
+        tasks = {
+            name: TaskStats(
+                ready=int(((st.status == READY) & live).sum()),
+                leased=int(((st.status == LEASED) & live).sum()),
+                consumed=st.consumed_total,
+            )
+            for name, st in self.tasks.items()
+        }
+        return HubStats(
+            capacity=self.table.capacity,
+            live=self.table.live,
             reserved=self._reserved,
-            ready_per_task={
-                n: int(((s.status == READY) & live).sum()) for n, s in self.tasks.items()
-            },
-            leased_per_task={
-                n: int(((s.status == LEASED) & live).sum()) for n, s in self.tasks.items()
-            },
-            consumed_per_task={n: s.consumed_total for n, s in self.tasks.items()},
+            tasks=tasks,
             leases=len(self._leases),
             version=self.version,
             ended=self.ended,
             events=self.log.seq,
+            units=[],
         )
 
     def _emit(self, cls: type, **fields: object) -> None:

@@ -13,21 +13,14 @@ written raises UnknownIndexError, even after its slot was reused.
 from __future__ import annotations
 
 import threading
-from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
 
+from flowrl._client.config import UnitStats
 from flowrl.errors import UnknownColumnError, UnknownIndexError
 
-__all__ = ["StorageUnit", "UnitStats"]
-
-
-class UnitStats(NamedTuple):
-    unit: int
-    samples: int
-    chunks: int
-    nbytes: int
+__all__ = ["StorageUnit"]
 
 
 class _ColumnStore:

@@ -17,7 +17,7 @@ import numpy as np
 import zmq
 
 from flowrl._client.base import _split_by_unit
-from flowrl._client.config import HubConfig, HubStats, TaskStats
+from flowrl._client.config import HubConfig
 from flowrl._controller.controller import CellWrite, Controller
 from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
@@ -189,7 +189,7 @@ class ControllerServer:
             ctl.end_stream(tuple(self.schema.check_names(msg.columns, "end_stream")))
             return wire.Done()
         if isinstance(msg, wire.Stats):
-            return wire.StatsReply(stats=self._stats())
+            return wire.StatsReply(stats=ctl.statistics())
         if isinstance(msg, wire.PublishHello):
             self.pub.send_multipart([b"h", msg.token.to_bytes(8, "little")])
             return wire.Done()
@@ -268,23 +268,6 @@ class ControllerServer:
 
     def _publish(self, event: Any) -> None:
         self.pub.send_multipart([b"e", event_encoder.encode(event)])
-
-    def _stats(self) -> HubStats:
-        s = self.ctl.statistics()
-        return HubStats(
-            capacity=s.capacity,
-            live=s.live,
-            reserved=s.reserved,
-            tasks={
-                t: TaskStats(s.ready_per_task[t], s.leased_per_task[t], s.consumed_per_task[t])
-                for t in s.ready_per_task
-            },
-            leases=s.leases,
-            version=s.version,
-            ended=s.ended,
-            events=s.events,
-            units=[],
-        )
 
     def _shutdown(self) -> None:
         for p in self.parked:

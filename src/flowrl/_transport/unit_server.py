@@ -107,8 +107,7 @@ class UnitServer:
             self.unit.discard(np.frombuffer(msg.indices, dtype=np.int64), tuple(msg.columns))
             return wire.Done()
         if isinstance(msg, wire.UnitStatsReq):
-            s = self.unit.statistics()
-            return wire.UnitStatsReply(stats=wire.UnitStats(*s))
+            return wire.UnitStatsReply(stats=self.unit.statistics())
         if isinstance(msg, wire.Shutdown):
             self.running = False
             return wire.Done()

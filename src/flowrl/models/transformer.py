@@ -194,27 +194,30 @@ class TinyLM(nn.Module):
             if attention_mask is None
             else attention_mask.to(torch.bool)
         )
-        eye_offset = 0
         if cache is None:
             positions = _positions_from_mask(mask)
-            key_mask = mask
         else:
-            start = cache.length
-            if start + t > cache.max_len:
+            if cache.length + t > cache.max_len or cache.keys.shape[1] != b:
                 raise ValueError(
-                    f"KV cache overflow: {start} cached + {t} new tokens > max_len "
-                    f"{cache.max_len}; allocate a larger cache with new_cache(max_len=...)"
+                    f"KV cache of batch {cache.keys.shape[1]} holding {cache.length} of "
+                    f"{cache.max_len} slots cannot take {t} new tokens for batch {b}; "
+                    "allocate a matching cache with new_cache(batch_size, max_len)"
                 )
             positions = _positions_from_mask(mask, cache.positions)
-            cache.key_mask[:, start : start + t] = mask
-            cache.positions += mask.sum(dim=1)
-            key_mask = cache.key_mask[:, : start + t]
-            eye_offset = start
         if positions.numel() and int(positions.max()) >= self.config.max_seq_len:
             raise ValueError(
                 f"position {int(positions.max())} exceeds max_seq_len "
                 f"{self.config.max_seq_len}; shorten the sequence or enlarge the config"
             )
+        eye_offset = 0
+        if cache is None:
+            key_mask = mask
+        else:  # validated above: only now mutate the cache
+            start = cache.length
+            cache.key_mask[:, start : start + t] = mask
+            cache.positions += mask.sum(dim=1)
+            key_mask = cache.key_mask[:, : start + t]
+            eye_offset = start
         # allowed[b, 0, i, j]: query i may attend key j (causal, real keys, self always).
         n_keys = key_mask.shape[1]
         q_idx = torch.arange(t, device=device)[:, None] + eye_offset

@@ -223,29 +223,21 @@ class Controller:
             t.version[slots] = version
         if groups is not None and not new:
             t.group[slots] = groups
-        became: dict[str, list[np.ndarray]] = {name: [] for name in self.tasks}
+        fresh: dict[str, np.ndarray] = {}
         for name, cell in cells.items():
-            fresh = slots[~t.ready[name][slots]]
+            fresh[name] = slots if new else slots[~t.ready[name][slots]]
             t.ready[name][slots] = True
             t.nbytes[name][slots] = cell.nbytes
             if cell.lengths is not None and tokens is None:
                 t.tokens[slots] = np.maximum(t.tokens[slots], cell.lengths)
-            for task, state in self.tasks.items():
-                if name in state.columns and fresh.size:
-                    state.missing[fresh] -= 1
-                    done = fresh[state.missing[fresh] == 0]
-                    if done.size:
-                        became[task].append(done)
         if tokens is not None:
             t.tokens[slots] = tokens
-        for task, parts in became.items():
-            if not parts:
-                continue
-            state = self.tasks[task]
-            done = np.concatenate(parts) if len(parts) > 1 else parts[0]
-            done = done[state.status[done] == PENDING]
-            state.status[done] = READY
-            state.queue.push_back(np.sort(t.owner[done]))
+        for state in self.tasks.values():
+            done = self._became_ready(state, slots, fresh, new)
+            if done.size:
+                state.status[done] = READY
+                # a new put's slots come in index order; an update's may not (ring wrap)
+                state.queue.push_back(t.owner[done] if new else np.sort(t.owner[done]))
         self._emit(
             Put,
             indices=tuple(indices.tolist()),
@@ -258,6 +250,23 @@ class Controller:
             producer=producer,
         )
         self.cond.notify_all()
+
+    @staticmethod
+    def _became_ready(
+        state: TaskState, slots: np.ndarray, fresh: dict[str, np.ndarray], new: bool
+    ) -> np.ndarray:
+        """Slots whose last missing column (for this task) arrived with this commit."""
+        mine = [fresh[c] for c in state.columns if c in fresh]
+        if not mine:
+            return slots[:0]
+        if new:  # every cell of a new sample is fresh: one subtraction, no per-slot test
+            state.missing[slots] -= len(mine)
+            return slots if len(mine) == len(state.columns) else slots[:0]
+        for part in mine:
+            state.missing[part] -= 1
+        touched = np.unique(np.concatenate(mine)) if len(mine) > 1 else mine[0]
+        done = touched[state.missing[touched] == 0]
+        return done[state.status[done] == PENDING]
 
     def _partition_id(self, name: str) -> int:
         pid = self._partitions.get(name)

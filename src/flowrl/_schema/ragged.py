@@ -43,6 +43,14 @@ class RaggedArray:
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
+    def _trusted(cls, values: np.ndarray, cu_seqlens: np.ndarray) -> RaggedArray:
+        """Wrap arrays known to be valid (Arrow list offsets) without re-checking them."""
+        self = cls.__new__(cls)
+        self.values = values
+        self.cu_seqlens = cu_seqlens
+        return self
+
+    @classmethod
     def from_list(cls, seqs: Sequence[Any], dtype: Any = None) -> RaggedArray:
         arrays = [_as_numpy(s) for s in seqs]
         if dtype is None and not arrays:

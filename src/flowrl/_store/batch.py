@@ -134,7 +134,7 @@ def _to_python(column: Column, arr: pa.Array) -> Any:
         if start:
             offsets = offsets - start
             offsets.flags.writeable = False
-        return RaggedArray(values, offsets)
+        return RaggedArray._trusted(values, offsets)
     if kind == "string":
         return arr.to_pylist()
     return [_msgpack.decode(b) for b in arr.to_pylist()]

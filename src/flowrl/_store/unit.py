@@ -74,8 +74,8 @@ class _ColumnStore:
         if (cids == first).all():
             chunk = self.chunks[first]
             start = int(rows[0])
-            if rows[-1] - start == rows.size - 1 and (np.diff(rows) == 1).all():
-                return chunk.slice(start, rows.size)  # zero-copy
+            if rows[-1] - start == rows.size - 1 and (rows[1:] > rows[:-1]).all():
+                return chunk.slice(start, rows.size)  # strictly increasing span: zero-copy
             return chunk.take(pa.array(rows))
         uniq, inverse = np.unique(cids, return_inverse=True)
         arrays = [self.chunks[int(c)] for c in uniq]

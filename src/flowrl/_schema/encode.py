@@ -166,7 +166,7 @@ def _encode_ragged(column: Column, values: Any, n: int | None, where: str) -> En
     elif isinstance(values, list | tuple):
         seqs = []
         for i, item in enumerate(values):
-            if isinstance(item, list | tuple) or isinstance(item, np.ndarray) or _is_tensor(item):
+            if isinstance(item, list | tuple | np.ndarray) or _is_tensor(item):
                 seq = _checked_array(column, item, where)
             else:
                 raise SchemaError(

@@ -81,12 +81,17 @@ def test_kv_cache_decoding_equals_full_forward(model: TinyLM) -> None:
     assert cache.positions.tolist() == full_mask.sum(1).tolist()
 
 
-def test_kv_cache_overflow_raises(model: TinyLM) -> None:
+def test_kv_cache_overflow_or_batch_mismatch_raises_and_leaves_cache_unchanged(
+    model: TinyLM,
+) -> None:
     cache = model.new_cache(1, 4)
     with torch.no_grad():
         model(torch.ones(1, 4, dtype=torch.long), cache=cache)
-        with pytest.raises(ValueError, match="overflow"):
+        with pytest.raises(ValueError, match="cannot take 1 new tokens"):
             model(torch.ones(1, 1, dtype=torch.long), cache=cache)
+        with pytest.raises(ValueError, match="batch 2"):
+            model(torch.ones(2, 1, dtype=torch.long), cache=model.new_cache(1, 4))
+    assert cache.length == 4 and cache.positions.tolist() == [4]
 
 
 def test_positions_beyond_max_seq_len_raise(model: TinyLM) -> None:

@@ -2,8 +2,10 @@
 
 With ``B`` samples trained per policy version and the hub at version ``v`` (counted from
 the version when the controller was created), a producer may have admitted at most
-``(v + η + 1) * B`` samples. A trainer that takes ``B`` samples per version, oldest
-first, therefore never trains on a sample produced more than η versions ago:
+``(v + η + 1) * B`` samples. A trainer that takes ``B`` samples per version in
+admission order (whole steps, e.g. one group id per step) therefore never trains on a
+sample produced more than η versions ago; one that takes the oldest *ready* samples can
+overtake a straggler and train it one version later (see docs/staleness.md):
 
 * η = 0 — synchronous, on-policy: version ``v`` is trained only on data it generated;
 * η = 1 — one-step-off: generation of step ``v + 1`` overlaps training of step ``v``;

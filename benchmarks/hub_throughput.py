@@ -263,7 +263,7 @@ def peer(samples: int, seq_len: int, batch: int) -> dict:
     )
     if out.returncode != 0:
         return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout[out.stdout.index("{") :])  # the peer prints one JSON object
 
 
 def main() -> None:

@@ -77,6 +77,8 @@ class ControllerServer:
         self.ctl.on_evict = self._evict
         self.ctl.log.journal = self._publish  # every event, in order, leaves on PUB
         self.parked: list[_Parked] = []
+        self._evictions: list[list[np.ndarray]] = [[] for _ in unit_control_addresses]
+        self._subscribed = False
         self._seen_seq = 0
         self.running = True
 
@@ -91,13 +93,11 @@ class ControllerServer:
         while self.running:
             timeout_ms = self._poll_timeout()
             if poller.poll(timeout_ms):
-                # Drain everything queued, then retry parked requests once.
-                while self.running:
-                    try:
-                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._handle(frames)
+                # Drain everything queued (control messages are small: copied, not
+                # zero-copy), then flush evictions and retry parked requests once.
+                while self.running and self.sock.get(zmq.EVENTS) & zmq.POLLIN:
+                    self._handle(self.sock.recv_multipart())
+            self._flush_evictions()
             changed = self.ctl.log.seq != self._seen_seq or self.ctl.expire() > 0
             self._seen_seq = self.ctl.log.seq
             self._retry_parked(changed)
@@ -116,9 +116,9 @@ class ControllerServer:
     def _handle(self, frames: list[Any]) -> None:
         if len(frames) < 3:
             return  # not even an identity + request id + body: nothing to answer
-        ident, rid = frames[0].bytes, frames[1].bytes
+        ident, rid = frames[0], frames[1]
         try:
-            msg = wire.decode_request(frames[2].buffer)
+            msg = wire.decode_request(frames[2])
             reply = self._dispatch(ident, rid, msg)
         except FlowRLError as exc:
             reply = wire.error_of(exc)
@@ -129,7 +129,7 @@ class ControllerServer:
             self._send(ident, rid, reply)
 
     def _send(self, ident: bytes, rid: bytes, reply: Any) -> None:
-        self.sock.send_multipart([ident, rid, wire.encode(reply)], copy=False)
+        self.sock.send_multipart([ident, rid, wire.encode(reply)])
 
     def _dispatch(self, ident: bytes, rid: bytes, msg: Any) -> Any:
         ctl = self.ctl
@@ -191,6 +191,7 @@ class ControllerServer:
         if isinstance(msg, wire.Stats):
             return wire.StatsReply(stats=ctl.statistics())
         if isinstance(msg, wire.PublishHello):
+            self._subscribed = True
             self.pub.send_multipart([b"h", msg.token.to_bytes(8, "little")])
             return wire.Done()
         if isinstance(msg, wire.Shutdown):
@@ -262,14 +263,25 @@ class ControllerServer:
         )
 
     def _evict(self, indices: np.ndarray, units: np.ndarray) -> None:
+        """Queue evictions; they go to the units once per loop turn, one message each."""
         for unit, pos in _split_by_unit(units):
-            evict = wire.Evict(indices=(indices if pos is None else indices[pos]).tobytes())
-            self.unit_push[unit].send(wire.encode(evict))
+            self._evictions[unit].append(indices if pos is None else indices[pos])
+
+    def _flush_evictions(self) -> None:
+        for unit, parts in enumerate(self._evictions):
+            if parts:
+                evict = wire.Evict(indices=np.concatenate(parts).tobytes())
+                self.unit_push[unit].send(wire.encode(evict))
+                parts.clear()
 
     def _publish(self, event: Any) -> None:
-        self.pub.send_multipart([b"e", event_encoder.encode(event)])
+        # PUB drops what no subscriber receives; skip the encoding until a client has
+        # subscribed (its subscription handshake goes through PublishHello).
+        if self._subscribed:
+            self.pub.send_multipart([b"e", event_encoder.encode(event)])
 
     def _shutdown(self) -> None:
+        self._flush_evictions()
         for p in self.parked:
             self._send(p.ident, p.rid, wire.Error(type="HubClosed", message="the hub shut down"))
         for s in [self.sock, self.pub, *self.unit_push]:

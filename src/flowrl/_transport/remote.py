@@ -87,7 +87,8 @@ class RemoteHub(HubClient):
         if self._closed:
             raise HubClosed("this hub client was closed")
         rid = next(self._rid).to_bytes(8, "little")
-        self._socket(unit).send_multipart([rid, wire.encode(msg), *frames], copy=False)
+        # Zero-copy only pays for payload frames; small control messages are copied.
+        self._socket(unit).send_multipart([rid, wire.encode(msg), *frames], copy=not frames)
         return rid
 
     def _recv(self, unit: int | None, rid: bytes, wait: float | None) -> tuple[Any, list[Any]]:
@@ -100,10 +101,10 @@ class RemoteHub(HubClient):
                 raise TransportError(
                     f"the hub's {where} did not answer within {wait:.1f}s; is it running?"
                 )
-            frames = sock.recv_multipart(copy=False)
-            if frames[0].bytes != rid:
+            frames = sock.recv_multipart(copy=unit is None)  # units reply with payload frames
+            if _bytes(frames[0]) != rid:
                 continue  # a late reply to a request this thread gave up on
-            reply = wire.decode_reply(frames[1].buffer)
+            reply = wire.decode_reply(frames[1] if unit is None else frames[1].buffer)
             if isinstance(reply, wire.Error):
                 wire.raise_error(reply)
             return reply, frames[2:]
@@ -350,6 +351,10 @@ class RemoteHub(HubClient):
             for s in self._sockets:
                 s.close(linger=0)
             self._sockets.clear()
+
+
+def _bytes(frame: Any) -> bytes:
+    return frame if isinstance(frame, bytes) else frame.bytes
 
 
 def _grace(timeout: float | None) -> float | None:

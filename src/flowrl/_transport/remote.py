@@ -101,7 +101,10 @@ class RemoteHub(HubClient):
                 raise TransportError(
                     f"the hub's {where} did not answer within {wait:.1f}s; is it running?"
                 )
-            frames = sock.recv_multipart(copy=unit is None)  # units reply with payload frames
+            # units reply with payload frames (zero-copy); the controller's replies are small
+            frames: list[Any] = (
+                sock.recv_multipart() if unit is None else sock.recv_multipart(copy=False)
+            )
             if _bytes(frames[0]) != rid:
                 continue  # a late reply to a request this thread gave up on
             reply = wire.decode_reply(frames[1] if unit is None else frames[1].buffer)

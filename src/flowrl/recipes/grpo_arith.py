@@ -30,14 +30,24 @@ import copy
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import numpy as np
 import torch
 
 import flowrl
-from flowrl import Column, GroupSampler, Loader, Pipeline, Rows, Staleness, Timeline, WeightStore
+from flowrl import (
+    Column,
+    GroupSampler,
+    Loader,
+    Pipeline,
+    Rows,
+    StageSpec,
+    Staleness,
+    Timeline,
+    WeightStore,
+)
 from flowrl.models import TinyLM, TinyLMConfig, generate
 from flowrl.rl import build_batch, group_advantages, grpo_loss, token_logprobs
 from flowrl.tasks import EOS_ID, VOCAB_SIZE, ArithTask, pretrain, verify
@@ -124,7 +134,8 @@ def build_pipeline(cfg: GRPOConfig, store: WeightStore, reference: TinyLM) -> Pi
     )
     def reward(batch: flowrl.Batch) -> dict[str, Any]:
         pairs = zip(batch.ragged("prompt"), batch.ragged("response"), strict=True)
-        return {"reward": np.array([verify(p, r) for p, r in pairs], dtype=np.float32)}
+        scores = [verify(p.tolist(), r.tolist()) for p, r in pairs]
+        return {"reward": np.array(scores, dtype=np.float32)}
 
     @flowrl.stage(
         inputs=["prompt", "response"],
@@ -162,7 +173,7 @@ def build_pipeline(cfg: GRPOConfig, store: WeightStore, reference: TinyLM) -> Pi
         adv = group_advantages(batch.torch("reward"), torch.from_numpy(batch.meta.groups))
         return {"advantage": adv.numpy()}
 
-    stages = [prompts, Rollout, reward, Logprob, advantage]
+    stages = cast("tuple[StageSpec, ...]", (prompts, Rollout, reward, Logprob, advantage))
     return Pipeline(
         stages,
         staleness=Staleness(

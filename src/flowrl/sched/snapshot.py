@@ -32,7 +32,7 @@ F64 = NDArray[np.float64]
 
 
 def _frozen(name: str, arr: object, dtype: type) -> NDArray:
-    out = np.array(arr, dtype=dtype, copy=True)
+    out: NDArray = np.array(arr, dtype=dtype, copy=True)
     if out.ndim != 1:
         raise ConfigError(f"snapshot field {name!r} must be one-dimensional, got shape {out.shape}")
     out.flags.writeable = False

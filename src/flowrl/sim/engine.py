@@ -207,7 +207,7 @@ class Simulator:
 
     def _later(self, t: float, ev_type: type, **fields: object) -> None:
         self._order += 1
-        heapq.heappush(self._pending, (float(t), self._order, (ev_type, fields)))  # type: ignore[arg-type]
+        heapq.heappush(self._pending, (float(t), self._order, (ev_type, fields)))  # type: ignore[arg-type, misc]
 
     def _flush(self, upto: float) -> None:
         while self._pending and self._pending[0][0] <= upto:
@@ -651,7 +651,9 @@ class Simulator:
             (ctx + self.forecaster.expected_remaining(g, g[st.state[pend] != WAIT])).sum()
         )
         on = np.nonzero(self.node_mode >= 0)[0]
-        cap_node = np.array([self._caps[self.node_mode[n]] * len(self._node_reps(n)) for n in on])
+        cap_node = np.array(
+            [self._caps[self.node_mode[n]] * len(self._node_reps(int(n))) for n in on]
+        )
         per_node = np.bincount(st.rep[pend] // self.slots, minlength=c.nodes)[on]
         fz = self.scheme.fusion
         if fz is None:  # guarded by the caller

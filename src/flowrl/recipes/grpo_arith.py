@@ -182,6 +182,7 @@ def build_pipeline(cfg: GRPOConfig, store: WeightStore, reference: TinyLM) -> Pi
     )
 
 
+STAGE_NAMES = ("Rollout", "reward", "Logprob", "advantage", "trainer")
 TRAIN_COLUMNS = ["prompt", "response", "old_logprobs", "ref_logprobs", "advantage", "reward"]
 
 
@@ -251,6 +252,7 @@ def run(cfg: GRPOConfig) -> dict[str, Any]:
     t_rl = time.time()
     run_ = pipe.start(hub, loaders=[loader], max_samples=cfg.steps * batch_size)
     bar = _progress(cfg)
+    step_start = t_rl
     try:
         for step in range(cfg.steps):
             t_wait = time.perf_counter()
@@ -267,7 +269,12 @@ def run(cfg: GRPOConfig) -> dict[str, Any]:
                 lag_max=int(lag.max()),
                 wait_s=waited,
                 samples_per_s=(step + 1) * batch_size / (time.time() - t_rl),
+                busy={  # stage busy fractions over this step, from the event stream
+                    name: round(timeline.busy_fraction(name, step_start, time.time()), 3)
+                    for name in STAGE_NAMES
+                },
             )
+            step_start = time.time()
             metrics.append(m)
             bar.set_postfix(reward=f"{m['reward']:.3f}", lag=f"{m['lag_mean']:.2f}")
             bar.update(1)

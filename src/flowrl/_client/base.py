@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -30,6 +30,32 @@ from flowrl.hooks import Observer
 __all__ = ["HubClient"]
 
 _FIFO = FifoSampler()
+
+
+class ClaimArgs(NamedTuple):
+    """A validated claim, named as ``Controller.try_claim`` takes it."""
+
+    task: str
+    n: int
+    sampler: Sampler
+    columns: tuple[str, ...] | None
+    min_n: int | None
+    consumer: str
+    lease_timeout: float | None
+    dp_rank: int
+
+
+class CommitArgs(NamedTuple):
+    """A stored write to make visible, named as ``Controller.commit`` takes it."""
+
+    indices: np.ndarray
+    cells: dict[str, CellWrite]
+    new: bool
+    partition: str
+    groups: np.ndarray | None
+    version: int | None
+    tokens: np.ndarray | None
+    producer: str
 
 
 class HubClient(abc.ABC):
@@ -114,6 +140,7 @@ class HubClient(abc.ABC):
         groups_arr = _per_sample(groups, n, "groups", where)
         tokens_arr = _per_sample(tokens, n, "tokens", where)
         cells = {k: CellWrite(e.nbytes, e.lengths) for k, e in encoded.items()}
+        per_put = (partition, groups_arr, version, tokens_arr, producer)
         arrays = {k: e.array for k, e in encoded.items()}
         types = {c.name: c for c in new_columns}
         types.update((k, self.schema[k]) for k in arrays if k not in types)
@@ -125,7 +152,7 @@ class HubClient(abc.ABC):
                 self._write(unit, idx, arrays, types)
                 if new_columns:
                     self._declare_columns(tuple(new_columns))
-                self._commit(idx, cells, True, partition, groups_arr, version, tokens_arr, producer)
+                self._commit(CommitArgs(idx, cells, True, *per_put))
             except BaseException:
                 self._discard(unit, idx, tuple(arrays))
                 self._abort(idx)
@@ -137,7 +164,7 @@ class HubClient(abc.ABC):
             self._write(unit, target if pos is None else target[pos], part, types)
         if new_columns:
             self._declare_columns(tuple(new_columns))
-        self._commit(target, cells, False, partition, groups_arr, version, tokens_arr, producer)
+        self._commit(CommitArgs(target, cells, False, *per_put))
         return target
 
     # -- consumers --------------------------------------------------------------------------
@@ -197,17 +224,8 @@ class HubClient(abc.ABC):
         if sampler is not None and not isinstance(sampler, Sampler):
             raise ConfigError(f"claim() sampler must be a flowrl Sampler, got {sampler!r}")
         cols = None if columns is None else self.schema.check_names(columns, f"claim({task!r})")
-        return self._claim(
-            task,
-            n,
-            sampler or _FIFO,
-            cols,
-            min_n,
-            timeout,
-            dp_rank,
-            lease_timeout,
-            consumer,
-        )
+        args = ClaimArgs(task, n, sampler or _FIFO, cols, min_n, consumer, lease_timeout, dp_rank)
+        return self._claim(args, timeout)
 
     def get(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> Batch:
         """Read the columns of a claimed batch straight from the storage units."""
@@ -343,31 +361,12 @@ class HubClient(abc.ABC):
     def _discard(self, unit: int, indices: np.ndarray, columns: tuple[str, ...]) -> None: ...
 
     @abc.abstractmethod
-    def _commit(
-        self,
-        indices: np.ndarray,
-        cells: dict[str, CellWrite],
-        new: bool,
-        partition: str,
-        groups: np.ndarray | None,
-        version: int | None,
-        tokens: np.ndarray | None,
-        producer: str,
-    ) -> None: ...
+    def _commit(self, args: CommitArgs) -> None:
+        """Make a write visible: ``Controller.commit(**args._asdict())``."""
 
     @abc.abstractmethod
-    def _claim(
-        self,
-        task: str,
-        n: int,
-        sampler: Sampler,
-        columns: tuple[str, ...] | None,
-        min_n: int | None,
-        timeout: float | None,
-        dp_rank: int,
-        lease_timeout: float | None,
-        consumer: str,
-    ) -> BatchMeta: ...
+    def _claim(self, args: ClaimArgs, timeout: float | None) -> BatchMeta:
+        """Lease samples: ``Controller.try_claim(**args._asdict())``, waiting ``timeout``."""
 
     @abc.abstractmethod
     def _read_many(

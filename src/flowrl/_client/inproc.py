@@ -16,12 +16,11 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 
-from flowrl._client.base import HubClient, _split_by_unit
+from flowrl._client.base import ClaimArgs, CommitArgs, HubClient, _split_by_unit
 from flowrl._client.config import HubConfig, HubStats
-from flowrl._controller.controller import CellWrite, Controller
+from flowrl._controller.controller import Controller
 from flowrl._controller.eventlog import EventLog
 from flowrl._controller.meta import BatchMeta
-from flowrl._controller.samplers import Sampler
 from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
 from flowrl._store.unit import StorageUnit
@@ -112,63 +111,25 @@ class Hub(HubClient):
     def _discard(self, unit: int, indices: np.ndarray, columns: tuple[str, ...]) -> None:
         self.units[unit].discard(indices, columns)
 
-    def _commit(
-        self,
-        indices: np.ndarray,
-        cells: dict[str, CellWrite],
-        new: bool,
-        partition: str,
-        groups: np.ndarray | None,
-        version: int | None,
-        tokens: np.ndarray | None,
-        producer: str,
-    ) -> None:
+    def _commit(self, args: CommitArgs) -> None:
         with self.controller.cond:
-            self.controller.commit(
-                indices,
-                cells,
-                new=new,
-                partition=partition,
-                groups=groups,
-                version=version,
-                tokens=tokens,
-                producer=producer,
-            )
+            self.controller.commit(**args._asdict())
 
-    def _claim(
-        self,
-        task: str,
-        n: int,
-        sampler: Sampler,
-        columns: tuple[str, ...] | None,
-        min_n: int | None,
-        timeout: float | None,
-        dp_rank: int,
-        lease_timeout: float | None,
-        consumer: str,
-    ) -> BatchMeta:
+    def _claim(self, args: ClaimArgs, timeout: float | None) -> BatchMeta:
         ctl = self.controller
         deadline = None if timeout is None else time.monotonic() + timeout
         with ctl.cond:
             while True:
-                meta = ctl.try_claim(
-                    task,
-                    n,
-                    sampler,
-                    columns=columns,
-                    min_n=min_n,
-                    consumer=consumer,
-                    lease_timeout=lease_timeout,
-                    dp_rank=dp_rank,
-                )
+                meta = ctl.try_claim(**args._asdict())
                 if meta is not None:
                     return meta
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     if timeout == 0:
-                        raise NothingReady(f"no {n} samples are ready for task {task!r}")
+                        raise NothingReady(f"no {args.n} samples are ready for task {args.task!r}")
                     raise Timeout(
-                        f"claim() by task {task!r} found no {n} ready samples in {timeout}s"
+                        f"claim() by task {args.task!r} found no {args.n} ready samples in "
+                        f"{timeout}s"
                     )
                 ctl.cond.wait(_wait_time(remaining, ctl.next_deadline()))
 

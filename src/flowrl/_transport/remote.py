@@ -18,12 +18,10 @@ import numpy as np
 import pyarrow as pa
 import zmq
 
-from flowrl._client.base import HubClient
+from flowrl._client.base import ClaimArgs, CommitArgs, HubClient
 from flowrl._client.config import HubConfig, HubStats
-from flowrl._controller.controller import CellWrite
 from flowrl._controller.eventlog import EventLog
 from flowrl._controller.meta import BatchMeta
-from flowrl._controller.samplers import Sampler
 from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
 from flowrl._transport import wire
@@ -164,54 +162,33 @@ class RemoteHub(HubClient):
         except TransportError:
             log.warning("could not discard uncommitted data on storage unit %d", unit)
 
-    def _commit(
-        self,
-        indices: np.ndarray,
-        cells: dict[str, CellWrite],
-        new: bool,
-        partition: str,
-        groups: np.ndarray | None,
-        version: int | None,
-        tokens: np.ndarray | None,
-        producer: str,
-    ) -> None:
+    def _commit(self, args: CommitArgs) -> None:
         msg = wire.Commit(
-            indices=indices.tobytes(),
+            indices=args.indices.tobytes(),
             cells={
                 k: wire.Cell(c.nbytes.tobytes(), None if c.lengths is None else c.lengths.tobytes())
-                for k, c in cells.items()
+                for k, c in args.cells.items()
             },
-            new=new,
-            partition=partition,
-            groups=None if groups is None else groups.tobytes(),
-            version=version,
-            tokens=None if tokens is None else tokens.tobytes(),
-            producer=producer,
+            new=args.new,
+            partition=args.partition,
+            groups=None if args.groups is None else args.groups.tobytes(),
+            version=args.version,
+            tokens=None if args.tokens is None else args.tokens.tobytes(),
+            producer=args.producer,
         )
         self._call(None, msg)
 
-    def _claim(
-        self,
-        task: str,
-        n: int,
-        sampler: Sampler,
-        columns: tuple[str, ...] | None,
-        min_n: int | None,
-        timeout: float | None,
-        dp_rank: int,
-        lease_timeout: float | None,
-        consumer: str,
-    ) -> BatchMeta:
+    def _claim(self, args: ClaimArgs, timeout: float | None) -> BatchMeta:
         msg = wire.Claim(
-            task=task,
-            n=n,
-            sampler=wire.spec_of_sampler(sampler),
-            columns=None if columns is None else list(columns),
-            min_n=min_n,
+            task=args.task,
+            n=args.n,
+            sampler=wire.spec_of_sampler(args.sampler),
+            columns=None if args.columns is None else list(args.columns),
+            min_n=args.min_n,
             timeout=timeout,
-            dp_rank=dp_rank,
-            lease_timeout=lease_timeout,
-            consumer=consumer,
+            dp_rank=args.dp_rank,
+            lease_timeout=args.lease_timeout,
+            consumer=args.consumer,
         )
         reply, _ = self._call(None, msg, wait=_grace(timeout))
         return BatchMeta.from_wire(reply.meta)

@@ -227,9 +227,7 @@ def _encode_strings(column: Column, values: Any, n: int | None, where: str) -> E
             f"column {column.name!r}: a str in {where} is not valid Unicode ({exc.reason}); "
             "remove lone surrogates or store the data as bytes in an object column"
         ) from None
-    array = pa.array(values, type=pa.large_string())
-    nbytes = np.fromiter((len(b) for b in encoded), dtype=np.int64, count=len(values))
-    return Encoded(array, nbytes, None)
+    return _blobs(encoded, pa.large_string())
 
 
 def _encode_objects(column: Column, values: Any, n: int | None, where: str) -> Encoded:
@@ -246,7 +244,14 @@ def _encode_objects(column: Column, values: Any, n: int | None, where: str) -> E
             f"column {column.name!r}: a value in {where} is not msgpack-encodable ({exc}); "
             "use plain dicts/lists/str/numbers or a msgspec.Struct"
         ) from None
+    return _blobs(blobs, pa.large_binary())
+
+
+def _blobs(blobs: list[bytes], arrow_type: pa.DataType) -> Encoded:
+    """Variable-size values already encoded to bytes (UTF-8 text is viewed, not re-encoded)."""
     array = pa.array(blobs, type=pa.large_binary())
+    if arrow_type != array.type:
+        array = array.view(arrow_type)
     nbytes = np.fromiter((len(b) for b in blobs), dtype=np.int64, count=len(blobs))
     return Encoded(array, nbytes, None)
 

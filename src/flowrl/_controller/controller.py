@@ -15,6 +15,7 @@ Invariants (tests/unit/test_table_properties.py drives random operation sequence
 
 from __future__ import annotations
 
+import collections
 import heapq
 import threading
 import time
@@ -110,6 +111,7 @@ class Controller:
         self._next_lease = 1
         self._next_unit = 0
         self._reserved = 0
+        self._reservations: collections.deque[tuple[float, np.ndarray]] = collections.deque()
 
     # -- columns and tasks ------------------------------------------------------------------
     def add_column(self, name: str) -> None:
@@ -175,14 +177,22 @@ class Controller:
             state.missing[slots] = len(state.columns)
             state.status[slots] = PENDING
         self._reserved += n
+        # A producer that dies between reserve and commit must not hold capacity (or hold
+        # up end of stream) for ever: uncommitted reservations expire like leases.
+        self._reservations.append((time.time() + self.lease_timeout, indices))
         return indices, unit
 
     def abort(self, indices: np.ndarray) -> None:
-        """Give back a reservation whose data never arrived."""
-        slots = self.table.slots_of(indices, committed=False)
-        self.table.free(slots)
-        self._reserved -= int(slots.size)
+        """Give back a reservation whose data never arrived (already expired ones: no-op)."""
+        self._release_reserved(np.asarray(indices, dtype=np.int64))
         self.cond.notify_all()
+
+    def _release_reserved(self, indices: np.ndarray) -> int:
+        slots = indices % self.table.capacity
+        mine = slots[(self.table.owner[slots] == indices) & ~self.table.committed[slots]]
+        self.table.free(mine)
+        self._reserved -= int(mine.size)
+        return int(mine.size)
 
     def check_update(self, indices: np.ndarray, columns: tuple[str, ...]) -> np.ndarray:
         """Validate a put to existing samples before any byte moves; returns their units."""
@@ -514,14 +524,20 @@ class Controller:
                 LeaseExpired, task=lease.task, lease=lid, indices=tuple(lease.indices.tolist())
             )
             count += 1
+        while self._reservations and self._reservations[0][0] <= now:
+            count += self._release_reserved(self._reservations.popleft()[1]) > 0
         if count:
             self.cond.notify_all()
         return count
 
     def next_deadline(self) -> float | None:
+        """When the next lease or uncommitted reservation expires (None: nothing pending)."""
         while self._deadlines and self._deadlines[0][1] not in self._leases:
             heapq.heappop(self._deadlines)
-        return self._deadlines[0][0] if self._deadlines else None
+        if not self._reserved:
+            self._reservations.clear()  # every reservation was committed or aborted
+        times = [d[0][0] for d in (self._deadlines, self._reservations) if d]
+        return min(times) if times else None
 
     def _return(self, lease: _Lease) -> None:
         state = self.tasks[lease.task]

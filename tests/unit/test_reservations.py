@@ -1,0 +1,59 @@
+"""A producer that dies between reserve and commit leaves no sample and holds no capacity."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from flowrl._controller.controller import CellWrite, Controller
+from flowrl._controller.samplers import FifoSampler
+from flowrl.errors import EndOfStream, UnknownIndexError
+
+
+@pytest.fixture
+def ctl():
+    """A controller, used as the hub uses it: under its condition's lock."""
+    controller = Controller(capacity=4, lease_timeout=5.0)
+    controller.add_column("x")
+    controller.register_task("t", ("x",))
+    with controller.cond:
+        yield controller
+
+
+def _cells(n: int) -> dict[str, CellWrite]:
+    return {"x": CellWrite(np.full(n, 8, dtype=np.int64), None)}
+
+
+def test_uncommitted_reservation_expires_and_frees_its_slots(ctl: Controller) -> None:
+    dead, _ = ctl.reserve(3)  # the producer dies here, before commit
+    assert ctl.table.free_slots() == 1
+    ctl.expire(now=time.time() + 10)
+    assert ctl.table.free_slots() == 4 and ctl.statistics().reserved == 0
+    with pytest.raises(UnknownIndexError):  # a late commit of the dead reservation
+        ctl.commit(dead, _cells(3), new=True)
+    ctl.abort(dead)  # and its abort are harmless
+    assert ctl.table.free_slots() == 4
+
+
+def test_end_of_stream_is_not_held_up_by_a_dead_reservation(ctl: Controller) -> None:
+    live, _ = ctl.reserve(1)
+    ctl.commit(live, _cells(1), new=True)
+    ctl.reserve(2)  # never committed
+    ctl.end_stream()
+    meta = ctl.try_claim("t", 4, FifoSampler(), min_n=1)
+    assert meta is not None and meta.indices.tolist() == live.tolist()
+    ctl.ack("t", meta.lease)
+    assert ctl.try_claim("t", 1, FifoSampler()) is None  # the reservation might still commit
+    assert ctl.next_deadline() is not None  # waiters wake when it expires
+    ctl.expire(now=time.time() + 10)
+    with pytest.raises(EndOfStream):
+        ctl.try_claim("t", 1, FifoSampler())
+
+
+def test_committed_reservations_do_not_expire(ctl: Controller) -> None:
+    idx, _ = ctl.reserve(2)
+    ctl.commit(idx, _cells(2), new=True)
+    ctl.expire(now=time.time() + 10)
+    assert ctl.table.live == 2 and ctl.statistics().tasks["t"].ready == 2

@@ -610,13 +610,6 @@ class Controller:
             for lease in self._leases.values()
         )
 
-    def exhausted(self, task: str) -> bool:
-        state = self.task(task)
-        if not self._nothing_more(state) or self._outstanding(state):
-            return False
-        view = self._candidates(state, None)
-        return len(view) == 0
-
     def _end_message(self, task: str, left: int) -> str:
         tail = f"; {left} ready samples were not selectable by the sampler" if left else ""
         return f"end of stream for task {task!r}: nothing more will become ready{tail}"

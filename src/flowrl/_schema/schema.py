@@ -36,9 +36,6 @@ class Schema:
         except KeyError:
             raise UnknownColumnError(self._unknown_message(name)) from None
 
-    def names(self) -> tuple[str, ...]:
-        return tuple(self._columns)
-
     def columns(self) -> tuple[Column, ...]:
         return tuple(self._columns.values())
 

@@ -163,20 +163,22 @@ class ControllerServer:
             )
             return wire.Done()
         if isinstance(msg, wire.Abort):
-            ctl.abort(_ints(msg.indices))
+            ctl.abort(wire.ints(msg.indices))
             self._seen_seq = -1  # freed room without an event: parked reserves may proceed
             return wire.Done()
         if isinstance(msg, wire.CheckUpdate):
-            units = ctl.check_update(_ints(msg.indices), tuple(msg.columns))
+            units = ctl.check_update(wire.ints(msg.indices), tuple(msg.columns))
             return wire.Units(units=units.tobytes())
         if isinstance(msg, wire.Commit):
             self._commit(msg)
             return wire.Done()
         if isinstance(msg, wire.MetaOf):
-            meta = ctl.meta(_ints(msg.indices), tuple(self.schema.check_names(msg.columns, "meta")))
+            meta = ctl.meta(
+                wire.ints(msg.indices), tuple(self.schema.check_names(msg.columns, "meta"))
+            )
             return wire.MetaReply(meta=meta.to_wire())
         if isinstance(msg, wire.Ack):
-            indices = None if msg.indices is None else _ints(msg.indices)
+            indices = None if msg.indices is None else wire.ints(msg.indices)
             ctl.ack(msg.task, msg.lease, indices, drop=msg.drop)
             return wire.Done()
         if isinstance(msg, wire.Release):
@@ -248,17 +250,19 @@ class ControllerServer:
 
     def _commit(self, msg: wire.Commit) -> None:
         cells = {
-            name: CellWrite(_ints(c.nbytes), None if c.lengths is None else _ints(c.lengths))
+            name: CellWrite(
+                wire.ints(c.nbytes), None if c.lengths is None else wire.ints(c.lengths)
+            )
             for name, c in msg.cells.items()
         }
         self.ctl.commit(
-            _ints(msg.indices),
+            wire.ints(msg.indices),
             cells,
             new=msg.new,
             partition=msg.partition,
-            groups=None if msg.groups is None else _ints(msg.groups),
+            groups=None if msg.groups is None else wire.ints(msg.groups),
             version=msg.version,
-            tokens=None if msg.tokens is None else _ints(msg.tokens),
+            tokens=None if msg.tokens is None else wire.ints(msg.tokens),
             producer=msg.producer,
         )
 
@@ -286,10 +290,6 @@ class ControllerServer:
             self._send(p.ident, p.rid, wire.Error(type="HubClosed", message="the hub shut down"))
         for s in [self.sock, self.pub, *self.unit_push]:
             s.close()
-
-
-def _ints(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, dtype=np.int64)
 
 
 def _wait_message(msg: Any, timeout: float | None) -> str:

@@ -126,7 +126,7 @@ class RemoteHub(HubClient):
 
     def _reserve(self, n: int, timeout: float | None) -> tuple[np.ndarray, int]:
         reply, _ = self._call(None, wire.Reserve(n=n, timeout=timeout), wait=_grace(timeout))
-        return np.frombuffer(reply.indices, dtype=np.int64), reply.unit
+        return wire.ints(reply.indices), reply.unit
 
     def _abort(self, indices: np.ndarray) -> None:
         self._call(None, wire.Abort(indices=indices.tobytes()))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import numpy as np
 import zmq
 
 from flowrl._schema.columns import Column
@@ -54,7 +53,7 @@ class UnitServer:
         try:
             msg = wire.decode_request(frame.buffer)
             if isinstance(msg, wire.Evict):
-                self.unit.evict(np.frombuffer(msg.indices, dtype=np.int64))
+                self.unit.evict(wire.ints(msg.indices))
             elif isinstance(msg, wire.Shutdown):
                 self.running = False
         except Exception:
@@ -77,7 +76,7 @@ class UnitServer:
 
     def _dispatch(self, msg: Any, payload: list[Any], out: list[Any]) -> Any:
         if isinstance(msg, wire.Write):
-            indices = np.frombuffer(msg.indices, dtype=np.int64)
+            indices = wire.ints(msg.indices)
             for col in msg.columns:
                 self.columns[col.name] = col
             if sum(h.frames for h in msg.arrays) != len(payload):
@@ -95,7 +94,7 @@ class UnitServer:
             self.unit.write(indices, arrays)
             return wire.Done()
         if isinstance(msg, wire.Read):
-            indices = np.frombuffer(msg.indices, dtype=np.int64)
+            indices = wire.ints(msg.indices)
             arrays = self.unit.read(indices, tuple(msg.columns))
             headers = []
             for name, arr in arrays.items():
@@ -104,7 +103,7 @@ class UnitServer:
                 out.extend(bufs)
             return wire.Arrays(arrays=headers)
         if isinstance(msg, wire.Discard):
-            self.unit.discard(np.frombuffer(msg.indices, dtype=np.int64), tuple(msg.columns))
+            self.unit.discard(wire.ints(msg.indices), tuple(msg.columns))
             return wire.Done()
         if isinstance(msg, wire.UnitStatsReq):
             return wire.UnitStatsReply(stats=self.unit.statistics())

@@ -305,6 +305,6 @@ def raise_error(err: Error) -> None:
     raise cls(err.message)
 
 
-def ints(data: bytes | None) -> np.ndarray | None:
-    """Decode an int64 array sent as raw bytes (copies: the frame is read-only)."""
-    return None if data is None else np.frombuffer(data, dtype=np.int64)
+def ints(data: bytes) -> np.ndarray:
+    """An int64 array sent as raw bytes (a read-only view of them, no copy)."""
+    return np.frombuffer(data, dtype=np.int64)

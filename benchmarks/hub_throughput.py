@@ -138,8 +138,7 @@ def claim_latency(live: int, batch: int, rounds: int = 2000) -> tuple[float, flo
 def controller_cells(batch: int, total: int = 262144) -> float:
     ctl = Controller(capacity=65536)
     names = [c.name for c in COLUMNS]
-    for name in names:
-        ctl.add_column(name)
+    ctl.add_columns(tuple(COLUMNS))
     ctl.register_task("train", tuple(names))
     nbytes = np.full(batch, 8, dtype=np.int64)
     cells = {name: CellWrite(nbytes, None) for name in names}

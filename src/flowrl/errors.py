@@ -21,6 +21,7 @@ inside a stage are wrapped in :class:`StageError`, chained with ``from``.
     ├── EndOfStream                 the stream is closed and nothing more will be ready
     ├── HubClosed                   the hub was shut down
     ├── TransportError              a server could not be reached or answered garbage
+    ├── JournalError                a journal on disk is corrupt or incompatible
     ├── StageError                  user code in a stage raised (see ``__cause__``)
     └── PipelineError               a pipeline spec is invalid (missing producer, cycle)
 """
@@ -33,6 +34,7 @@ __all__ = [
     "FlowRLError",
     "HubClosed",
     "HubFull",
+    "JournalError",
     "LeaseError",
     "LengthMismatchError",
     "NothingReady",
@@ -135,3 +137,7 @@ class PipelineError(FlowRLError, ValueError):
 
 def _rebuild_stage_error(message: str, stage: str, indices: tuple[int, ...]) -> StageError:
     return StageError(message, stage=stage, indices=indices)
+
+
+class JournalError(FlowRLError):
+    """A journal (or persisted storage) on disk is corrupt or from an incompatible version."""

@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import msgspec
 
+from flowrl._schema.columns import Column
+
 __all__ = [
     "Acked",
     "Claimed",
+    "ColumnsDeclared",
     "Event",
     "Evicted",
+    "IndexWatermark",
     "LeaseExpired",
+    "LeaseTaken",
     "Put",
     "Released",
     "StreamEnded",
@@ -37,7 +42,11 @@ class _EventBase(msgspec.Struct, frozen=True, tag_field="kind", kw_only=True):
 
 
 class Put(_EventBase, frozen=True, tag="put"):
-    """Columns became ready on samples; ``new`` says the samples were created by it."""
+    """Columns became ready on samples; ``new`` says the samples were created by it.
+
+    ``groups`` (empty when the put gave none) and ``nbytes`` (per column, then per sample)
+    complete the record so that a journal of events can rebuild the table exactly.
+    """
 
     indices: tuple[int, ...]
     columns: tuple[str, ...]
@@ -47,15 +56,34 @@ class Put(_EventBase, frozen=True, tag="put"):
     tokens: tuple[int, ...] = ()
     unit: int = 0
     producer: str = ""
+    groups: tuple[int, ...] = ()
+    nbytes: tuple[int, ...] = ()
 
 
 class Claimed(_EventBase, frozen=True, tag="claim"):
-    """A task leased samples for processing."""
+    """A task leased samples for processing.
+
+    A balanced claim leases one part per data-parallel rank at once: ``round`` is the lease
+    id of the round's first part (0 outside balanced rounds) and ``reserved`` marks the
+    parts held for ranks that have not claimed yet (see :class:`LeaseTaken`).
+    """
 
     task: str
     lease: int
     indices: tuple[int, ...]
     consumer: str = ""
+    deadline: float = 0.0
+    dp_rank: int = 0
+    round: int = 0
+    reserved: bool = False
+
+
+class LeaseTaken(_EventBase, frozen=True, tag="lease_taken"):
+    """A rank took the part of a balanced round reserved for it; its deadline restarts."""
+
+    task: str
+    lease: int
+    deadline: float
 
 
 class Acked(_EventBase, frozen=True, tag="ack"):
@@ -104,6 +132,22 @@ class StreamEnded(_EventBase, frozen=True, tag="end"):
     columns: tuple[str, ...] = ()
 
 
+class ColumnsDeclared(_EventBase, frozen=True, tag="columns"):
+    """Columns were added to the hub's schema."""
+
+    columns: tuple[Column, ...]
+
+
+class IndexWatermark(_EventBase, frozen=True, tag="watermark"):
+    """Sample indices below ``next`` may have been handed out (so never hand them out again).
+
+    Reservations themselves are not events; this mark, logged once per ``capacity``
+    allocations, lets a recovered controller skip every index a producer may still hold.
+    """
+
+    next: int
+
+
 class TaskRegistered(_EventBase, frozen=True, tag="task"):
     """A consuming task was registered with the columns it needs."""
 
@@ -114,6 +158,7 @@ class TaskRegistered(_EventBase, frozen=True, tag="task"):
 Event = (
     Put
     | Claimed
+    | LeaseTaken
     | Acked
     | Released
     | LeaseExpired
@@ -121,6 +166,8 @@ Event = (
     | VersionPublished
     | StreamEnded
     | TaskRegistered
+    | ColumnsDeclared
+    | IndexWatermark
 )
 
 event_encoder = msgspec.msgpack.Encoder()

@@ -12,9 +12,12 @@ from __future__ import annotations
 from flowrl.events import (
     Acked,
     Claimed,
+    ColumnsDeclared,
     Event,
     Evicted,
+    IndexWatermark,
     LeaseExpired,
+    LeaseTaken,
     Put,
     Released,
     StreamEnded,
@@ -60,6 +63,15 @@ class Observer:
     def on_task(self, event: TaskRegistered) -> None:
         """A consuming task was registered."""
 
+    def on_lease_taken(self, event: LeaseTaken) -> None:
+        """A rank took the part of a balanced claim reserved for it."""
+
+    def on_columns(self, event: ColumnsDeclared) -> None:
+        """Columns were declared."""
+
+    def on_watermark(self, event: IndexWatermark) -> None:
+        """Indices up to a mark were set aside for producers (journal bookkeeping)."""
+
 
 _HANDLERS: dict[type, str] = {
     Put: "on_put",
@@ -71,4 +83,7 @@ _HANDLERS: dict[type, str] = {
     VersionPublished: "on_version",
     StreamEnded: "on_stream_end",
     TaskRegistered: "on_task",
+    LeaseTaken: "on_lease_taken",
+    ColumnsDeclared: "on_columns",
+    IndexWatermark: "on_watermark",
 }

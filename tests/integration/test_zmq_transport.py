@@ -163,10 +163,10 @@ def test_events_reach_remote_subscribers_in_order(hub) -> None:
     hub.ack(meta)
     hub.publish_version(1)
     deadline = time.monotonic() + 5
-    while len(seen) < 5 and time.monotonic() < deadline:
+    while len(seen) < 6 and time.monotonic() < deadline:
         hub.flush_events(0.1)
     kinds = [type(e).__name__ for e in seen]
-    assert kinds == ["Put", "Claimed", "Acked", "Evicted", "VersionPublished"]
+    assert kinds == ["IndexWatermark", "Put", "Claimed", "Acked", "Evicted", "VersionPublished"]
     assert [e.seq for e in seen] == sorted(e.seq for e in seen)
 
 

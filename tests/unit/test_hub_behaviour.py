@@ -35,6 +35,7 @@ from flowrl.events import (
     Acked,
     Claimed,
     Evicted,
+    IndexWatermark,
     LeaseExpired,
     Put,
     Released,
@@ -557,6 +558,7 @@ def test_subscribe_receives_typed_events_in_order(make_hub) -> None:
     kinds = [type(e) for e in rec.events]
     assert kinds == [
         TaskRegistered,
+        IndexWatermark,  # the first put's indices are reserved
         Put,
         Claimed,
         Released,
@@ -576,18 +578,18 @@ def test_subscribe_receives_typed_events_in_order(make_hub) -> None:
     seqs = [e.seq for e in rec.events]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
     assert seqs[-1] == n_events
-    put = rec.events[1]
+    put = rec.events[2]
     assert put.indices == tuple(idx.tolist())
     assert set(put.columns) == {"ids", "reward"}
     assert put.new and put.producer == "gen" and put.version == 0
     assert put.tokens == (1, 2)
-    assert rec.events[2].consumer == "c0"
-    assert rec.events[3].lease == released.lease
-    assert rec.events[5].lease == meta.lease
-    assert rec.events[8].indices == (0, 1)
-    assert rec.events[9].version == 3
+    assert rec.events[3].consumer == "c0"
+    assert rec.events[4].lease == released.lease
+    assert rec.events[6].lease == meta.lease
+    assert rec.events[9].indices == (0, 1)
     assert rec.events[10].version == 3
-    assert rec.events[12].indices == rec.events[13].indices == (2,)
+    assert rec.events[11].version == 3
+    assert rec.events[13].indices == rec.events[14].indices == (2,)
     assert rec.kinds == Counter(
         task=1, put=2, claim=5, release=1, ack=2, evict=1, version=1, lease_expired=1, end=1
     )
@@ -596,7 +598,7 @@ def test_subscribe_receives_typed_events_in_order(make_hub) -> None:
     flush(hub)
     assert wait_until(lambda: len(plain) == len(rec.events) + 1)
     assert isinstance(plain[-1], VersionPublished)
-    assert len(rec.events) == 15  # the cancelled subscriber saw nothing more
+    assert len(rec.events) == 16  # the cancelled subscriber saw nothing more
 
 
 def test_an_observer_that_raises_is_unsubscribed_and_the_hub_keeps_working(
@@ -618,9 +620,9 @@ def test_an_observer_that_raises_is_unsubscribed_and_the_hub_keeps_working(
     meta = hub.claim("train", 2, timeout=GUARD)
     hub.ack(meta)
     flush(hub)
-    assert wait_until(lambda: len(good) >= 4)
+    assert wait_until(lambda: len(good) >= 5)
     assert len(calls) == 1  # unsubscribed after the first failure
-    assert [type(e) for e in good] == [Put, Claimed, Acked, Evicted]
+    assert [type(e) for e in good] == [IndexWatermark, Put, Claimed, Acked, Evicted]
     assert hub.statistics().tasks["train"].consumed == 2
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from flowrl._controller.controller import CellWrite, Controller
 from flowrl._controller.samplers import FifoSampler
+from flowrl._schema.columns import Column
 from flowrl.errors import EndOfStream, UnknownIndexError
 
 
@@ -16,7 +17,7 @@ from flowrl.errors import EndOfStream, UnknownIndexError
 def ctl():
     """A controller, used as the hub uses it: under its condition's lock."""
     controller = Controller(capacity=4, lease_timeout=5.0)
-    controller.add_column("x")
+    controller.add_columns((Column.scalar("x", "int64"),))
     controller.register_task("t", ("x",))
     with controller.cond:
         yield controller
@@ -29,7 +30,7 @@ def _cells(n: int) -> dict[str, CellWrite]:
 def test_uncommitted_reservation_expires_and_frees_its_slots(ctl: Controller) -> None:
     dead, _ = ctl.reserve(3)  # the producer dies here, before commit
     assert ctl.table.free_slots() == 1
-    ctl.expire(now=time.time() + 10)
+    ctl.expire(now=time.time() + 60)
     assert ctl.table.free_slots() == 4 and ctl.statistics().reserved == 0
     with pytest.raises(UnknownIndexError):  # a late commit of the dead reservation
         ctl.commit(dead, _cells(3), new=True)
@@ -47,7 +48,7 @@ def test_end_of_stream_is_not_held_up_by_a_dead_reservation(ctl: Controller) -> 
     ctl.ack("t", meta.lease)
     assert ctl.try_claim("t", 1, FifoSampler()) is None  # the reservation might still commit
     assert ctl.next_deadline() is not None  # waiters wake when it expires
-    ctl.expire(now=time.time() + 10)
+    ctl.expire(now=time.time() + 60)
     with pytest.raises(EndOfStream):
         ctl.try_claim("t", 1, FifoSampler())
 
@@ -55,5 +56,5 @@ def test_end_of_stream_is_not_held_up_by_a_dead_reservation(ctl: Controller) -> 
 def test_committed_reservations_do_not_expire(ctl: Controller) -> None:
     idx, _ = ctl.reserve(2)
     ctl.commit(idx, _cells(2), new=True)
-    ctl.expire(now=time.time() + 10)
+    ctl.expire(now=time.time() + 60)
     assert ctl.table.live == 2 and ctl.statistics().tasks["t"].ready == 2

@@ -2,14 +2,54 @@
 
 from __future__ import annotations
 
-from typing import final
+from typing import Literal, final
 
 import msgspec
 
 from flowrl._validate import is_int
 from flowrl.errors import ConfigError
 
-__all__ = ["HubConfig", "HubStats", "TaskStats", "UnitStats"]
+__all__ = ["HubConfig", "HubStats", "JournalConfig", "TaskStats", "UnitStats"]
+
+
+@final
+class JournalConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Durability: the controller's event journal and the storage units' data on disk.
+
+    ``path``: a directory (created if missing). A hub started on a directory that already
+    holds a journal recovers the exact state it describes: samples, readiness, leases and
+    what each task consumed.
+    ``sync``: ``"write"`` (default) hands every event to the operating system before the
+    call that caused it returns, so any process crash loses nothing, and fsyncs every
+    ``fsync_interval`` seconds (a power loss loses at most that much); ``"fsync"`` fsyncs
+    every event (survives power loss, much slower).
+    ``persist_data``: storage units also append their Arrow chunks to Arrow IPC files under
+    ``path``, so sample bytes survive a restart too (without it only metadata does).
+    """
+
+    path: str
+    sync: Literal["write", "fsync"] = "write"
+    fsync_interval: float = 1.0
+    persist_data: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise ConfigError(f"JournalConfig.path must be a non-empty str, got {self.path!r}")
+        if self.sync not in ("write", "fsync"):
+            raise ConfigError(f"JournalConfig.sync must be 'write' or 'fsync', got {self.sync!r}")
+        if (
+            isinstance(self.fsync_interval, bool)
+            or not isinstance(self.fsync_interval, int | float)
+            or not self.fsync_interval > 0
+        ):
+            raise ConfigError(
+                "JournalConfig.fsync_interval must be a positive number of seconds, got "
+                f"{self.fsync_interval!r}"
+            )
+        if not isinstance(self.persist_data, bool):
+            raise ConfigError(
+                f"JournalConfig.persist_data must be a bool, got {self.persist_data!r}"
+            )
 
 
 @final
@@ -21,12 +61,14 @@ class HubConfig(msgspec.Struct, frozen=True, kw_only=True):
     ``lease_timeout``: seconds a claim may stay un-acked before its samples return.
     ``infer_columns``: declare unknown columns from their first write (default: only when
     the hub was created without declared columns).
+    ``journal``: make the hub durable and recoverable (see :class:`JournalConfig`).
     """
 
     capacity: int = 65536
     n_units: int = 1
     lease_timeout: float = 300.0
     infer_columns: bool | None = None
+    journal: JournalConfig | None = None
 
     def __post_init__(self) -> None:
         if not is_int(self.capacity) or self.capacity < 1:
@@ -47,6 +89,10 @@ class HubConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.infer_columns is not None and not isinstance(self.infer_columns, bool):
             raise ConfigError(
                 f"HubConfig.infer_columns must be True, False or None, got {self.infer_columns!r}"
+            )
+        if self.journal is not None and not isinstance(self.journal, JournalConfig):
+            raise ConfigError(
+                f"HubConfig.journal must be a JournalConfig or None, got {self.journal!r}"
             )
 
 

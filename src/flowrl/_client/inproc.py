@@ -8,6 +8,7 @@ move outside the controller's lock.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Sequence
 from typing import final
@@ -20,6 +21,7 @@ from flowrl._client.base import ClaimArgs, CommitArgs, HubClient, _split_by_unit
 from flowrl._client.config import HubConfig, HubStats
 from flowrl._controller.controller import Controller
 from flowrl._controller.eventlog import EventLog
+from flowrl._controller.journal import attach_journal
 from flowrl._controller.meta import BatchMeta
 from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
@@ -52,10 +54,20 @@ class Hub(HubClient):
         self.config = config
         self.schema = Schema(columns, infer=infer)
         self.controller = Controller(config.capacity, config.n_units, config.lease_timeout)
-        self.units = [StorageUnit(u, config.capacity) for u in range(config.n_units)]
+        self.units = [
+            StorageUnit.open(u, config.capacity, config.journal) for u in range(config.n_units)
+        ]
+        self._journal = None if config.journal is None else attach_journal(self.controller, config)
+        self.schema.declare(*self.controller.declared.values())
+        if self._journal is not None:
+            live = self.controller.live_indices()
+            for unit in self.units:
+                unit.retain(live)
+            # The holders of recovered leases died with the process that embedded the hub.
+            with self.controller.cond:
+                self.controller.expire(now=math.inf)
         self.controller.on_evict = self._evict
-        for col in self.schema.columns():
-            self.controller.add_column(col.name)
+        self.controller.add_columns(self.schema.columns())
         for task, cols in (tasks or {}).items():
             self.register_task(task, cols)
 
@@ -63,8 +75,7 @@ class Hub(HubClient):
     def _declare_columns(self, columns: tuple[Column, ...]) -> None:
         with self.controller.cond:
             self.schema.declare(*columns)
-            for col in columns:
-                self.controller.add_column(col.name)
+            self.controller.add_columns(columns)
 
     def _register_task(self, task: str, columns: tuple[str, ...]) -> None:
         with self.controller.cond:
@@ -106,7 +117,7 @@ class Hub(HubClient):
         arrays: dict[str, pa.Array],
         types: dict[str, Column],
     ) -> None:
-        self.units[unit].write(indices, arrays)
+        self.units[unit].write(indices, arrays, types)
 
     def _discard(self, unit: int, indices: np.ndarray, columns: tuple[str, ...]) -> None:
         self.units[unit].discard(indices, columns)
@@ -185,8 +196,14 @@ class Hub(HubClient):
 
     def close(self) -> None:
         with self.controller.cond:
+            if self.controller.closed:
+                return
             self.controller.close()
         self.controller.log.close()
+        if self._journal is not None:
+            self._journal.close()
+        for unit in self.units:
+            unit.close()
 
 
 def _wait_time(remaining: float | None, lease_deadline: float | None) -> float | None:

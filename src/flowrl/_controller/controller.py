@@ -19,7 +19,7 @@ import collections
 import heapq
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -30,6 +30,7 @@ from flowrl._controller.meta import BatchMeta
 from flowrl._controller.samplers import BalancedSampler, CandidateView, Sampler
 from flowrl._controller.table import SampleTable
 from flowrl._controller.tasks import CONSUMED, LEASED, PENDING, READY, TaskState
+from flowrl._schema.columns import Column
 from flowrl.errors import (
     ConfigError,
     EndOfStream,
@@ -42,8 +43,12 @@ from flowrl.errors import (
 from flowrl.events import (
     Acked,
     Claimed,
+    ColumnsDeclared,
+    Event,
     Evicted,
+    IndexWatermark,
     LeaseExpired,
+    LeaseTaken,
     Put,
     Released,
     StreamEnded,
@@ -52,6 +57,9 @@ from flowrl.events import (
 )
 
 __all__ = ["CellWrite", "Controller"]
+
+#: Shortest time an uncommitted reservation is held before its producer is presumed dead.
+RESERVATION_MIN_S = 10.0
 
 
 class CellWrite(NamedTuple):
@@ -112,10 +120,19 @@ class Controller:
         self._next_unit = 0
         self._reserved = 0
         self._reservations: collections.deque[tuple[float, np.ndarray]] = collections.deque()
+        self._watermark = 0  # indices below it may have been handed out (IndexWatermark)
+        self._replaying = False  # recover(): apply journaled events without re-emitting them
+        self.declared: dict[str, Column] = {}
 
     # -- columns and tasks ------------------------------------------------------------------
-    def add_column(self, name: str) -> None:
-        self.table.add_column(name)
+    def add_columns(self, columns: tuple[Column, ...]) -> None:
+        """Add columns to the table (the caller's schema validated them); logs the new ones."""
+        new = tuple(c for c in columns if c.name not in self.declared)
+        for col in new:
+            self.declared[col.name] = col
+            self.table.add_column(col.name)
+        if new:
+            self._emit(ColumnsDeclared, columns=new)
 
     def register_task(self, task: str, columns: tuple[str, ...]) -> None:
         if not isinstance(task, str) or not task:
@@ -171,16 +188,24 @@ class Controller:
         elif not 0 <= unit < self.n_units:
             raise ConfigError(f"storage unit {unit} does not exist (have {self.n_units})")
         indices = self.table.allocate(n)
+        self._init_slots(indices, unit)
+        if self.table.next_index > self._watermark:
+            self._watermark = self.table.next_index + self.table.capacity
+            self._emit(IndexWatermark, next=self._watermark)
+        # A producer that dies between reserve and commit must not hold capacity (or hold
+        # up end of stream) for ever: uncommitted reservations expire like leases.
+        # Not sooner than RESERVATION_MIN_S: a large put may outlast a short lease timeout.
+        ttl = max(self.lease_timeout, RESERVATION_MIN_S)
+        self._reservations.append((time.time() + ttl, indices))
+        return indices, unit
+
+    def _init_slots(self, indices: np.ndarray, unit: int) -> None:
         slots = indices % self.table.capacity
         self.table.unit[slots] = unit
         for state in self.tasks.values():
             state.missing[slots] = len(state.columns)
             state.status[slots] = PENDING
-        self._reserved += n
-        # A producer that dies between reserve and commit must not hold capacity (or hold
-        # up end of stream) for ever: uncommitted reservations expire like leases.
-        self._reservations.append((time.time() + self.lease_timeout, indices))
-        return indices, unit
+        self._reserved += int(indices.size)
 
     def abort(self, indices: np.ndarray) -> None:
         """Give back a reservation whose data never arrived (already expired ones: no-op)."""
@@ -258,6 +283,8 @@ class Controller:
             tokens=tuple(t.tokens[slots].tolist()),
             unit=int(t.unit[slots[0]]),
             producer=producer,
+            groups=() if groups is None else tuple(t.group[slots].tolist()),
+            nbytes=tuple(int(b) for c in cells.values() for b in c.nbytes.tolist()),
         )
         self.cond.notify_all()
 
@@ -345,16 +372,19 @@ class Controller:
         tokens = view.tokens[positions]
         groups = view.group[positions]
         chosen = self._take(state, positions)
+        deadline = time.time() + ttl
         if not isinstance(sampler, BalancedSampler):
-            return self._meta(self._lease(state, chosen, ttl, consumer), cols)
+            return self._meta(self._lease(state, chosen, deadline, consumer), cols)
         mine: _Lease | None = None
         parts: list[_Lease] = []
+        round_id = self._next_lease  # the id the round's first part gets
         for rank, part in enumerate(sampler.split(tokens, groups)):
             if part.size == 0:  # only at end of stream, with fewer samples than ranks
                 continue
-            lease = self._lease(state, chosen[part], ttl, consumer)
-            lease.dp_rank = rank
-            lease.taken = rank == dp_rank
+            lease = self._lease(
+                state, chosen[part], deadline, consumer, dp_rank=rank, round_id=round_id,
+                reserved=rank != dp_rank,
+            )
             parts.append(lease)
             if rank == dp_rank:
                 mine = lease
@@ -381,15 +411,35 @@ class Controller:
             queue.replace(np.delete(full, positions))
         return indices
 
-    def _lease(self, state: TaskState, indices: np.ndarray, ttl: float, consumer: str) -> _Lease:
+    def _lease(
+        self,
+        state: TaskState,
+        indices: np.ndarray,
+        deadline: float,
+        consumer: str,
+        *,
+        dp_rank: int = 0,
+        round_id: int = 0,
+        reserved: bool = False,
+    ) -> _Lease:
         state.status[indices % self.table.capacity] = LEASED
         lid = self._next_lease
         self._next_lease += 1
-        lease = _Lease(lid, state.name, indices, time.time() + ttl, consumer)
+        lease = _Lease(lid, state.name, indices, deadline, consumer)
+        lease.dp_rank = dp_rank
+        lease.taken = not reserved
         self._leases[lid] = lease
         heapq.heappush(self._deadlines, (lease.deadline, lid))
         self._emit(
-            Claimed, task=state.name, lease=lid, indices=tuple(indices.tolist()), consumer=consumer
+            Claimed,
+            task=state.name,
+            lease=lid,
+            indices=tuple(indices.tolist()),
+            consumer=consumer,
+            deadline=deadline,
+            dp_rank=dp_rank,
+            round=round_id,
+            reserved=reserved,
         )
         return lease
 
@@ -400,12 +450,16 @@ class Controller:
         for rnd in rounds:
             lease = rnd.by_rank[rank] if rank < len(rnd.by_rank) else None
             if lease is not None and not lease.taken and lease.id in self._leases:
-                lease.taken = True
-                lease.deadline = time.time() + ttl
-                heapq.heappush(self._deadlines, (lease.deadline, lease.id))
+                self._take_part(lease, time.time() + ttl)
                 self._prune_rounds(task)
                 return lease
         return None
+
+    def _take_part(self, lease: _Lease, deadline: float) -> None:
+        lease.taken = True
+        lease.deadline = deadline
+        heapq.heappush(self._deadlines, (deadline, lease.id))
+        self._emit(LeaseTaken, task=lease.task, lease=lease.id, deadline=deadline)
 
     def _prune_rounds(self, task: str) -> None:
         self._rounds[task] = [
@@ -511,6 +565,8 @@ class Controller:
 
     def expire(self, now: float | None = None) -> int:
         """Return the samples of every lease past its deadline; returns how many expired."""
+        if self._replaying:
+            return 0  # a journal replays expiries as the events they were
         now = time.time() if now is None else now
         count = 0
         while self._deadlines and self._deadlines[0][0] <= now:
@@ -518,11 +574,7 @@ class Controller:
             lease = self._leases.get(lid)
             if lease is None or lease.deadline != deadline:
                 continue  # settled, or renewed (a newer heap entry exists)
-            del self._leases[lid]
-            self._return(lease)
-            self._emit(
-                LeaseExpired, task=lease.task, lease=lid, indices=tuple(lease.indices.tolist())
-            )
+            self._expire_lease(lease)
             count += 1
         while self._reservations and self._reservations[0][0] <= now:
             count += self._release_reserved(self._reservations.popleft()[1]) > 0
@@ -538,6 +590,13 @@ class Controller:
             self._reservations.clear()  # every reservation was committed or aborted
         times = [d[0][0] for d in (self._deadlines, self._reservations) if d]
         return min(times) if times else None
+
+    def _expire_lease(self, lease: _Lease) -> None:
+        del self._leases[lease.id]
+        self._return(lease)
+        self._emit(
+            LeaseExpired, task=lease.task, lease=lease.id, indices=tuple(lease.indices.tolist())
+        )
 
     def _return(self, lease: _Lease) -> None:
         state = self.tasks[lease.task]
@@ -614,6 +673,93 @@ class Controller:
         tail = f"; {left} ready samples were not selectable by the sampler" if left else ""
         return f"end of stream for task {task!r}: nothing more will become ready{tail}"
 
+    # -- recovery ---------------------------------------------------------------------------
+    def live_indices(self) -> np.ndarray:
+        return self.table.owner[self.table.owner >= 0]
+
+    def recover(self, events: Iterable[Event]) -> int:
+        """Rebuild, on a fresh controller, the state a journal of its events describes.
+
+        Each event is applied through the same code that made it, with emission switched
+        off; ``Evicted`` events are the consequence of the ``Acked`` before them and are
+        applied by it. Lease deadlines are wall-clock times, so recovered leases expire on
+        schedule. Returns how many events were applied.
+        """
+        rounds: dict[int, list[_Lease]] = {}
+        on_evict, self.on_evict = self.on_evict, None
+        count = 0
+        self._replaying = True
+        try:
+            with self.cond:
+                for event in events:
+                    self._replay(event, rounds)
+                    self.log.seq = event.seq
+                    count += 1
+        finally:
+            self._replaying = False
+            self.on_evict = on_evict
+        self.table.next_index = max(self.table.next_index, self._watermark)
+        for parts in rounds.values():
+            if any(not p.taken and p.id in self._leases for p in parts):
+                size = max(p.dp_rank for p in parts) + 1
+                self._rounds.setdefault(parts[0].task, []).append(_Round(parts, size))
+        return count
+
+    def _replay(self, event: Event, rounds: dict[int, list[_Lease]]) -> None:
+        if isinstance(event, Put):
+            idx = np.array(event.indices, dtype=np.int64)
+            if event.new:
+                self.table.place(idx)
+                self._init_slots(idx, event.unit)
+            shape = (len(event.columns), idx.size)
+            nbytes = np.array(event.nbytes or np.zeros(shape), dtype=np.int64).reshape(shape)
+            self.commit(
+                idx,
+                {c: CellWrite(nbytes[i], None) for i, c in enumerate(event.columns)},
+                new=event.new,
+                partition=event.partition,
+                groups=np.array(event.groups, dtype=np.int64) if event.groups else None,
+                version=None if event.version < 0 else event.version,
+                tokens=np.array(event.tokens, dtype=np.int64),
+                producer=event.producer,
+            )
+        elif isinstance(event, Claimed):
+            state = self.task(event.task)
+            idx = np.array(event.indices, dtype=np.int64)
+            queued = state.queue.view()
+            state.queue.replace(queued[~np.isin(queued, idx)])
+            self._next_lease = event.lease
+            lease = self._lease(
+                state,
+                idx,
+                event.deadline,
+                event.consumer,
+                dp_rank=event.dp_rank,
+                round_id=event.round,
+                reserved=event.reserved,
+            )
+            if event.round:
+                rounds.setdefault(event.round, []).append(lease)
+        elif isinstance(event, LeaseTaken):
+            self._take_part(self._leases[event.lease], event.deadline)
+        elif isinstance(event, Acked):
+            idx = np.array(event.indices, dtype=np.int64)
+            self.ack(event.task, event.lease, idx, drop=event.dropped)
+        elif isinstance(event, Released):
+            self.release(event.task, event.lease)
+        elif isinstance(event, LeaseExpired):
+            self._expire_lease(self._leases[event.lease])
+        elif isinstance(event, VersionPublished):
+            self.version = event.version
+        elif isinstance(event, StreamEnded):
+            self.end_stream(event.columns)
+        elif isinstance(event, TaskRegistered):
+            self.register_task(event.task, event.columns)
+        elif isinstance(event, ColumnsDeclared):
+            self.add_columns(event.columns)
+        elif isinstance(event, IndexWatermark):
+            self._watermark = event.next
+
     # -- versions and lifecycle -------------------------------------------------------------
     def publish_version(self, version: int) -> None:
         if not isinstance(version, int) or isinstance(version, bool) or version < self.version:
@@ -658,4 +804,5 @@ class Controller:
         )
 
     def _emit(self, cls: type, **fields: object) -> None:
-        self.log.append(cls(seq=self.log.next_seq(), t=time.time(), **fields))
+        if not self._replaying:
+            self.log.append(cls(seq=self.log.next_seq(), t=time.time(), **fields))

@@ -53,7 +53,8 @@ class EventLog:
         self._thread: threading.Thread | None = None
         self._closed = False
         self.policy_error: BaseException | None = None
-        self.journal: Callable[[Event], None] | None = None  # durable sink, called in order
+        # Synchronous sinks (the journal, the zmq PUB relay), called in order on append.
+        self.sinks: list[Callable[[Event], None]] = []
 
     def next_seq(self) -> int:
         self.seq += 1
@@ -62,8 +63,8 @@ class EventLog:
     def append(self, event: Event) -> None:
         self.seq = event.seq  # events relayed from a remote controller carry their own seq
         self.history.append(event)
-        if self.journal is not None:
-            self.journal(event)
+        for sink in self.sinks:
+            sink(event)
         if self._subs:
             with self._cond:
                 self._pending.append(event)

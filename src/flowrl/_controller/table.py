@@ -35,7 +35,7 @@ class SampleTable:
         self.ready: dict[str, np.ndarray] = {}
         self.nbytes: dict[str, np.ndarray] = {}
         self.live = 0
-        self._next = 0  # the next index to try; indices are allocated in increasing order
+        self.next_index = 0  # the next index to try; indices are allocated in increasing order
 
     def add_column(self, name: str) -> None:
         if name not in self.ready:
@@ -54,7 +54,7 @@ class SampleTable:
                 f"({self.live} live); consumers must ack first, or raise HubConfig.capacity"
             )
         cap = self.capacity
-        start = self._next
+        start = self.next_index
         # Fast path: the next n slots in ring order are free (the usual case: FIFO eviction).
         slots = (start + np.arange(n, dtype=np.int64)) % cap
         if not (self.owner[slots] == -1).all():
@@ -65,15 +65,20 @@ class SampleTable:
             slots = ordered
         # Index = the smallest value >= start that maps to the slot: monotone, never reused.
         indices = start + (slots - start) % cap
+        self.place(indices)
+        return indices
+
+    def place(self, indices: np.ndarray) -> None:
+        """Occupy the slots of given fresh indices (allocation, or a journal's replay)."""
+        slots = indices % self.capacity
         self.owner[slots] = indices
         self.committed[slots] = False
         for arr in self.ready.values():
             arr[slots] = False
         self.tokens[slots] = 0
         self.created[slots] = time.time()
-        self.live += n
-        self._next = int(indices[-1]) + 1
-        return indices
+        self.live += int(indices.size)
+        self.next_index = max(self.next_index, int(indices.max()) + 1)
 
     def slots_of(self, indices: np.ndarray, *, committed: bool = True) -> np.ndarray:
         """Slots of live indices; raises UnknownIndexError naming the first bad index."""

@@ -8,25 +8,40 @@ Arrow's ``take``. A chunk is dropped once every row in it was evicted or overwri
 Invariants (tests/unit/test_store.py): a read returns exactly the bytes last written for
 each requested index, in request order; reading an index that was evicted or never
 written raises UnknownIndexError, even after its slot was reused.
+
+With a folder, a unit is persistent (``_store/persist.py``): every chunk is also appended
+to Arrow IPC files, and a unit started on the same folder loads them back (memory-mapped,
+without copying) and holds exactly what it held before, evictions included.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Mapping
 
 import numpy as np
 import pyarrow as pa
 
-from flowrl._client.config import UnitStats
-from flowrl.errors import UnknownColumnError, UnknownIndexError
+from flowrl._client.config import JournalConfig, UnitStats
+from flowrl._schema.columns import Column
+from flowrl._store.persist import (
+    ColumnLog,
+    EvictionLog,
+    load_column,
+    load_evicted,
+    segment_files,
+)
+from flowrl.errors import SchemaError, UnknownColumnError, UnknownIndexError
 
 __all__ = ["StorageUnit"]
 
 
 class _ColumnStore:
-    __slots__ = ("chunk_of", "chunks", "live", "next_chunk", "owner", "row_of")
+    __slots__ = ("chunk_of", "chunks", "live", "log", "next_chunk", "owner", "row_of")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, log: ColumnLog | None = None) -> None:
+        self.log = log
         self.owner = np.full(capacity, -1, dtype=np.int64)
         self.chunk_of = np.full(capacity, -1, dtype=np.int64)
         self.row_of = np.zeros(capacity, dtype=np.int64)
@@ -48,13 +63,22 @@ class _ColumnStore:
                 self.live[cid] = left
             else:
                 del self.live[cid], self.chunks[cid]
+                if self.log is not None:
+                    self.log.drop(cid)
 
-    def write(self, slots: np.ndarray, indices: np.ndarray, array: pa.Array) -> None:
+    def write(
+        self, slots: np.ndarray, indices: np.ndarray, array: pa.Array, loaded_from: str = ""
+    ) -> None:
         # Whatever occupied these slots (an older write of the index, or a stale evicted
         # sample whose evict message has not arrived yet) loses its reference.
         self._unref(np.where(self.owner[slots] >= 0, self.chunk_of[slots], -1))
         cid = self.next_chunk
         self.next_chunk += 1
+        if self.log is not None:
+            if loaded_from:
+                self.log.adopt(cid, loaded_from)
+            else:
+                self.log.append(cid, indices, array)
         self.chunks[cid] = array
         self.live[cid] = int(slots.size)
         self.owner[slots] = indices
@@ -95,18 +119,80 @@ class _ColumnStore:
 class StorageUnit:
     """Holds the bytes of the samples the controller placed on it. Thread-safe."""
 
-    def __init__(self, unit_id: int, capacity: int) -> None:
+    def __init__(
+        self, unit_id: int, capacity: int, *, folder: str | None = None, fsync: bool = False
+    ) -> None:
         self.unit_id = unit_id
         self.capacity = capacity
+        self.folder = folder
+        self.fsync = fsync
         self._columns: dict[str, _ColumnStore] = {}
+        self.declared: dict[str, Column] = {}  # persistent units: the columns they hold
         self._newest = np.full(capacity, -1, dtype=np.int64)  # newest index written per slot
         self._lock = threading.Lock()
+        self._evictions: EvictionLog | None = None
+        if folder is not None:
+            os.makedirs(folder, exist_ok=True)
+            self._load(folder)
 
-    def write(self, indices: np.ndarray, arrays: dict[str, pa.Array]) -> None:
+    @classmethod
+    def open(cls, unit_id: int, capacity: int, journal: JournalConfig | None) -> StorageUnit:
+        """Unit ``unit_id`` of a hub: persistent under the journal's folder when asked."""
+        if journal is None or not journal.persist_data:
+            return cls(unit_id, capacity)
+        folder = os.path.join(journal.path, f"unit{unit_id}")
+        return cls(unit_id, capacity, folder=folder, fsync=journal.sync == "fsync")
+
+    def _load(self, folder: str) -> None:
+        """Bring back what a previous unit on ``folder`` held (then append to new files)."""
+        files = segment_files(folder)
+        first = max((seg for _, seg, _ in files), default=-1) + 1
+        seen: list[np.ndarray] = []
+        for name, _, path in files:
+            try:
+                column, batches = load_column(path)
+            except (pa.ArrowInvalid, OSError):
+                os.unlink(path)  # torn before its first batch: holds nothing
+                continue
+            store = self._store(column.name, column, first)
+            for indices, array in batches:
+                slots = indices % self.capacity
+                keep = indices >= store.owner[slots]  # later writes of a column win
+                if not keep.all():
+                    indices, slots, array = indices[keep], slots[keep], array.filter(keep)
+                if indices.size:
+                    store.write(slots, indices, array, loaded_from=path)
+                    np.maximum.at(self._newest, slots, indices)
+                    seen.append(indices)
+            assert store.log is not None
+            store.log.forget_if_unused(path)
+        evicted = load_evicted(folder)
+        if seen and evicted.size:
+            evicted = evicted[np.isin(evicted, np.concatenate(seen))]
+            self._evict(evicted)
+        self._evictions = EvictionLog(folder, evicted, fsync=self.fsync)
+
+    def _store(self, name: str, column: Column | None, first_segment: int = 0) -> _ColumnStore:
+        store = self._columns.get(name)
+        if store is None:
+            log = None
+            if self.folder is not None and column is not None:
+                log = ColumnLog(self.folder, column, fsync=self.fsync, first_segment=first_segment)
+                self.declared[name] = column
+            store = self._columns[name] = _ColumnStore(self.capacity, log)
+        return store
+
+    def write(
+        self,
+        indices: np.ndarray,
+        arrays: dict[str, pa.Array],
+        types: Mapping[str, Column] | None = None,
+    ) -> None:
         """Store one Arrow array per column for ``indices`` (validated upstream).
 
         A write for an index older than one already written to its slot is stale (the
         sample was evicted and the slot reused meanwhile): it is rejected as a whole.
+        A persistent unit needs each column's declaration (``types``) the first time.
         """
         slots = indices % self.capacity
         with self._lock:
@@ -116,12 +202,17 @@ class StorageUnit:
                     f"sample index {int(indices[np.argmax(stale)])} was evicted before this "
                     "write arrived; nothing was written"
                 )
+            types = types or {}
+            if self.folder is not None:
+                for name in arrays:
+                    if name not in self._columns and name not in types:
+                        raise SchemaError(
+                            f"storage unit {self.unit_id} is persistent and needs the "
+                            f"declaration of new column {name!r}; nothing was written"
+                        )
             self._newest[slots] = indices
             for name, array in arrays.items():
-                store = self._columns.get(name)
-                if store is None:
-                    store = self._columns[name] = _ColumnStore(self.capacity)
-                store.write(slots, indices, array)
+                self._store(name, types.get(name)).write(slots, indices, array)
 
     def read(self, indices: np.ndarray, columns: tuple[str, ...]) -> dict[str, pa.Array]:
         slots = indices % self.capacity
@@ -137,10 +228,33 @@ class StorageUnit:
         return out
 
     def evict(self, indices: np.ndarray) -> None:
+        with self._lock:
+            self._evict(indices)
+            if self._evictions is not None:
+                self._evictions.append(indices)
+
+    def _evict(self, indices: np.ndarray) -> None:
         slots = indices % self.capacity
+        for store in self._columns.values():
+            store.evict(slots, indices)
+
+    def retain(self, live: np.ndarray) -> None:
+        """Evict every sample not in ``live`` (after the controller recovered its state)."""
+        with self._lock:
+            held = [s.owner[s.owner >= 0] for s in self._columns.values()]
+            gone = np.unique(np.concatenate(held)) if held else np.empty(0, dtype=np.int64)
+            gone = gone[~np.isin(gone, live)]
+        if gone.size:
+            self.evict(gone)
+
+    def close(self) -> None:
+        """Close a persistent unit's files (what they hold stays on disk)."""
         with self._lock:
             for store in self._columns.values():
-                store.evict(slots, indices)
+                if store.log is not None:
+                    store.log.close()
+            if self._evictions is not None:
+                self._evictions.close()
 
     def discard(self, indices: np.ndarray, columns: tuple[str, ...]) -> None:
         """Undo a write whose commit failed (only the named columns)."""

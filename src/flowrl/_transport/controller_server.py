@@ -10,6 +10,7 @@ A malformed request gets an error reply and the server keeps serving.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -19,6 +20,7 @@ import zmq
 from flowrl._client.base import _split_by_unit
 from flowrl._client.config import HubConfig
 from flowrl._controller.controller import CellWrite, Controller
+from flowrl._controller.journal import attach_journal
 from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
 from flowrl._transport import wire
@@ -50,13 +52,15 @@ class ControllerServer:
         columns: list[Column],
         tasks: dict[str, list[str]],
         config: HubConfig,
+        restarted: bool = False,
     ) -> None:
         self.config = config
         infer = config.infer_columns if config.infer_columns is not None else not columns
         self.schema = Schema(columns, infer=infer)
         self.ctl = Controller(config.capacity, config.n_units, config.lease_timeout)
-        for col in self.schema.columns():
-            self.ctl.add_column(col.name)
+        self.journal = None if config.journal is None else attach_journal(self.ctl, config)
+        self.schema.declare(*self.ctl.declared.values())
+        self.ctl.add_columns(self.schema.columns())
         for task, cols in tasks.items():
             self.ctl.register_task(task, tuple(cols))
         self.unit_addresses = unit_addresses
@@ -75,7 +79,15 @@ class ControllerServer:
             s.connect(addr)
             self.unit_push.append(s)
         self.ctl.on_evict = self._evict
-        self.ctl.log.journal = self._publish  # every event, in order, leaves on PUB
+        self.ctl.log.sinks.append(self._publish)  # every event, in order, leaves on PUB
+        if self.journal is not None:
+            # Units may hold bytes of puts the journal never committed: drop them.
+            retain = wire.encode(wire.Retain(indices=self.ctl.live_indices().tobytes()))
+            for s in self.unit_push:
+                s.send(retain)
+            if not restarted:  # a new hub on an old journal: the lease holders are gone
+                with self.ctl.cond:
+                    self.ctl.expire(now=math.inf)
         self.parked: list[_Parked] = []
         self._evictions: list[list[np.ndarray]] = [[] for _ in unit_control_addresses]
         self._subscribed = False
@@ -154,8 +166,7 @@ class ControllerServer:
             )
         if isinstance(msg, wire.Declare):
             self.schema.declare(*msg.columns)
-            for col in msg.columns:
-                ctl.add_column(col.name)
+            ctl.add_columns(tuple(msg.columns))
             return wire.Done()
         if isinstance(msg, wire.RegisterTask):
             ctl.register_task(
@@ -290,6 +301,8 @@ class ControllerServer:
             self._send(p.ident, p.rid, wire.Error(type="HubClosed", message="the hub shut down"))
         for s in [self.sock, self.pub, *self.unit_push]:
             s.close()
+        if self.journal is not None:
+            self.journal.close()
 
 
 def _wait_message(msg: Any, timeout: float | None) -> str:

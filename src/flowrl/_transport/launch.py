@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Sequence
 
@@ -20,6 +22,8 @@ from flowrl._transport.specs import ControllerSpec, UnitSpec
 from flowrl.errors import ConfigError, TransportError
 
 __all__ = ["connect", "launch_hub"]
+
+log = logging.getLogger("flowrl.launch")
 
 
 def launch_hub(
@@ -47,7 +51,8 @@ def launch_hub(
     units = [f"ipc://{folder}/unit{u}" for u in range(config.n_units)]
     controls = [f"ipc://{folder}/unit{u}-ctl" for u in range(config.n_units)]
     specs: list[ControllerSpec | UnitSpec] = [
-        UnitSpec(u, config.capacity, units[u], controls[u]) for u in range(config.n_units)
+        UnitSpec(u, config.capacity, units[u], controls[u], config.journal)
+        for u in range(config.n_units)
     ]
     specs.append(
         ControllerSpec(
@@ -60,35 +65,23 @@ def launch_hub(
             config,
         )
     )
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "flowrl._transport.serve",
-                msgspec.json.encode(s).decode(),
-                str(os.getpid()),
-            ],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,  # servers log to stderr; never hold the caller's stdout
-        )
-        for s in specs
-    ]
+    servers = _Servers(specs)
     deadline = time.monotonic() + startup_timeout
     while not os.path.exists(f"{folder}/controller"):
-        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-            _stop(procs, folder, units)
+        if time.monotonic() > deadline or any(p.poll() is not None for p in servers.procs):
+            _stop(servers, folder, units)
             raise TransportError("the hub's server processes failed to start")
         time.sleep(0.002)
     try:
         client = RemoteHub(addr, rpc_timeout=startup_timeout)
     except Exception:
-        _stop(procs, folder, units)
+        _stop(servers, folder, units)
         raise
     client.rpc_timeout = RPC_TIMEOUT_S
-    client._on_close.append(lambda: _stop(procs, folder, [addr, *units]))
+    client._on_close.append(lambda: _stop(servers, folder, [addr, *units]))
+    client.servers = servers
+    if config.journal is not None:
+        servers.supervise()
     return client
 
 
@@ -99,9 +92,71 @@ def connect(address: str) -> RemoteHub:
     return RemoteHub(address)
 
 
-def _stop(procs: list[subprocess.Popen], folder: str, addresses: list[str]) -> None:
+class _Servers:
+    """The hub's server processes, restarted when one dies if the hub is journaled.
+
+    A restarted controller recovers from the journal and keeps the leases of clients that
+    are still alive; a restarted storage unit reloads its Arrow files. Clients reconnect
+    by themselves (same ipc addresses); a request in flight when a server died fails with a
+    typed error instead of vanishing.
+    """
+
+    def __init__(self, specs: list[ControllerSpec | UnitSpec]) -> None:
+        self.specs = specs
+        self.procs = [self._spawn(s) for s in specs]
+        self.restarts = 0
+        self._stopping = threading.Event()
+        self._watch: threading.Thread | None = None
+
+    @staticmethod
+    def _spawn(spec: ControllerSpec | UnitSpec) -> subprocess.Popen:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "flowrl._transport.serve",
+                msgspec.json.encode(spec).decode(),
+                str(os.getpid()),
+            ],
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,  # servers log to stderr; never hold the caller's stdout
+        )
+
+    def supervise(self, interval: float = 0.05) -> None:
+        self._watch = threading.Thread(
+            target=self._restart_dead, args=(interval,), name="flowrl-supervisor", daemon=True
+        )
+        self._watch.start()
+
+    def _restart_dead(self, interval: float) -> None:
+        while not self._stopping.wait(interval):
+            for i, proc in enumerate(self.procs):
+                if proc.poll() is None or self._stopping.is_set():
+                    continue
+                spec = self.specs[i]
+                log.warning(
+                    "hub server %s (%s) exited with %s; restarting it",
+                    type(spec).__name__,
+                    spec.address,
+                    proc.returncode,
+                )
+                if isinstance(spec, ControllerSpec):
+                    spec = msgspec.structs.replace(spec, restarted=True)
+                self.procs[i] = self._spawn(spec)
+                self.restarts += 1
+
+    def stop_supervising(self) -> None:
+        self._stopping.set()
+        if self._watch is not None:
+            self._watch.join(timeout=5)
+
+
+def _stop(servers: _Servers, folder: str, addresses: list[str]) -> None:
     """Ask every server to shut down (acknowledged requests), then reap; kill stragglers."""
     import zmq
+
+    servers.stop_supervising()
 
     zctx: zmq.Context = zmq.Context.instance()
     socks = []
@@ -114,7 +169,7 @@ def _stop(procs: list[subprocess.Popen], folder: str, addresses: list[str]) -> N
     for s in socks:
         s.poll(2000)  # the reply means the server left its loop
         s.close()
-    for p in procs:
+    for p in servers.procs:
         try:
             p.wait(timeout=5)
         except subprocess.TimeoutExpired:

@@ -51,6 +51,7 @@ class RemoteHub(HubClient):
         self._rid = itertools.count(1)
         self._closed = False
         self._on_close: list[Callable[[], None]] = []
+        self.servers: Any = None  # launch_hub's server processes (None after connect())
         welcome = self._call(None, wire.Hello())[0]
         self.config: HubConfig = welcome.config
         infer = (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from flowrl._client.config import HubConfig
+from flowrl._client.config import HubConfig, JournalConfig
 from flowrl._schema.columns import Column
 
 __all__ = ["ControllerSpec", "ServerSpec", "UnitSpec"]
@@ -18,6 +18,7 @@ class ControllerSpec(msgspec.Struct, frozen=True, tag="controller"):
     columns: list[Column]
     tasks: dict[str, list[str]]
     config: HubConfig
+    restarted: bool = False  # a supervisor restart: clients survived, keep their leases
 
 
 class UnitSpec(msgspec.Struct, frozen=True, tag="unit"):
@@ -25,6 +26,7 @@ class UnitSpec(msgspec.Struct, frozen=True, tag="unit"):
     capacity: int
     address: str
     control_address: str
+    journal: JournalConfig | None = None
 
 
 ServerSpec = ControllerSpec | UnitSpec

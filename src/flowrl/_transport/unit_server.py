@@ -12,6 +12,7 @@ from typing import Any
 
 import zmq
 
+from flowrl._client.config import JournalConfig
 from flowrl._schema.columns import Column
 from flowrl._store.unit import StorageUnit
 from flowrl._transport import wire
@@ -24,9 +25,16 @@ log = logging.getLogger("flowrl.unit")
 
 
 class UnitServer:
-    def __init__(self, unit_id: int, capacity: int, address: str, control_address: str) -> None:
-        self.unit = StorageUnit(unit_id, capacity)
-        self.columns: dict[str, Column] = {}
+    def __init__(
+        self,
+        unit_id: int,
+        capacity: int,
+        address: str,
+        control_address: str,
+        journal: JournalConfig | None = None,
+    ) -> None:
+        self.unit = StorageUnit.open(unit_id, capacity, journal)
+        self.columns: dict[str, Column] = dict(self.unit.declared)
         self.zctx: zmq.Context = zmq.Context.instance()
         self.sock = self.zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -48,12 +56,15 @@ class UnitServer:
                 self._handle(self.sock.recv_multipart(copy=False))
         self.sock.close()
         self.control.close()
+        self.unit.close()
 
     def _control(self, frame: Any) -> None:
         try:
             msg = wire.decode_request(frame.buffer)
             if isinstance(msg, wire.Evict):
                 self.unit.evict(wire.ints(msg.indices))
+            elif isinstance(msg, wire.Retain):
+                self.unit.retain(wire.ints(msg.indices))
             elif isinstance(msg, wire.Shutdown):
                 self.running = False
         except Exception:
@@ -91,7 +102,7 @@ class UnitServer:
                 bufs = [f.buffer for f in payload[pos : pos + header.frames]]
                 arrays[header.column] = from_frames(known, header, bufs)
                 pos += header.frames
-            self.unit.write(indices, arrays)
+            self.unit.write(indices, arrays, self.columns)
             return wire.Done()
         if isinstance(msg, wire.Read):
             indices = wire.ints(msg.indices)

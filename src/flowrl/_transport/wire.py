@@ -190,6 +190,12 @@ class Evict(_Msg, frozen=True, tag="evict"):
     indices: bytes
 
 
+class Retain(_Msg, frozen=True, tag="retain"):
+    """Keep only these samples (a recovered controller's live set); evict the rest."""
+
+    indices: bytes
+
+
 class Discard(_Msg, frozen=True, tag="discard"):
     indices: bytes
     columns: list[str]
@@ -219,6 +225,7 @@ Request = (
     | Write
     | Read
     | Evict
+    | Retain
     | Discard
     | UnitStatsReq
 )

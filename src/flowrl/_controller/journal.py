@@ -1,0 +1,145 @@
+"""The controller's write-ahead journal: its event log, appended to a file.
+
+Each record is a little-endian ``uint32`` length followed by one msgpack-encoded event
+(:mod:`flowrl.events`), in ``seq`` order. Records are written with one ``os.write`` each,
+so an event is in the operating system's hands before the call that caused it returns:
+a crashed process loses nothing. A record torn by a crash mid-write (or a power loss) is
+detected on reading by its length or its decoding, and cut off.
+
+``journal.json`` beside it records the table's shape; a hub refuses to recover a journal
+written with another capacity or number of storage units.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from flowrl._client.config import HubConfig, JournalConfig
+from flowrl.errors import ConfigError, JournalError
+from flowrl.events import Event, event_decoder, event_encoder
+
+if TYPE_CHECKING:
+    from flowrl._controller.controller import Controller
+
+__all__ = ["Journal", "JournalHeader", "attach_journal", "read_journal"]
+
+_LEN = struct.Struct("<I")
+EVENTS_FILE = "events.log"
+HEADER_FILE = "journal.json"
+
+
+class JournalHeader(msgspec.Struct, frozen=True):
+    capacity: int
+    n_units: int
+    format: int = 1
+
+
+class Journal:
+    """Appends events to ``<path>/events.log`` under a sync policy."""
+
+    def __init__(self, config: JournalConfig, header: JournalHeader) -> None:
+        os.makedirs(config.path, exist_ok=True)
+        _check_header(config.path, header)
+        self.config = config
+        self._fd = os.open(
+            os.path.join(config.path, EVENTS_FILE), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644
+        )
+        self._dirty = False
+        self._stop = threading.Event()
+        self._syncer: threading.Thread | None = None
+        if config.sync == "write":
+            self._syncer = threading.Thread(target=self._sync_loop, name="flowrl-journal", daemon=True)
+            self._syncer.start()
+
+    def append(self, event: Event) -> None:
+        payload = event_encoder.encode(event)
+        os.write(self._fd, _LEN.pack(len(payload)) + payload)
+        if self.config.sync == "fsync":
+            os.fsync(self._fd)
+        else:
+            self._dirty = True
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._syncer is not None:
+            self._syncer.join(timeout=5)
+        os.fsync(self._fd)
+        os.close(self._fd)
+
+    def _sync_loop(self) -> None:
+        while not self._stop.wait(self.config.fsync_interval):
+            if self._dirty:
+                self._dirty = False
+                os.fsync(self._fd)
+
+
+def attach_journal(controller: Controller, config: HubConfig) -> Journal:
+    """Recover ``controller`` from ``config.journal`` (if it holds one), then journal it."""
+    if config.journal is None:
+        raise ConfigError("attach_journal() needs a HubConfig with a journal")
+    header = JournalHeader(config.capacity, config.n_units)
+    controller.recover(read_journal(config.journal.path, header))
+    journal = Journal(config.journal, header)
+    controller.log.sinks.append(journal.append)
+    return journal
+
+
+def read_journal(path: str, header: JournalHeader) -> Iterator[Event]:
+    """The events journaled under ``path`` (none if there is no journal yet).
+
+    A torn last record is cut off the file, so appending can resume after it.
+    """
+    file = os.path.join(path, EVENTS_FILE)
+    if not os.path.exists(file):
+        return
+    _check_header(path, header)
+    with open(file, "rb") as f:
+        data = f.read()
+    view = memoryview(data)
+    pos = 0
+    good = 0
+    while pos + _LEN.size <= len(data):
+        (size,) = _LEN.unpack_from(data, pos)
+        end = pos + _LEN.size + size
+        if end > len(data):
+            break
+        try:
+            event = event_decoder.decode(view[pos + _LEN.size : end])
+        except msgspec.DecodeError as exc:
+            if end == len(data):
+                break  # a torn last record
+            raise JournalError(
+                f"record at byte {pos} of {file!r} is not a flowrl event ({exc}); the journal "
+                "is corrupt or was written by an incompatible flowrl version"
+            ) from None
+        pos = good = end
+        yield event
+    if good < len(data):
+        with open(file, "r+b") as f:
+            f.truncate(good)
+
+
+def _check_header(path: str, header: JournalHeader) -> None:
+    file = os.path.join(path, HEADER_FILE)
+    if not os.path.exists(file):
+        tmp = file + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(msgspec.json.encode(header))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, file)
+        return
+    with open(file, "rb") as f:
+        found = msgspec.json.decode(f.read(), type=JournalHeader)
+    if found != header:
+        raise ConfigError(
+            f"the journal in {path!r} was written by a hub with capacity={found.capacity}, "
+            f"n_units={found.n_units}; this hub has capacity={header.capacity}, "
+            f"n_units={header.n_units}: start it with the same HubConfig or another path"
+        )

@@ -1,0 +1,187 @@
+"""A storage unit's bytes on disk: Arrow IPC stream files, one series of segments per column.
+
+Every chunk a unit stores is appended, as one record batch ``(index, value)``, to the
+current segment of its column (``<column>.<segment>.arrows``), written straight to the
+operating system so a crashed process loses nothing. A segment is deleted once every
+chunk in it was evicted or overwritten; a new one starts when the current one is full
+and whenever a unit (re)starts, so a segment torn by a crash is never appended to.
+Evicted indices go to ``evicted.arrows`` so a restarted unit does not bring them back.
+
+The column's declaration travels in each segment's schema metadata, so a unit restarted
+alone knows its columns' types again.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+
+from flowrl._schema.columns import Column
+from flowrl.errors import JournalError
+
+__all__ = ["ColumnLog", "EvictionLog", "load_column", "load_evicted", "segment_files"]
+
+SEGMENT_BYTES = 64 << 20
+_SEGMENT = re.compile(r"^(?P<column>\w+)\.(?P<segment>\d+)\.arrows$")
+_EVICTED = "evicted.arrows"
+_INDEX_SCHEMA = pa.schema([("index", pa.int64())])
+
+
+class _Segment:
+    __slots__ = ("chunks", "nbytes", "path", "sink", "writer")
+
+    def __init__(self, path: str, schema: pa.Schema | None) -> None:
+        self.path = path
+        self.sink = pa.OSFile(path, mode="w") if schema is not None else None
+        self.writer = pa.ipc.new_stream(self.sink, schema) if schema is not None else None
+        self.chunks = 0  # live chunks stored in it
+        self.nbytes = 0
+
+    def write(self, batch: pa.RecordBatch, fsync: bool) -> None:
+        if self.writer is None or self.sink is None:
+            raise JournalError(f"segment {self.path!r} was loaded; it is never appended to")
+        self.writer.write_batch(batch)
+        if fsync:
+            os.fsync(self.sink.fileno())
+        self.nbytes += batch.nbytes
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class ColumnLog:
+    """The segments of one column: append chunks, forget dropped ones, delete dead files."""
+
+    def __init__(self, folder: str, column: Column, *, fsync: bool, first_segment: int) -> None:
+        self.folder = folder
+        self.column = column
+        self.fsync = fsync
+        self._schema = pa.schema(
+            [("index", pa.int64()), ("value", column.arrow_type)],
+            metadata={b"flowrl.column": msgspec.json.encode(column)},
+        )
+        self._next_segment = first_segment
+        self._current: _Segment | None = None
+        self._segment_of: dict[int, _Segment] = {}  # chunk id -> the segment holding it
+        self._adopted: dict[str, _Segment] = {}
+
+    def adopt(self, chunk: int, path: str) -> None:
+        """A chunk loaded from an existing segment file (which is never appended to)."""
+        seg = self._adopted.get(path)
+        if seg is None:
+            seg = self._adopted[path] = _Segment(path, None)
+        seg.chunks += 1
+        self._segment_of[chunk] = seg
+
+    def forget_if_unused(self, path: str) -> None:
+        """Delete a loaded segment none of whose chunks survived loading."""
+        if path not in self._adopted:
+            _unlink(path)
+
+    def append(self, chunk: int, indices: np.ndarray, array: pa.Array) -> None:
+        seg = self._current
+        if seg is None or seg.nbytes >= SEGMENT_BYTES:
+            seg = self._rotate()
+        seg.write(pa.RecordBatch.from_arrays([pa.array(indices), array], schema=self._schema), self.fsync)
+        seg.chunks += 1
+        self._segment_of[chunk] = seg
+
+    def drop(self, chunk: int) -> None:
+        seg = self._segment_of.pop(chunk, None)
+        if seg is None:
+            return
+        seg.chunks -= 1
+        if seg.chunks == 0 and seg is not self._current:
+            self._delete(seg)
+
+    def close(self) -> None:
+        if self._current is not None:
+            self._current.close()
+
+    def _rotate(self) -> _Segment:
+        old = self._current
+        path = os.path.join(self.folder, f"{self.column.name}.{self._next_segment:08d}.arrows")
+        self._next_segment += 1
+        seg = self._current = _Segment(path, self._schema)
+        if old is not None:
+            old.close()
+            if old.chunks == 0:
+                self._delete(old)
+        return seg
+
+    def _delete(self, seg: _Segment) -> None:
+        self._adopted.pop(seg.path, None)
+        _unlink(seg.path)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class EvictionLog:
+    """Appends evicted indices so that a restarted unit forgets them again."""
+
+    def __init__(self, folder: str, keep: np.ndarray, *, fsync: bool) -> None:
+        path = os.path.join(folder, _EVICTED)
+        self._segment = _Segment(path + ".tmp", _INDEX_SCHEMA)
+        self.fsync = fsync
+        if keep.size:
+            self.append(keep)
+        os.replace(path + ".tmp", path)  # the compacted log replaces the old one atomically
+
+    def append(self, indices: np.ndarray) -> None:
+        self._segment.write(pa.RecordBatch.from_arrays([pa.array(indices)], ["index"]), self.fsync)
+
+    def close(self) -> None:
+        self._segment.close()
+
+
+def segment_files(folder: str) -> list[tuple[str, int, str]]:
+    """``(column, segment number, path)`` of every segment, in column then write order."""
+    found = []
+    for name in os.listdir(folder):
+        m = _SEGMENT.match(name)
+        if m:
+            found.append((m["column"], int(m["segment"]), os.path.join(folder, name)))
+    return sorted(found)
+
+
+def load_column(path: str) -> tuple[Column, Iterator[tuple[np.ndarray, pa.Array]]]:
+    """A segment's column declaration and its ``(indices, values)`` batches, in order.
+
+    A torn last batch (a crash mid-write) ends the iteration.
+    """
+    reader = pa.ipc.open_stream(pa.memory_map(path))  # zero-copy: values stay mapped
+    meta = (reader.schema.metadata or {}).get(b"flowrl.column")
+    if meta is None:
+        raise JournalError(f"segment {path!r} has no flowrl column declaration")
+    column = msgspec.json.decode(meta, type=Column)
+    return column, ((b.column(0).to_numpy(), b.column(1)) for b in _batches(reader))
+
+
+def load_evicted(folder: str) -> np.ndarray:
+    path = os.path.join(folder, _EVICTED)
+    if not os.path.exists(path):
+        return np.empty(0, dtype=np.int64)
+    parts = [b.column(0).to_numpy() for b in _batches(pa.ipc.open_stream(pa.memory_map(path)))]
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+
+def _batches(reader: pa.ipc.RecordBatchStreamReader) -> Iterator[pa.RecordBatch]:
+    """The batches of a stream; a torn last batch (a crash mid-write) ends it."""
+    while True:
+        try:
+            yield reader.read_next_batch()
+        except StopIteration:
+            return
+        except (pa.ArrowInvalid, OSError):
+            return

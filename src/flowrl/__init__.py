@@ -4,7 +4,7 @@ The user API is re-exported here; implementation modules are private (``flowrl._
 Public sub-namespaces: ``flowrl.errors``, ``flowrl.events``, ``flowrl.hooks``.
 """
 
-from flowrl._client.config import HubConfig, HubStats, TaskStats, UnitStats
+from flowrl._client.config import HubConfig, HubStats, JournalConfig, TaskStats, UnitStats
 from flowrl._client.inproc import Hub
 from flowrl._controller.meta import BatchMeta
 from flowrl._controller.samplers import (
@@ -51,6 +51,7 @@ __all__ = [
     "Hub",
     "HubConfig",
     "HubStats",
+    "JournalConfig",
     "Loader",
     "LoaderStats",
     "Observer",

@@ -382,7 +382,12 @@ class Controller:
             if part.size == 0:  # only at end of stream, with fewer samples than ranks
                 continue
             lease = self._lease(
-                state, chosen[part], deadline, consumer, dp_rank=rank, round_id=round_id,
+                state,
+                chosen[part],
+                deadline,
+                consumer,
+                dp_rank=rank,
+                round_id=round_id,
                 reserved=rank != dp_rank,
             )
             parts.append(lease)

@@ -54,7 +54,9 @@ class Journal:
         self._stop = threading.Event()
         self._syncer: threading.Thread | None = None
         if config.sync == "write":
-            self._syncer = threading.Thread(target=self._sync_loop, name="flowrl-journal", daemon=True)
+            self._syncer = threading.Thread(
+                target=self._sync_loop, name="flowrl-journal", daemon=True
+            )
             self._syncer.start()
 
     def append(self, event: Event) -> None:

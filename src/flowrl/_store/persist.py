@@ -13,6 +13,7 @@ alone knows its columns' types again.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Iterator
@@ -88,7 +89,9 @@ class ColumnLog:
         seg = self._current
         if seg is None or seg.nbytes >= SEGMENT_BYTES:
             seg = self._rotate()
-        seg.write(pa.RecordBatch.from_arrays([pa.array(indices), array], schema=self._schema), self.fsync)
+        seg.write(
+            pa.RecordBatch.from_arrays([pa.array(indices), array], schema=self._schema), self.fsync
+        )
         seg.chunks += 1
         self._segment_of[chunk] = seg
 
@@ -121,10 +124,8 @@ class ColumnLog:
 
 
 def _unlink(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class EvictionLog:
@@ -155,12 +156,15 @@ def segment_files(folder: str) -> list[tuple[str, int, str]]:
     return sorted(found)
 
 
-def load_column(path: str) -> tuple[Column, Iterator[tuple[np.ndarray, pa.Array]]]:
+def load_column(path: str) -> tuple[Column, Iterator[tuple[np.ndarray, pa.Array]]] | None:
     """A segment's column declaration and its ``(indices, values)`` batches, in order.
 
-    A torn last batch (a crash mid-write) ends the iteration.
+    A torn last batch (a crash mid-write) ends the iteration; None when the file does not
+    even hold a schema (torn before its first batch).
     """
-    reader = pa.ipc.open_stream(pa.memory_map(path))  # zero-copy: values stay mapped
+    reader = _open(path)
+    if reader is None:
+        return None
     meta = (reader.schema.metadata or {}).get(b"flowrl.column")
     if meta is None:
         raise JournalError(f"segment {path!r} has no flowrl column declaration")
@@ -169,11 +173,19 @@ def load_column(path: str) -> tuple[Column, Iterator[tuple[np.ndarray, pa.Array]
 
 
 def load_evicted(folder: str) -> np.ndarray:
-    path = os.path.join(folder, _EVICTED)
-    if not os.path.exists(path):
-        return np.empty(0, dtype=np.int64)
-    parts = [b.column(0).to_numpy() for b in _batches(pa.ipc.open_stream(pa.memory_map(path)))]
+    reader = _open(os.path.join(folder, _EVICTED))
+    parts = [] if reader is None else [b.column(0).to_numpy() for b in _batches(reader)]
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+
+def _open(path: str) -> pa.ipc.RecordBatchStreamReader | None:
+    """A stream reader over the memory-mapped file (values stay mapped, never copied)."""
+    if not os.path.exists(path):
+        return None
+    try:
+        return pa.ipc.open_stream(pa.memory_map(path))
+    except (pa.ArrowInvalid, OSError):
+        return None  # empty, or torn inside its schema: it holds no batch
 
 
 def _batches(reader: pa.ipc.RecordBatchStreamReader) -> Iterator[pa.RecordBatch]:

@@ -148,12 +148,12 @@ class StorageUnit:
         files = segment_files(folder)
         first = max((seg for _, seg, _ in files), default=-1) + 1
         seen: list[np.ndarray] = []
-        for name, _, path in files:
-            try:
-                column, batches = load_column(path)
-            except (pa.ArrowInvalid, OSError):
+        for _, _, path in files:
+            loaded = load_column(path)
+            if loaded is None:
                 os.unlink(path)  # torn before its first batch: holds nothing
                 continue
+            column, batches = loaded
             store = self._store(column.name, column, first)
             for indices, array in batches:
                 slots = indices % self.capacity

@@ -1,0 +1,283 @@
+"""Durability: the event journal and persistent storage units, recovered after a crash.
+
+A "crash" here abandons a hub without closing it (nothing is flushed or finalised beyond
+what every call already wrote), then starts a new hub on the same folder. The kill tests
+with real SIGKILLs live in tests/integration/test_kill.py.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import flowrl
+from flowrl import BalancedSampler, Column, HubConfig, JournalConfig
+from flowrl._controller.controller import CellWrite, Controller
+from flowrl._controller.journal import EVENTS_FILE
+from flowrl._store import persist
+from flowrl._store.unit import StorageUnit
+from flowrl.errors import ConfigError, JournalError
+from flowrl.events import event_decoder, event_encoder
+
+COLS = [Column.ragged("ids", "int64"), Column.scalar("reward", "float32")]
+TASKS = {"train": ["ids", "reward"], "score": ["ids"]}
+
+
+def config(path: Path, **journal: object) -> HubConfig:
+    return HubConfig(capacity=64, journal=JournalConfig(path=str(path), **journal))  # type: ignore[arg-type]
+
+
+def rows(start: int, n: int) -> dict[str, object]:
+    return {
+        "ids": [list(range(i, i + 1 + i % 3)) for i in range(start, start + n)],
+        "reward": np.arange(start, start + n, dtype=np.float32),
+    }
+
+
+def test_a_crashed_hub_recovers_samples_readiness_and_consumption(tmp_path: Path) -> None:
+    hub = flowrl.Hub(COLS, tasks=TASKS, config=config(tmp_path))
+    hub.put(rows(0, 6), groups=[0, 0, 1, 1, 2, 2], partition="step0")
+    hub.put({"ids": [[9], [9, 9]]})  # reward missing: ready for "score" only
+    acked = hub.claim("train", 2, timeout=1)
+    hub.ack(acked)
+    held = hub.claim("train", 2, timeout=1)  # in flight when the process "dies"
+    hub.publish_version(3)
+    before = hub.statistics()
+    # -- crash: the hub is abandoned, not closed --
+    again = flowrl.Hub(config=config(tmp_path))
+    after = again.statistics()
+    assert after.live == before.live == 8
+    assert after.version == 3
+    assert after.tasks["train"].consumed == 2
+    assert after.tasks["score"].ready == 8
+    # the lease holder died with the process: its samples come back, first in line
+    assert after.tasks["train"].ready == before.tasks["train"].ready + 2
+    meta = again.claim("train", 10, min_n=1, timeout=1)
+    assert meta.indices.tolist()[:2] == held.indices.tolist()
+    assert sorted(meta.indices.tolist()) == [2, 3, 4, 5]
+    assert meta.groups.tolist()[:2] == [1, 1]
+    batch = again.get(meta)
+    assert batch["reward"].tolist() == [2.0, 3.0, 4.0, 5.0]
+    assert [list(r) for r in batch["ids"]] == [rows(0, 6)["ids"][i] for i in (2, 3, 4, 5)]  # type: ignore[index]
+    assert {c.name for c in again.columns} == {"ids", "reward"}
+    again.close()
+
+
+def test_exactly_once_per_task_across_repeated_crashes(tmp_path: Path) -> None:
+    """Every sample is acked exactly once per task, however often the hub restarts."""
+    acked: dict[str, Counter[int]] = {"train": Counter(), "score": Counter()}
+    produced: list[int] = []
+    rng = np.random.default_rng(0)
+    for life in range(5):
+        hub = flowrl.Hub(COLS, tasks=TASKS, config=config(tmp_path))
+        held = []
+        for _ in range(4):
+            produced += hub.put(rows(len(produced), 4)).tolist()
+            for task in ("train", "score"):
+                meta = hub.claim(task, int(rng.integers(1, 6)), min_n=1, timeout=1)
+                if rng.random() < 0.7:
+                    hub.ack(meta)
+                    acked[task].update(meta.indices.tolist())
+                else:
+                    held.append(meta)
+        if life == 4:
+            for meta in held:
+                hub.release(meta)
+            hub.end_stream()
+            for task in ("train", "score"):
+                while True:
+                    try:
+                        meta = hub.claim(task, 8, min_n=1, timeout=1)
+                    except flowrl.errors.EndOfStream:
+                        break
+                    hub.ack(meta)
+                    acked[task].update(meta.indices.tolist())
+            assert hub.statistics().live == 0
+            hub.close()
+        # otherwise: crash with leases outstanding
+    for counts in acked.values():
+        assert sorted(counts) == produced
+        assert set(counts.values()) == {1}
+
+
+def test_recovered_indices_are_never_reused(tmp_path: Path) -> None:
+    hub = flowrl.Hub(COLS, tasks=TASKS, config=config(tmp_path))
+    first = hub.put(rows(0, 3))
+    again = flowrl.Hub(config=config(tmp_path))
+    second = again.put(rows(3, 3))
+    assert second.min() > first.max()
+    again.close()
+
+
+def test_a_torn_last_record_is_cut_off(tmp_path: Path) -> None:
+    hub = flowrl.Hub(COLS, tasks=TASKS, config=config(tmp_path))
+    hub.put(rows(0, 2))
+    hub.put(rows(2, 2))
+    log = tmp_path / EVENTS_FILE
+    size = log.stat().st_size
+    with open(log, "ab") as f:
+        f.write(b"\x40\x00\x00\x00partial")  # a crash in the middle of an append
+    again = flowrl.Hub(config=config(tmp_path))
+    assert log.stat().st_size == size
+    assert again.statistics().live == 4
+    again.put(rows(4, 1))  # appending resumes after the cut
+    again.close()
+    third = flowrl.Hub(config=config(tmp_path))
+    assert third.statistics().live == 5
+    third.close()
+
+
+def test_corruption_before_the_tail_is_an_error(tmp_path: Path) -> None:
+    hub = flowrl.Hub(COLS, tasks=TASKS, config=config(tmp_path))
+    hub.put(rows(0, 2))
+    hub.put(rows(2, 2))
+    hub.close()
+    log = tmp_path / EVENTS_FILE
+    data = bytearray(log.read_bytes())
+    data[5:9] = b"\xc1\xc1\xc1\xc1"  # never valid msgpack, inside the first record
+    log.write_bytes(bytes(data))
+    with pytest.raises(JournalError, match="corrupt"):
+        flowrl.Hub(config=config(tmp_path))
+
+
+def test_a_journal_from_another_shape_is_refused(tmp_path: Path) -> None:
+    flowrl.Hub(COLS, config=config(tmp_path)).close()
+    other = HubConfig(capacity=128, journal=JournalConfig(path=str(tmp_path)))
+    with pytest.raises(ConfigError, match="capacity=64"):
+        flowrl.Hub(config=other)
+
+
+def test_conflicting_declarations_on_recovery_are_refused(tmp_path: Path) -> None:
+    flowrl.Hub(COLS, config=config(tmp_path)).close()
+    with pytest.raises(flowrl.errors.SchemaError, match="ids"):
+        flowrl.Hub([Column.scalar("ids", "int64")], config=config(tmp_path))
+
+
+def test_metadata_only_journal_keeps_state_but_not_bytes(tmp_path: Path) -> None:
+    hub = flowrl.Hub(COLS, tasks=TASKS, config=config(tmp_path, persist_data=False))
+    hub.put(rows(0, 2))
+    again = flowrl.Hub(config=config(tmp_path, persist_data=False))
+    meta = again.claim("train", 2, timeout=1)
+    with pytest.raises(flowrl.errors.UnknownColumnError, match="ids"):
+        again.get(meta)
+    again.close()
+    assert not (tmp_path / "unit0").exists()
+
+
+@pytest.mark.parametrize("sync", ["write", "fsync"])
+def test_journal_config_validation_and_sync_policies(tmp_path: Path, sync: str) -> None:
+    hub = flowrl.Hub(COLS, tasks=TASKS, config=config(tmp_path, sync=sync, fsync_interval=0.01))
+    hub.put(rows(0, 3))
+    hub.close()
+    assert flowrl.Hub(config=config(tmp_path)).statistics().live == 3
+    for bad in ({"path": ""}, {"path": "x", "sync": "never"}, {"path": "x", "fsync_interval": 0}):
+        with pytest.raises(ConfigError, match="JournalConfig"):
+            JournalConfig(**bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="journal"):
+        HubConfig(journal="/tmp/x")  # type: ignore[arg-type]
+
+
+# -- storage units -----------------------------------------------------------------------
+def test_segments_are_deleted_once_every_chunk_in_them_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(persist, "SEGMENT_BYTES", 1)  # a new segment for every chunk
+    hub = flowrl.Hub(COLS, tasks={"train": ["ids", "reward"]}, config=config(tmp_path))
+    for k in range(4):
+        hub.put(rows(2 * k, 2))
+    unit_dir = tmp_path / "unit0"
+    assert len(persist.segment_files(str(unit_dir))) == 8  # 4 puts x 2 columns
+    hub.ack(hub.claim("train", 4, timeout=1))  # evicts the first two puts
+    names = [p for _, _, p in persist.segment_files(str(unit_dir))]
+    assert len(names) == 4  # the two puts left (the last is also the current segment)
+    hub.close()
+    again = flowrl.Hub(config=config(tmp_path))
+    batch = again.get(again.claim("train", 4, timeout=1))
+    assert batch["reward"].tolist() == [4.0, 5.0, 6.0, 7.0]
+    again.close()
+
+
+def test_a_unit_restarted_alone_holds_what_it_held(tmp_path: Path) -> None:
+    col = Column.tensor("x", "float32", (2, 3))
+    unit = StorageUnit(0, 16, folder=str(tmp_path))
+    values = np.arange(24, dtype=np.float32).reshape(4, 2, 3)
+    import pyarrow as pa
+
+    arr = pa.FixedShapeTensorArray.from_numpy_ndarray(values)
+    unit.write(np.arange(4), {"x": arr}, {"x": col})
+    unit.write(np.array([1]), {"x": pa.FixedShapeTensorArray.from_numpy_ndarray(values[3:])})
+    unit.evict(np.array([2]))
+    # -- crash --
+    again = StorageUnit(0, 16, folder=str(tmp_path))
+    assert again.declared == {"x": col}
+    got = again.read(np.array([0, 1, 3]), ("x",))["x"].to_numpy_ndarray()
+    np.testing.assert_array_equal(got, values[[0, 3, 3]])
+    with pytest.raises(flowrl.errors.UnknownIndexError):
+        again.read(np.array([2]), ("x",))
+    again.write(np.array([18]), {"x": arr.slice(0, 1)})  # slot 2 reused by a newer sample
+    again.close()
+    third = StorageUnit(0, 16, folder=str(tmp_path))
+    with pytest.raises(flowrl.errors.UnknownIndexError, match="evicted"):
+        third.write(np.array([2]), {"x": arr.slice(0, 1)})  # stale: slot 2 holds 18 now
+    np.testing.assert_array_equal(
+        third.read(np.array([18]), ("x",))["x"].to_numpy_ndarray(), values[:1]
+    )
+    third.close()
+
+
+def test_a_torn_segment_tail_is_ignored(tmp_path: Path) -> None:
+    unit = StorageUnit(0, 16, folder=str(tmp_path))
+    col = Column.scalar("r", "int64")
+    import pyarrow as pa
+
+    unit.write(np.arange(3), {"r": pa.array([10, 11, 12])}, {"r": col})
+    unit.write(np.arange(3, 5), {"r": pa.array([13, 14])}, {"r": col})
+    ((_, _, path),) = persist.segment_files(str(tmp_path))
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 20)  # tear the second batch
+    again = StorageUnit(0, 16, folder=str(tmp_path))
+    assert again.read(np.arange(3), ("r",))["r"].to_pylist() == [10, 11, 12]
+    with pytest.raises(flowrl.errors.UnknownIndexError):
+        again.read(np.array([3]), ("r",))
+    again.close()
+
+
+def test_a_persistent_unit_needs_declarations(tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    unit = StorageUnit(0, 16, folder=str(tmp_path))
+    with pytest.raises(flowrl.errors.SchemaError, match="declaration"):
+        unit.write(np.arange(2), {"r": pa.array([1, 2])})
+    assert unit.statistics().samples == 0
+    unit.close()
+
+
+# -- balanced rounds ---------------------------------------------------------------------
+def test_balanced_rounds_recover_with_their_reserved_parts() -> None:
+    ctl = Controller(16, lease_timeout=1e6)
+    journal: list[bytes] = []
+    ctl.log.sinks.append(lambda e: journal.append(event_encoder.encode(e)))
+    ctl.add_columns((Column.scalar("x", "int64"),))
+    ctl.register_task("t", ("x",))
+    sampler = BalancedSampler(dp_size=3)
+    with ctl.cond:
+        idx, _ = ctl.reserve(6)
+        ctl.commit(idx, {"x": CellWrite(np.full(6, 8), None)}, new=True, tokens=np.arange(1, 7))
+        first = ctl.try_claim("t", 2, sampler, dp_rank=0)
+        assert first is not None
+        second = ctl.try_claim("t", 2, sampler, dp_rank=1)  # takes its reserved part
+        assert second is not None
+    twin = Controller(16, lease_timeout=1e6)
+    twin.recover(event_decoder.decode(b) for b in journal)
+    with twin.cond:
+        third = twin.try_claim("t", 2, sampler, dp_rank=2)  # its part survived recovery
+        again = twin.try_claim("t", 2, sampler, dp_rank=1)  # rank 1's part was taken
+    assert third is not None
+    taken = set(first.indices.tolist()) | set(second.indices.tolist())
+    assert set(third.indices.tolist()) == set(range(6)) - taken
+    assert again is None
+    assert third.lease == max(first.lease, second.lease) + 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, final
 
 import numpy as np
 import pyarrow as pa
@@ -21,13 +21,14 @@ from flowrl._controller.eventlog import EventLog, Subscription
 from flowrl._controller.meta import BatchMeta
 from flowrl._controller.samplers import FifoSampler, Sampler
 from flowrl._schema.columns import Column
+from flowrl._schema.ragged import RaggedArray
 from flowrl._schema.schema import Schema
-from flowrl._store.batch import Batch
+from flowrl._store.batch import Batch, _to_python
 from flowrl.errors import ConfigError, LeaseError, SchemaError
 from flowrl.events import Event
 from flowrl.hooks import Observer
 
-__all__ = ["HubClient"]
+__all__ = ["HubClient", "Partial"]
 
 _FIFO = FifoSampler()
 
@@ -56,6 +57,17 @@ class CommitArgs(NamedTuple):
     version: int | None
     tokens: np.ndarray | None
     producer: str
+
+
+@final
+class Partial(NamedTuple):
+    """Prefixes of in-progress values (``hub.partial``): tokens and each token's version."""
+
+    values: RaggedArray
+    versions: RaggedArray
+
+
+_VERSIONS = Column.ragged("versions", "int64")
 
 
 class HubClient(abc.ABC):
@@ -240,16 +252,72 @@ class HubClient(abc.ABC):
             [(unit, meta.indices if pos is None else meta.indices[pos]) for unit, pos in parts],
             cols,
         )
-        if len(parts) == 1:
-            arrays = results[0]
-        else:
-            order = np.concatenate([pos for _, pos in parts])
-            inverse = np.empty_like(order)
-            inverse[order] = np.arange(order.size)
-            arrays = {
-                c: pa.concat_arrays([r[c] for r in results]).take(pa.array(inverse)) for c in cols
-            }
+        arrays = _in_request_order(parts, results)
         return Batch(meta, arrays, {c: self.schema[c] for c in cols})
+
+    # -- partial rollouts -------------------------------------------------------------------
+    def append(
+        self,
+        indices: BatchMeta | np.ndarray | Sequence[int],
+        column: str,
+        values: Any,
+        *,
+        version: int,
+    ) -> np.ndarray:
+        """Append tokens to the in-progress ragged ``column`` of samples (partial rollouts).
+
+        ``values`` holds one 1-D sequence per sample: the tokens generated since the last
+        append, by policy ``version``. The samples' storage units keep the prefix (on disk
+        too when the hub is journaled); a worker resuming a preempted request reads it with
+        :meth:`partial`. A later ``put`` of the column completes it. Returns the prefix
+        length of each sample.
+        """
+        self._raise_policy_error()
+        col = self._ragged(column, "append()")
+        _check_version(version, "append()")
+        meta = self._locate(indices, "append()")
+        encoded, _, _ = self.schema.encode_all({column: values}, len(meta), "append()")
+        array = encoded[column].array
+        lengths = np.empty(len(meta), dtype=np.int64)
+        for unit, pos in _split_by_unit(meta.units):
+            part = array if pos is None else array.take(pa.array(pos))
+            idx = meta.indices if pos is None else meta.indices[pos]
+            lengths[slice(None) if pos is None else pos] = self._append(
+                unit, idx, col, part, version
+            )
+        return lengths
+
+    def partial(self, indices: BatchMeta | np.ndarray | Sequence[int], column: str) -> Partial:
+        """What :meth:`append` stored so far for each sample (empty when nothing)."""
+        col = self._ragged(column, "partial()")
+        meta = self._locate(indices, "partial()")
+        if len(meta) == 0:
+            empty = RaggedArray(np.empty(0, dtype=col.np_dtype), np.zeros(1, dtype=np.int64))
+            return Partial(empty, RaggedArray(np.empty(0, np.int64), np.zeros(1, np.int64)))
+        parts = list(_split_by_unit(meta.units))
+        results = [
+            dict(zip((column, "versions"), self._read_partial(unit, idx, col), strict=True))
+            for unit, idx in (
+                (u, meta.indices if pos is None else meta.indices[pos]) for u, pos in parts
+            )
+        ]
+        arrays = _in_request_order(parts, results)
+        return Partial(_to_python(col, arrays[column]), _to_python(_VERSIONS, arrays["versions"]))
+
+    def _ragged(self, column: str, where: str) -> Column:
+        if not isinstance(column, str):
+            raise ConfigError(f"{where} column must be a column name, got {column!r}")
+        col = self.schema[column]
+        if col.kind != "ragged":
+            raise SchemaError(
+                f"{where} extends ragged columns only; column {column!r} holds {col.describe()}"
+            )
+        return col
+
+    def _locate(self, indices: Any, where: str) -> BatchMeta:
+        if isinstance(indices, BatchMeta):
+            return indices
+        return self._meta(_as_indices(indices, where), ())
 
     def meta(self, indices: np.ndarray | Sequence[int], columns: Sequence[str]) -> BatchMeta:
         """An unleased handle to read given samples with :meth:`get` (cannot be acked)."""
@@ -377,6 +445,16 @@ class HubClient(abc.ABC):
     def _meta(self, indices: np.ndarray, columns: tuple[str, ...]) -> BatchMeta: ...
 
     @abc.abstractmethod
+    def _append(
+        self, unit: int, indices: np.ndarray, column: Column, values: pa.Array, version: int
+    ) -> np.ndarray: ...
+
+    @abc.abstractmethod
+    def _read_partial(
+        self, unit: int, indices: np.ndarray, column: Column
+    ) -> tuple[pa.Array, pa.Array]: ...
+
+    @abc.abstractmethod
     def _ack(self, task: str, lease: int, indices: np.ndarray | None, drop: bool) -> None: ...
 
     @abc.abstractmethod
@@ -432,6 +510,20 @@ def _per_sample(value: Any, n: int, name: str, where: str) -> np.ndarray | None:
             f"[{low}, 2**63), got {arr.dtype} of shape {arr.shape}"
         )
     return arr.astype(np.int64)
+
+
+def _in_request_order(
+    parts: list[tuple[int, np.ndarray | None]], results: list[dict[str, pa.Array]]
+) -> dict[str, pa.Array]:
+    """Merge per-unit reads (``parts`` from :func:`_split_by_unit`) back into request order."""
+    if len(parts) == 1:
+        return results[0]
+    order = np.concatenate([pos for _, pos in parts if pos is not None])
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(order.size)
+    return {
+        c: pa.concat_arrays([r[c] for r in results]).take(pa.array(inverse)) for c in results[0]
+    }
 
 
 def _split_by_unit(units: np.ndarray) -> list[tuple[int, np.ndarray | None]]:

@@ -153,6 +153,16 @@ class Hub(HubClient):
         with self.controller.cond:
             return self.controller.meta(indices, columns)
 
+    def _append(
+        self, unit: int, indices: np.ndarray, column: Column, values: pa.Array, version: int
+    ) -> np.ndarray:
+        return self.units[unit].append(indices, column, values, version)
+
+    def _read_partial(
+        self, unit: int, indices: np.ndarray, column: Column
+    ) -> tuple[pa.Array, pa.Array]:
+        return self.units[unit].read_partial(indices, column)
+
     def _ack(self, task: str, lease: int, indices: np.ndarray | None, drop: bool) -> None:
         with self.controller.cond:
             self.controller.ack(task, lease, indices, drop=drop)

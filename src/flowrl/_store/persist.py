@@ -5,7 +5,8 @@ current segment of its column (``<column>.<segment>.arrows``), written straight 
 operating system so a crashed process loses nothing. A segment is deleted once every
 chunk in it was evicted or overwritten; a new one starts when the current one is full
 and whenever a unit (re)starts, so a segment torn by a crash is never appended to.
-Evicted indices go to ``evicted.arrows`` so a restarted unit does not bring them back.
+Evicted indices go to ``evicted.arrows`` so a restarted unit does not bring them back,
+and token appends to in-progress samples (partial rollouts) to ``partial-<column>.arrows``.
 
 The column's declaration travels in each segment's schema metadata, so a unit restarted
 alone knows its columns' types again.
@@ -25,7 +26,16 @@ import pyarrow as pa
 from flowrl._schema.columns import Column
 from flowrl.errors import JournalError
 
-__all__ = ["ColumnLog", "EvictionLog", "load_column", "load_evicted", "segment_files"]
+__all__ = [
+    "ColumnLog",
+    "EvictionLog",
+    "PartialLog",
+    "load_column",
+    "load_evicted",
+    "load_partial",
+    "partial_files",
+    "segment_files",
+]
 
 SEGMENT_BYTES = 64 << 20
 _SEGMENT = re.compile(r"^(?P<column>\w+)\.(?P<segment>\d+)\.arrows$")
@@ -162,14 +172,21 @@ def load_column(path: str) -> tuple[Column, Iterator[tuple[np.ndarray, pa.Array]
     A torn last batch (a crash mid-write) ends the iteration; None when the file does not
     even hold a schema (torn before its first batch).
     """
+    opened = _open_declared(path)
+    if opened is None:
+        return None
+    column, reader = opened
+    return column, ((b.column(0).to_numpy(), b.column(1)) for b in _batches(reader))
+
+
+def _open_declared(path: str) -> tuple[Column, pa.ipc.RecordBatchStreamReader] | None:
     reader = _open(path)
     if reader is None:
         return None
     meta = (reader.schema.metadata or {}).get(b"flowrl.column")
     if meta is None:
-        raise JournalError(f"segment {path!r} has no flowrl column declaration")
-    column = msgspec.json.decode(meta, type=Column)
-    return column, ((b.column(0).to_numpy(), b.column(1)) for b in _batches(reader))
+        raise JournalError(f"{path!r} has no flowrl column declaration")
+    return msgspec.json.decode(meta, type=Column), reader
 
 
 def load_evicted(folder: str) -> np.ndarray:
@@ -197,3 +214,77 @@ def _batches(reader: pa.ipc.RecordBatchStreamReader) -> Iterator[pa.RecordBatch]
             return
         except (pa.ArrowInvalid, OSError):
             return
+
+
+class PartialLog:
+    """Token appends to in-progress values of one ragged column (partial rollouts).
+
+    ``partial-<column>.arrows`` holds batches of ``(index, version, values)``; it is
+    rewritten with only the live prefixes when a unit starts and whenever it grows past
+    ``SEGMENT_BYTES`` (live prefixes are few: only requests still being generated).
+    """
+
+    def __init__(self, folder: str, column: Column, *, fsync: bool) -> None:
+        self.path = os.path.join(folder, f"partial-{column.name}.arrows")
+        self.fsync = fsync
+        self._schema = pa.schema(
+            [("index", pa.int64()), ("version", pa.int64()), ("values", column.arrow_type)],
+            metadata={b"flowrl.column": msgspec.json.encode(column)},
+        )
+        self._segment: _Segment | None = None
+
+    def append(self, indices: np.ndarray, version: int, values: pa.Array) -> None:
+        if self._segment is None:
+            raise JournalError(f"{self.path!r} must be rewritten before it is appended to")
+        versions = pa.array(np.full(indices.size, version, dtype=np.int64))
+        batch = pa.RecordBatch.from_arrays(
+            [pa.array(indices), versions, values], schema=self._schema
+        )
+        self._segment.write(batch, self.fsync)
+
+    @property
+    def full(self) -> bool:
+        return self._segment is not None and self._segment.nbytes >= SEGMENT_BYTES
+
+    def rewrite(self, pieces: list[tuple[np.ndarray, int, pa.Array]]) -> None:
+        """Replace the file by one holding exactly ``pieces`` (atomically)."""
+        self.close()
+        seg = _Segment(self.path + ".tmp", self._schema)
+        for indices, version, values in pieces:
+            versions = pa.array(np.full(indices.size, version, dtype=np.int64))
+            seg.write(
+                pa.RecordBatch.from_arrays(
+                    [pa.array(indices), versions, values], schema=self._schema
+                ),
+                self.fsync,
+            )
+        os.replace(seg.path, self.path)
+        seg.path = self.path
+        self._segment = seg
+
+    def close(self) -> None:
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+
+
+def partial_files(folder: str) -> list[str]:
+    return sorted(
+        os.path.join(folder, n)
+        for n in os.listdir(folder)
+        if n.startswith("partial-") and n.endswith(".arrows")
+    )
+
+
+def load_partial(
+    path: str,
+) -> tuple[Column, Iterator[tuple[np.ndarray, np.ndarray, pa.Array]]] | None:
+    """A partial log's column and its ``(indices, versions, values)`` batches, in order."""
+    opened = _open_declared(path)
+    if opened is None:
+        return None
+    column, reader = opened
+    batches = (
+        (b.column(0).to_numpy(), b.column(1).to_numpy(), b.column(2)) for b in _batches(reader)
+    )
+    return column, batches

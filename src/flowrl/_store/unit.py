@@ -25,6 +25,7 @@ import pyarrow as pa
 
 from flowrl._client.config import JournalConfig, UnitStats
 from flowrl._schema.columns import Column
+from flowrl._store.partial import PartialStore
 from flowrl._store.persist import (
     ColumnLog,
     EvictionLog,
@@ -131,9 +132,11 @@ class StorageUnit:
         self._newest = np.full(capacity, -1, dtype=np.int64)  # newest index written per slot
         self._lock = threading.Lock()
         self._evictions: EvictionLog | None = None
+        self._partials = PartialStore(folder, fsync=fsync)
         if folder is not None:
             os.makedirs(folder, exist_ok=True)
             self._load(folder)
+            self._partials.load(self._in_progress)
 
     @classmethod
     def open(cls, unit_id: int, capacity: int, journal: JournalConfig | None) -> StorageUnit:
@@ -213,6 +216,7 @@ class StorageUnit:
             self._newest[slots] = indices
             for name, array in arrays.items():
                 self._store(name, types.get(name)).write(slots, indices, array)
+                self._partials.clear(name, indices)  # the column is complete now
 
     def read(self, indices: np.ndarray, columns: tuple[str, ...]) -> dict[str, pa.Array]:
         slots = indices % self.capacity
@@ -237,6 +241,57 @@ class StorageUnit:
         slots = indices % self.capacity
         for store in self._columns.values():
             store.evict(slots, indices)
+        self._partials.clear(None, indices)
+
+    # -- partial rollouts -------------------------------------------------------------------
+    def append(
+        self, indices: np.ndarray, column: Column, values: pa.Array, version: int
+    ) -> np.ndarray:
+        """Append tokens to in-progress values of a ragged column; returns prefix lengths."""
+        with self._lock:
+            self._check_in_progress(indices, column)
+            return self._partials.append(indices, column, values, version)
+
+    def read_partial(self, indices: np.ndarray, column: Column) -> tuple[pa.Array, pa.Array]:
+        """The prefixes appended so far (values, per-token versions); empty when none."""
+        with self._lock:
+            self._check_in_progress(indices, column, completed_ok=True)
+            return self._partials.read(indices, column)
+
+    def _check_in_progress(
+        self, indices: np.ndarray, column: Column, *, completed_ok: bool = False
+    ) -> None:
+        slots = indices % self.capacity
+        gone = ~self._held(slots, indices)
+        if gone.any():
+            raise UnknownIndexError(
+                f"sample {int(indices[np.argmax(gone)])} is not held by storage unit "
+                f"{self.unit_id} (never put, or evicted)"
+            )
+        store = self._columns.get(column.name)
+        if store is not None and not completed_ok:
+            done = store.owner[slots] == indices
+            if done.any():
+                raise SchemaError(
+                    f"column {column.name!r} of sample {int(indices[np.argmax(done)])} is "
+                    "already complete; append() extends values that are still being generated"
+                )
+
+    def _held(self, slots: np.ndarray, indices: np.ndarray) -> np.ndarray:
+        """Which samples this unit holds some column of (put, and not evicted)."""
+        held = np.zeros(indices.size, dtype=bool)
+        for store in self._columns.values():
+            held |= store.owner[slots] == indices
+        return held
+
+    def _in_progress(self, name: str, indices: np.ndarray) -> np.ndarray:
+        """Which samples may still hold a prefix of ``name``: live, column not complete."""
+        slots = indices % self.capacity
+        live = self._held(slots, indices)
+        store = self._columns.get(name)
+        if store is not None:
+            live &= store.owner[slots] != indices
+        return live
 
     def retain(self, live: np.ndarray) -> None:
         """Evict every sample not in ``live`` (after the controller recovered its state)."""
@@ -255,6 +310,7 @@ class StorageUnit:
                     store.log.close()
             if self._evictions is not None:
                 self._evictions.close()
+            self._partials.close()
 
     def discard(self, indices: np.ndarray, columns: tuple[str, ...]) -> None:
         """Undo a write whose commit failed (only the named columns)."""

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import zmq
 
-from flowrl._client.base import ClaimArgs, CommitArgs, HubClient
+from flowrl._client.base import _VERSIONS, ClaimArgs, CommitArgs, HubClient
 from flowrl._client.config import HubConfig, HubStats
 from flowrl._controller.eventlog import EventLog
 from flowrl._controller.meta import BatchMeta
@@ -214,6 +214,27 @@ class RemoteHub(HubClient):
                 arrays[header.column] = from_frames(self.schema[header.column], header, bufs)
             out.append(arrays)
         return out
+
+    def _append(
+        self, unit: int, indices: np.ndarray, column: Column, values: pa.Array, version: int
+    ) -> np.ndarray:
+        header, frames = to_frames(column.name, column, values)
+        msg = wire.Append(indices=indices.tobytes(), column=column, version=version, array=header)
+        reply, _ = self._call(unit, msg, frames)
+        return wire.ints(reply.lengths)
+
+    def _read_partial(
+        self, unit: int, indices: np.ndarray, column: Column
+    ) -> tuple[pa.Array, pa.Array]:
+        reply, frames = self._call(unit, wire.ReadPartial(indices=indices.tobytes(), column=column))
+        if len(reply.arrays) != 2 or any(h.length != indices.size for h in reply.arrays):
+            raise TransportError(f"storage unit {unit} answered a partial read malformed")
+        values_h, versions_h = reply.arrays
+        split = values_h.frames
+        return (
+            from_frames(column, values_h, [f.buffer for f in frames[:split]]),
+            from_frames(_VERSIONS, versions_h, [f.buffer for f in frames[split:]]),
+        )
 
     def _meta(self, indices: np.ndarray, columns: tuple[str, ...]) -> BatchMeta:
         reply, _ = self._call(None, wire.MetaOf(indices=indices.tobytes(), columns=list(columns)))

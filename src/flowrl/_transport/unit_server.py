@@ -23,6 +23,8 @@ __all__ = ["serve_unit"]
 
 log = logging.getLogger("flowrl.unit")
 
+_VERSIONS = Column.ragged("versions", "int64")
+
 
 class UnitServer:
     def __init__(
@@ -110,6 +112,22 @@ class UnitServer:
             headers = []
             for name, arr in arrays.items():
                 header, bufs = to_frames(name, self.columns[name], arr)
+                headers.append(header)
+                out.extend(bufs)
+            return wire.Arrays(arrays=headers)
+        if isinstance(msg, wire.Append):
+            indices = wire.ints(msg.indices)
+            header = msg.array
+            if header.frames != len(payload) or header.length != indices.size:
+                raise TransportError("append request: frames do not match its header")
+            values = from_frames(msg.column, header, [f.buffer for f in payload])
+            lengths = self.unit.append(indices, msg.column, values, msg.version)
+            return wire.Lengths(lengths=lengths.tobytes())
+        if isinstance(msg, wire.ReadPartial):
+            prefixes = self.unit.read_partial(wire.ints(msg.indices), msg.column)
+            headers = []
+            for col, arr in zip((msg.column, _VERSIONS), prefixes, strict=True):
+                header, bufs = to_frames(col.name, col, arr)
                 headers.append(header)
                 out.extend(bufs)
             return wire.Arrays(arrays=headers)

@@ -190,6 +190,20 @@ class Evict(_Msg, frozen=True, tag="evict"):
     indices: bytes
 
 
+class Append(_Msg, frozen=True, tag="append"):
+    """Tokens for in-progress values of a ragged column; one ArrayHeader's frames follow."""
+
+    indices: bytes
+    column: Column
+    version: int
+    array: ArrayHeader
+
+
+class ReadPartial(_Msg, frozen=True, tag="read_partial"):
+    indices: bytes
+    column: Column
+
+
 class Retain(_Msg, frozen=True, tag="retain"):
     """Keep only these samples (a recovered controller's live set); evict the rest."""
 
@@ -226,6 +240,8 @@ Request = (
     | Read
     | Evict
     | Retain
+    | Append
+    | ReadPartial
     | Discard
     | UnitStatsReq
 )
@@ -274,7 +290,22 @@ class Arrays(_Msg, frozen=True, tag="arrays"):
     arrays: list[ArrayHeader]
 
 
-Reply = Done | Error | Welcome | Reserved | Units | MetaReply | StatsReply | UnitStatsReply | Arrays
+class Lengths(_Msg, frozen=True, tag="lengths"):
+    lengths: bytes
+
+
+Reply = (
+    Done
+    | Error
+    | Welcome
+    | Reserved
+    | Units
+    | MetaReply
+    | StatsReply
+    | UnitStatsReply
+    | Arrays
+    | Lengths
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

@@ -1,0 +1,135 @@
+"""Partial rollouts: tokens appended to a sample's ragged column while it is generated.
+
+A rollout worker appends each sample's new tokens every few decoding steps, tagged with
+the policy version that produced them. If the worker is preempted, its lease expires and
+the next worker reads the prefix (``hub.partial``) and resumes generating from it instead
+of starting over, which would bias training towards short responses. The final ``put``
+of the column completes it and drops the prefix.
+
+Invariants (tests/unit/test_partial.py): a prefix is exactly the concatenation of the
+appends to it, in order, with one version per token; a completed column or an evicted
+sample has no prefix; a persistent unit restarted on its folder has the same prefixes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import numpy as np
+import pyarrow as pa
+
+from flowrl._schema.columns import Column
+from flowrl._store.persist import PartialLog, load_partial, partial_files
+
+__all__ = ["PartialStore"]
+
+_Piece = tuple[np.ndarray, int]  # values, version
+
+
+class PartialStore:
+    """Per ragged column, per sample index: the appended pieces. Not thread-safe."""
+
+    def __init__(self, folder: str | None, *, fsync: bool) -> None:
+        self.folder = folder
+        self.fsync = fsync
+        self._pieces: dict[str, dict[int, list[_Piece]]] = {}
+        self._logs: dict[str, PartialLog] = {}
+
+    def load(self, keep: Callable[[str, np.ndarray], np.ndarray]) -> None:
+        """Bring back persisted prefixes for which ``keep(column, indices)`` is True."""
+        if self.folder is None:
+            return
+        for path in partial_files(self.folder):
+            loaded = load_partial(path)
+            if loaded is None:
+                os.unlink(path)
+                continue
+            column, batches = loaded
+            for indices, versions, values in batches:
+                for i, piece in enumerate(_rows(values)):
+                    self._add(column.name, int(indices[i]), piece, int(versions[i]))
+            self.clear(column.name, self._dead(column.name, keep))
+            self._log(column)  # compacted: rewritten with the live prefixes only
+
+    def _dead(self, name: str, keep: Callable[[str, np.ndarray], np.ndarray]) -> np.ndarray:
+        held = np.fromiter(self._pieces.get(name, {}), dtype=np.int64)
+        return held[~keep(name, held)] if held.size else held
+
+    def append(
+        self, indices: np.ndarray, column: Column, values: pa.Array, version: int
+    ) -> np.ndarray:
+        """Append row ``i`` of ``values`` to sample ``indices[i]``; returns the new lengths."""
+        log = None if self.folder is None else self._log(column)
+        lengths = np.empty(indices.size, dtype=np.int64)
+        for i, piece in enumerate(_rows(values)):
+            lengths[i] = self._add(column.name, int(indices[i]), piece, version)
+        if log is not None:
+            if log.full:
+                log.rewrite(self._flat(column.name))
+            else:
+                log.append(indices, version, values)
+        return lengths
+
+    def read(self, indices: np.ndarray, column: Column) -> tuple[pa.Array, pa.Array]:
+        """Prefixes of ``indices`` (empty when none): values and per-token versions."""
+        held = self._pieces.get(column.name, {})
+        values: list[np.ndarray] = []
+        versions: list[np.ndarray] = []
+        offsets = np.zeros(indices.size + 1, dtype=np.int64)
+        for i, index in enumerate(indices.tolist()):
+            for piece, version in held.get(index, ()):
+                values.append(piece)
+                versions.append(np.full(piece.size, version, dtype=np.int64))
+            offsets[i + 1] = offsets[i] + sum(p.size for p, _ in held.get(index, ()))
+        dtype = column.np_dtype
+        flat = np.concatenate(values) if values else np.empty(0, dtype=dtype)
+        vers = np.concatenate(versions) if versions else np.empty(0, dtype=np.int64)
+        off = pa.array(offsets)
+        return (
+            pa.LargeListArray.from_arrays(off, pa.array(flat.astype(dtype, copy=False))),
+            pa.LargeListArray.from_arrays(off, pa.array(vers)),
+        )
+
+    def clear(self, name: str | None, indices: np.ndarray) -> None:
+        """Drop prefixes of ``indices`` (of one column, or of every column)."""
+        names = list(self._pieces) if name is None else [name]
+        for col in names:
+            held = self._pieces.get(col)
+            if held:
+                for index in indices.tolist():
+                    held.pop(index, None)
+
+    def close(self) -> None:
+        for log in self._logs.values():
+            log.close()
+
+    def _add(self, name: str, index: int, piece: np.ndarray, version: int) -> int:
+        pieces = self._pieces.setdefault(name, {}).setdefault(index, [])
+        pieces.append((piece, version))
+        return sum(p.size for p, _ in pieces)
+
+    def _log(self, column: Column) -> PartialLog:
+        log = self._logs.get(column.name)
+        if log is None:
+            assert self.folder is not None
+            log = self._logs[column.name] = PartialLog(self.folder, column, fsync=self.fsync)
+            log.rewrite(self._flat(column.name))
+        return log
+
+    def _flat(self, name: str) -> list[tuple[np.ndarray, int, pa.Array]]:
+        """Every live piece as a one-row batch ``(indices, version, values)``."""
+        out = []
+        for index, pieces in self._pieces.get(name, {}).items():
+            for piece, version in pieces:
+                values = pa.LargeListArray.from_arrays(pa.array([0, piece.size]), pa.array(piece))
+                out.append((np.array([index], dtype=np.int64), version, values))
+        return out
+
+
+def _rows(values: pa.Array) -> list[np.ndarray]:
+    """Each row of a ragged Arrow array as its own numpy array (copied: pieces outlive
+    the received message they came in)."""
+    offsets = values.offsets.to_numpy()
+    flat = values.values.to_numpy(zero_copy_only=False)
+    return [flat[offsets[i] : offsets[i + 1]].copy() for i in range(len(values))]

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 import flowrl
-from flowrl import Column, HubConfig
+from flowrl import Column, HubConfig, JournalConfig
 from flowrl._controller.controller import CellWrite, Controller
 from flowrl._controller.samplers import FifoSampler
 
@@ -51,8 +51,8 @@ COLUMNS = [
 ]
 
 
-def make_hub(transport: str, capacity: int):
-    config = HubConfig(capacity=capacity, lease_timeout=600.0)
+def make_hub(transport: str, capacity: int, journal: JournalConfig | None = None):
+    config = HubConfig(capacity=capacity, lease_timeout=600.0, journal=journal)
     tasks = {"train": ["input_ids", "logprobs", "reward"]}
     if transport == "inproc":
         return flowrl.Hub(COLUMNS, tasks=tasks, config=config)
@@ -70,11 +70,13 @@ def payload(batch: int, seq_len: int, rng: np.random.Generator) -> dict:
     }
 
 
-def put_get(transport: str, samples: int, seq_len: int, batch: int) -> dict:
+def put_get(
+    transport: str, samples: int, seq_len: int, batch: int, journal: JournalConfig | None = None
+) -> dict:
     rng = np.random.default_rng(0)
     batches = [payload(batch, seq_len, rng) for _ in range(min(8, samples // batch))]
     sample_bytes = seq_len * 8 + seq_len * 4 + 4
-    hub = make_hub(transport, capacity=max(samples, 1024) + batch)
+    hub = make_hub(transport, capacity=max(samples, 1024) + batch, journal=journal)
     try:
         n_batches = samples // batch
         hub.put(batches[0])  # warm-up (connections, code paths), then consume it

@@ -1,0 +1,142 @@
+"""Durability costs: throughput with the journal on vs off, and recovery time.
+
+What it measures (payload as ``hub_throughput.py``: per sample an int64 ``input_ids`` and
+a float32 ``logprobs`` sequence of --seq-len plus a float32 ``reward``; one producer
+putting batches of --batch, one consumer claiming, reading and acking micro-batches):
+
+* ``overhead``: per transport (``inproc``, ``zmq``) and journal mode, ``samples_per_s``
+  of the whole put + consume loop (samples / (put time + consume time)). Modes: ``off``;
+  ``journal`` (the controller's event journal only, ``persist_data=False``); ``journal+data``
+  (journal plus storage units appending their Arrow chunks to IPC files: the default
+  ``JournalConfig``). All at the default sync policy (``"write"``: every event reaches the
+  OS before its call returns, fsync once a second). ``loss`` is ``1 - on / off``; the target
+  is ``loss <= 0.20`` at the default policy. Modes are run in rotation --repeat times and
+  the median taken, so drift on a shared machine hits every mode alike.
+* ``recovery``: a journaled hub is filled with --recovery-samples samples (puts of 32,
+  half of them claimed and acked by one of two tasks, some leases in flight) and then
+  abandoned; ``recovery_s_inproc`` is the time for ``flowrl.Hub(config=...)`` to recover
+  it (journal replay + memory-mapping the Arrow files), ``recovery_s_zmq`` the time for
+  ``launch_hub`` on the same folder to answer its first call. ``journal_events``,
+  ``journal_mib`` and ``data_mib`` size what was recovered.
+
+Read ratios (``loss``) from one run; absolute numbers drift on a shared 2-core machine.
+Usage: python benchmarks/journal.py --json [--samples N] [--recovery-samples N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from hub_throughput import COLUMNS, payload, put_get
+
+import flowrl
+from flowrl import HubConfig, JournalConfig
+
+MODES = ("off", "journal", "journal+data")
+
+
+def _journal(mode: str, folder: str) -> JournalConfig | None:
+    if mode == "off":
+        return None
+    return JournalConfig(path=folder, persist_data=mode == "journal+data")
+
+
+def overhead(transport: str, samples: int, seq_len: int, batch: int, repeat: int) -> dict:
+    runs: dict[str, list[float]] = {m: [] for m in MODES}
+    for _ in range(repeat):
+        for mode in MODES:
+            folder = tempfile.mkdtemp(prefix="flowrl-journal-bench-")
+            try:
+                got = put_get(transport, samples, seq_len, batch, _journal(mode, folder))
+                runs[mode].append(got["put_get_samples_per_s"])
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+    med = {m: statistics.median(v) for m, v in runs.items()}
+    return {
+        "samples_per_s": med,
+        "loss": {m: 1 - med[m] / med["off"] for m in MODES if m != "off"},
+    }
+
+
+def recovery(samples: int, seq_len: int) -> dict:
+    folder = tempfile.mkdtemp(prefix="flowrl-recovery-bench-")
+    config = HubConfig(
+        capacity=max(samples, 1024) * 2,
+        lease_timeout=600.0,
+        journal=JournalConfig(path=folder),
+    )
+    tasks = {"train": ["input_ids", "logprobs", "reward"], "score": ["reward"]}
+    try:
+        hub = flowrl.Hub(COLUMNS, tasks=tasks, config=config)
+        rng = np.random.default_rng(0)
+        batches = [payload(32, seq_len, rng) for _ in range(8)]
+        for i in range(samples // 32):
+            hub.put(batches[i % 8], groups=np.arange(32) // 8 + 4 * i)
+        for i in range(samples // 64):  # half of the samples scored; some leases in flight
+            meta = hub.claim("score", 32, timeout=10)
+            if i % 10:
+                hub.ack(meta)
+        hub.publish_version(1)
+        live = hub.statistics().live
+        del hub  # abandoned, as by a crash
+        t0 = time.perf_counter()
+        again = flowrl.Hub(config=config)
+        inproc_s = time.perf_counter() - t0
+        assert again.statistics().live == live
+        events = again.statistics().events
+        again.close()
+        t0 = time.perf_counter()
+        remote = flowrl.launch_hub(config=config)
+        remote.statistics()
+        zmq_s = time.perf_counter() - t0
+        remote.close()
+        data = sum(f.stat().st_size for f in Path(folder).glob("unit*/*") if f.is_file())
+        journal = os.path.getsize(os.path.join(folder, "events.log"))
+        return {
+            "samples": live,
+            "recovery_s_inproc": inproc_s,
+            "recovery_s_zmq": zmq_s,
+            "journal_events": events,
+            "journal_mib": journal / 2**20,
+            "data_mib": data / 2**20,
+        }
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--samples", type=int, default=4096)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--recovery-samples", type=int, default=100_000)
+    ap.add_argument("--recovery-seq-len", type=int, default=256)
+    args = ap.parse_args()
+    out = {
+        "overhead": {
+            t: overhead(t, args.samples, args.seq_len, args.batch, args.repeat)
+            for t in ("inproc", "zmq")
+        },
+        "recovery": recovery(args.recovery_samples, args.recovery_seq_len),
+        "sync": "write",
+    }
+    out["targets"] = {
+        "journal_loss_le_20pct": {
+            t: {m: v <= 0.20 for m, v in o["loss"].items()} for t, o in out["overhead"].items()
+        }
+    }
+    print(json.dumps(out, indent=None if args.json else 2))
+
+
+if __name__ == "__main__":
+    main()

@@ -8,7 +8,7 @@ only the bytes of their slice. flowrl never stores nulls, so no validity bitmaps
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -20,10 +20,13 @@ from flowrl.errors import TransportError
 __all__ = ["ArrayHeader", "from_frames", "to_frames"]
 
 
+_Size = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+
+
 class ArrayHeader(msgspec.Struct, frozen=True, array_like=True):
     column: str
-    length: int
-    frames: int  # how many buffer frames follow for this array
+    length: _Size
+    frames: _Size  # how many buffer frames follow for this array
 
 
 def to_frames(name: str, column: Column, arr: pa.Array) -> tuple[ArrayHeader, list[Any]]:
@@ -61,16 +64,26 @@ def from_frames(column: Column, header: ArrayHeader, frames: list[Any]) -> pa.Ar
         offsets = pa.py_buffer(frames[0])
         if offsets.size != (n + 1) * 8:
             raise TransportError(f"column {column.name!r}: offsets frame has the wrong size")
-        total = int(np.frombuffer(offsets, dtype=np.int64)[-1]) if n else 0
+        total = _check_offsets(column, np.frombuffer(offsets, dtype=np.int64))
         if kind == "ragged":
             child = _primitive(pa.from_numpy_dtype(column.np_dtype), total, frames[1])
             return pa.Array.from_buffers(column.arrow_type, n, [None, offsets], children=[child])
         data = pa.py_buffer(frames[1])
         if data.size != total:
             raise TransportError(f"column {column.name!r}: data frame has the wrong size")
-        return pa.Array.from_buffers(column.arrow_type, n, [None, offsets, data])
+        arr = pa.Array.from_buffers(column.arrow_type, n, [None, offsets, data])
+        if kind == "string":
+            arr.validate(full=True)  # UTF-8: a consumer must be able to decode what it reads
+        return arr
     except (pa.ArrowInvalid, ValueError, IndexError) as exc:
         raise TransportError(f"column {column.name!r}: malformed frames ({exc})") from None
+
+
+def _check_offsets(column: Column, offsets: np.ndarray) -> int:
+    """Offsets start at 0 and never decrease (readers trust them); returns the last one."""
+    if offsets[0] != 0 or (offsets.size > 1 and (np.diff(offsets) < 0).any()):
+        raise TransportError(f"column {column.name!r}: offsets must start at 0 and never decrease")
+    return int(offsets[-1])
 
 
 def _primitive_slice(arr: pa.Array) -> Any:

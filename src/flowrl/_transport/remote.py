@@ -27,7 +27,7 @@ from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
 from flowrl._transport import wire
 from flowrl._transport.frames import from_frames, to_frames
-from flowrl.errors import HubClosed, Timeout, TransportError
+from flowrl.errors import HubClosed, TransportError, UnknownIndexError
 from flowrl.events import event_decoder
 
 __all__ = ["RemoteHub"]
@@ -36,8 +36,8 @@ log = logging.getLogger("flowrl.client")
 
 #: How long a non-blocking request may take before the server is presumed gone.
 RPC_TIMEOUT_S = 30.0
-#: Longest a claim waits parked in the controller before the client asks again.
-CLAIM_SLICE_S = 10.0
+#: Longest single zmq poll while waiting for a reply (then check the deadline and close).
+POLL_SLICE_S = 1.0
 
 
 @final
@@ -65,6 +65,11 @@ class RemoteHub(HubClient):
         self.schema = Schema(welcome.columns, infer=infer)
         self.unit_addresses: list[str] = list(welcome.units)
         self.events_address: str = welcome.events
+        # Every storage unit answers before the client is handed out: a unit process may
+        # still be starting (launch_hub waits for the controller only), and a first write
+        # that waits for it could outlive its reservation (reservations expire).
+        for unit in range(len(self.unit_addresses)):
+            self._call(unit, wire.UnitStatsReq())
         self._events: EventLog | None = None
         self._sub_thread: threading.Thread | None = None
         self._hello = threading.Condition()
@@ -77,6 +82,11 @@ class RemoteHub(HubClient):
             socks = self._local.socks = {}
         sock = socks.get(unit)
         if sock is None:
+            if unit is not None and not 0 <= unit < len(self.unit_addresses):
+                raise UnknownIndexError(
+                    f"storage unit {unit} does not exist: this hub has "
+                    f"{len(self.unit_addresses)} (is the BatchMeta from another hub?)"
+                )
             sock = self._zctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self.address if unit is None else self.unit_addresses[unit])
@@ -89,30 +99,56 @@ class RemoteHub(HubClient):
         if self._closed:
             raise HubClosed("this hub client was closed")
         rid = next(self._rid).to_bytes(8, "little")
-        # Zero-copy only pays for payload frames; small control messages are copied.
-        self._socket(unit).send_multipart([rid, wire.encode(msg), *frames], copy=not frames)
+        body = wire.encode(msg)  # raises ConfigError for values msgpack cannot carry
+        sock = self._socket(unit)
+        try:
+            # Zero-copy only pays for payload frames; small control messages are copied.
+            sock.send_multipart([rid, body, *frames], copy=not frames)
+        except zmq.ZMQError as exc:
+            raise self._socket_error(exc) from None
         return rid
 
     def _recv(self, unit: int | None, rid: bytes, wait: float | None) -> tuple[Any, list[Any]]:
         sock = self._socket(unit)
-        deadline = None if wait is None else time.monotonic() + wait
+        forever = wait is None or math.isinf(wait)
+        deadline = 0.0 if forever else time.monotonic() + wait  # type: ignore[operator]
         while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not sock.poll(None if left is None else int(left * 1000) + 1):
+            # Poll in bounded slices: zmq takes int milliseconds (a huge wait overflows)
+            # and a slice ends in time to notice that another thread closed the client.
+            left = POLL_SLICE_S if forever else min(POLL_SLICE_S, deadline - time.monotonic())
+            try:
+                ready = sock.poll(int(max(0.0, left) * 1000) + 1)
+            except zmq.ZMQError as exc:
+                raise self._socket_error(exc) from None
+            if not ready:
+                if self._closed:
+                    raise HubClosed("this hub client was closed while waiting for a reply")
+                if forever or time.monotonic() < deadline:
+                    continue
                 where = "controller" if unit is None else f"storage unit {unit}"
                 raise TransportError(
                     f"the hub's {where} did not answer within {wait:.1f}s; is it running?"
                 )
             # units reply with payload frames (zero-copy); the controller's replies are small
-            frames: list[Any] = (
-                sock.recv_multipart() if unit is None else sock.recv_multipart(copy=False)
-            )
+            try:
+                frames: list[Any] = (
+                    sock.recv_multipart() if unit is None else sock.recv_multipart(copy=False)
+                )
+            except zmq.ZMQError as exc:
+                raise self._socket_error(exc) from None
+            if len(frames) < 2:
+                raise TransportError(f"a reply of {len(frames)} frame(s) from the hub")
             if _bytes(frames[0]) != rid:
                 continue  # a late reply to a request this thread gave up on
             reply = wire.decode_reply(frames[1] if unit is None else frames[1].buffer)
             if isinstance(reply, wire.Error):
                 wire.raise_error(reply)
             return reply, frames[2:]
+
+    def _socket_error(self, exc: zmq.ZMQError) -> Exception:
+        if self._closed:
+            return HubClosed("this hub client was closed")
+        return TransportError(f"zmq socket error talking to the hub: {exc}")
 
     def _call(
         self, unit: int | None, msg: Any, frames: Sequence[Any] = (), wait: float | None = -1.0
@@ -129,7 +165,8 @@ class RemoteHub(HubClient):
         self._call(None, wire.RegisterTask(task=task, columns=list(columns)))
 
     def _reserve(self, n: int, timeout: float | None) -> tuple[np.ndarray, int]:
-        reply, _ = self._call(None, wire.Reserve(n=n, timeout=timeout), wait=_grace(timeout))
+        msg = wire.Reserve(n=n, timeout=_wire_timeout(timeout))
+        reply, _ = self._call(None, msg, wait=_grace(timeout))
         return wire.ints(reply.indices), reply.unit
 
     def _abort(self, indices: np.ndarray) -> None:
@@ -183,36 +220,19 @@ class RemoteHub(HubClient):
         self._call(None, msg)
 
     def _claim(self, args: ClaimArgs, timeout: float | None) -> BatchMeta:
-        # A parked claim lives only in the controller's memory. Waiting in slices of at
-        # most CLAIM_SLICE_S means a controller that died (and was restarted from its
-        # journal) costs one re-sent request, not a reply that never comes.
-        deadline = math.inf if timeout is None else time.monotonic() + timeout
-        while True:
-            piece = max(0.0, min(deadline - time.monotonic(), CLAIM_SLICE_S))
-            msg = wire.Claim(
-                task=args.task,
-                n=args.n,
-                sampler=wire.spec_of_sampler(args.sampler),
-                columns=None if args.columns is None else list(args.columns),
-                min_n=args.min_n,
-                timeout=piece,
-                dp_rank=args.dp_rank,
-                lease_timeout=args.lease_timeout,
-                consumer=args.consumer,
-            )
-            try:
-                reply, _ = self._call(None, msg, wait=piece + self.rpc_timeout)
-                return BatchMeta.from_wire(reply.meta)
-            except Timeout:
-                if time.monotonic() >= deadline:
-                    raise Timeout(
-                        f"claim() by task {args.task!r} found no {args.n} ready samples in "
-                        f"{timeout}s"
-                    ) from None
-            except TransportError:
-                if self._closed or time.monotonic() >= deadline:
-                    raise
-                log.warning("the controller did not answer a claim; sending it again")
+        msg = wire.Claim(
+            task=args.task,
+            n=args.n,
+            sampler=wire.spec_of_sampler(args.sampler),
+            columns=None if args.columns is None else list(args.columns),
+            min_n=args.min_n,
+            timeout=_wire_timeout(timeout),
+            dp_rank=args.dp_rank,
+            lease_timeout=args.lease_timeout,
+            consumer=args.consumer,
+        )
+        reply, _ = self._call(None, msg, wait=_grace(timeout))
+        return BatchMeta.from_wire(reply.meta)
 
     def _read_many(
         self, parts: list[tuple[int, np.ndarray]], columns: tuple[str, ...]
@@ -381,7 +401,12 @@ def _bytes(frame: Any) -> bytes:
 
 def _grace(timeout: float | None) -> float | None:
     """Client-side wait for a request the server may park for ``timeout`` seconds."""
-    return None if timeout is None else timeout + RPC_TIMEOUT_S
+    return None if timeout is None or math.isinf(timeout) else timeout + RPC_TIMEOUT_S
+
+
+def _wire_timeout(timeout: float | None) -> float | None:
+    """An infinite timeout is "wait for ever", which the wire spells None."""
+    return None if timeout is None or math.isinf(timeout) else timeout
 
 
 def _drain_until_hello(sub: zmq.Socket, token: int) -> bool:

@@ -7,7 +7,7 @@ frames.py). Nothing is pickled. New fields must get defaults (schema evolution).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -32,22 +32,32 @@ class _Msg(msgspec.Struct, frozen=True, tag_field="op", kw_only=True):
     pass
 
 
+# Constraints checked when a request is decoded (never when a client builds one): a
+# request that breaks them is malformed and rejected before it reaches the controller or
+# a storage unit, so it cannot change their state half-way.
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+Count = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]  # n, min_n, group sizes
+NonNeg = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # versions, ranks, lengths
+Seconds = Annotated[float, msgspec.Meta(ge=0)]  # NaN and negatives rejected, inf allowed
+PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
+
+
 # -- samplers ------------------------------------------------------------------------------
 class FifoSpec(_Msg, frozen=True, tag="fifo"):
     pass
 
 
 class GroupSpec(_Msg, frozen=True, tag="group"):
-    group_size: int
+    group_size: Count
 
 
 class StalenessSpec(_Msg, frozen=True, tag="stale"):
-    max_staleness: int
+    max_staleness: NonNeg
     inner: FifoSpec | GroupSpec | StalenessSpec | BalancedSpec = FifoSpec()
 
 
 class BalancedSpec(_Msg, frozen=True, tag="balanced"):
-    dp_size: int
+    dp_size: Count
     inner: FifoSpec | GroupSpec | StalenessSpec = FifoSpec()
 
 
@@ -96,8 +106,8 @@ class RegisterTask(_Msg, frozen=True, tag="task"):
 
 
 class Reserve(_Msg, frozen=True, tag="reserve"):
-    n: int
-    timeout: float | None = None
+    n: Count
+    timeout: Seconds | None = None
 
 
 class Abort(_Msg, frozen=True, tag="abort"):
@@ -120,20 +130,20 @@ class Commit(_Msg, frozen=True, tag="commit"):
     new: bool
     partition: str = ""
     groups: bytes | None = None
-    version: int | None = None
+    version: NonNeg | None = None
     tokens: bytes | None = None
     producer: str = ""
 
 
 class Claim(_Msg, frozen=True, tag="claim"):
     task: str
-    n: int
+    n: Count
     sampler: SamplerSpec = FifoSpec()
     columns: list[str] | None = None
-    min_n: int | None = None
-    timeout: float | None = None
-    dp_rank: int = 0
-    lease_timeout: float | None = None
+    min_n: Count | None = None
+    timeout: Seconds | None = None
+    dp_rank: NonNeg = 0
+    lease_timeout: PositiveSeconds | None = None
     consumer: str = ""
 
 
@@ -144,18 +154,18 @@ class MetaOf(_Msg, frozen=True, tag="meta"):
 
 class Ack(_Msg, frozen=True, tag="ack"):
     task: str
-    lease: int
+    lease: Int64
     indices: bytes | None = None
     drop: bool = False
 
 
 class Release(_Msg, frozen=True, tag="release"):
     task: str
-    lease: int
+    lease: Int64
 
 
 class Publish(_Msg, frozen=True, tag="publish"):
-    version: int
+    version: NonNeg
 
 
 class End(_Msg, frozen=True, tag="end"):
@@ -167,7 +177,7 @@ class Stats(_Msg, frozen=True, tag="stats"):
 
 
 class PublishHello(_Msg, frozen=True, tag="pub_hello"):
-    token: int
+    token: NonNeg
 
 
 class Shutdown(_Msg, frozen=True, tag="shutdown"):
@@ -195,7 +205,7 @@ class Append(_Msg, frozen=True, tag="append"):
 
     indices: bytes
     column: Column
-    version: int
+    version: NonNeg
     array: ArrayHeader
 
 
@@ -313,14 +323,63 @@ _reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 
 def encode(msg: Any) -> bytes:
-    return _encoder.encode(msg)
+    """msgpack bytes of a message; a value msgpack cannot carry raises ConfigError.
+
+    That is an int outside [-2**63, 2**64) or a str that is not valid Unicode (a lone
+    surrogate), both from a caller's argument: nothing has been sent when it raises.
+    """
+    try:
+        return _encoder.encode(msg)
+    except (OverflowError, UnicodeEncodeError, TypeError, msgspec.EncodeError) as exc:
+        raise errors.ConfigError(
+            f"{type(msg).__name__} request cannot be sent to the hub's servers: {exc}; ints "
+            "must fit in 64 bits and strings must be valid Unicode"
+        ) from None
 
 
 def decode_request(frame: Any) -> Any:
+    """The request in ``frame``; TransportError if it is malformed (nothing was done)."""
     try:
-        return _request_decoder.decode(frame)
+        msg = _request_decoder.decode(frame)
     except msgspec.DecodeError as exc:
         raise errors.TransportError(f"malformed request: {exc}") from None
+    problem = _check_request(msg)
+    if problem:
+        raise errors.TransportError(f"malformed {type(msg).__name__} request: {problem}")
+    return msg
+
+
+def _check_request(msg: Any) -> str:
+    """What the decoder's types cannot say about a request: raw int64 arrays are whole
+    numbers of int64s and agree in length. Returns the problem, or "" if none."""
+    n = _int64s(getattr(msg, "indices", None))
+    if n < 0:
+        return "indices is not a whole number of int64s"
+    if isinstance(msg, Commit):
+        if n == 0:
+            return "a commit names no sample"
+        arrays = {"groups": msg.groups, "tokens": msg.tokens}
+        for name, cell in msg.cells.items():
+            arrays[f"cells[{name!r}].nbytes"] = cell.nbytes
+            arrays[f"cells[{name!r}].lengths"] = cell.lengths
+        for what, data in arrays.items():
+            if data is not None and _int64s(data) != n:
+                return f"{what} does not hold one int64 for each of the {n} indices"
+        if msg.tokens is not None and n and ints(msg.tokens).min() < 0:
+            return "tokens must be >= 0"
+    elif isinstance(msg, Claim) and msg.min_n is not None and msg.min_n > msg.n:
+        return f"min_n={msg.min_n} exceeds n={msg.n}"
+    elif isinstance(msg, Write) and len(msg.arrays) != len({h.column for h in msg.arrays}):
+        return "a column appears twice"
+    return ""
+
+
+def _int64s(data: bytes | None) -> int:
+    """How many int64s ``data`` holds (0 for None), -1 if not a whole number."""
+    if data is None:
+        return 0
+    count, rest = divmod(len(data), 8)
+    return -1 if rest else count
 
 
 def decode_reply(frame: Any) -> Any:
@@ -345,4 +404,6 @@ def raise_error(err: Error) -> None:
 
 def ints(data: bytes) -> np.ndarray:
     """An int64 array sent as raw bytes (a read-only view of them, no copy)."""
+    if len(data) % 8:
+        raise errors.TransportError(f"{len(data)} bytes are not a whole number of int64s")
     return np.frombuffer(data, dtype=np.int64)

@@ -16,7 +16,8 @@ putting batches of --batch, one consumer claiming, reading and acking micro-batc
   half of them claimed and acked by one of two tasks, some leases in flight) and then
   abandoned; ``recovery_s_inproc`` is the time for ``flowrl.Hub(config=...)`` to recover
   it (journal replay + memory-mapping the Arrow files), ``recovery_s_zmq`` the time for
-  ``launch_hub`` on the same folder to answer its first call. ``journal_events``,
+  ``launch_hub`` on the same folder to answer its first call (compare
+  ``startup_s_zmq_without_journal``, a fresh hub's start-up). ``journal_events``,
   ``journal_mib`` and ``data_mib`` size what was recovered.
 
 Read ratios (``loss``) from one run; absolute numbers drift on a shared 2-core machine.
@@ -51,6 +52,7 @@ def _journal(mode: str, folder: str) -> JournalConfig | None:
 
 def overhead(transport: str, samples: int, seq_len: int, batch: int, repeat: int) -> dict:
     runs: dict[str, list[float]] = {m: [] for m in MODES}
+    put_get(transport, min(samples, 512), seq_len, batch)  # warm-up: imports, page cache
     for _ in range(repeat):
         for mode in MODES:
             folder = tempfile.mkdtemp(prefix="flowrl-journal-bench-")
@@ -98,12 +100,18 @@ def recovery(samples: int, seq_len: int) -> dict:
         remote.statistics()
         zmq_s = time.perf_counter() - t0
         remote.close()
+        t0 = time.perf_counter()
+        fresh = flowrl.launch_hub(COLUMNS)
+        fresh.statistics()
+        startup_s = time.perf_counter() - t0
+        fresh.close()
         data = sum(f.stat().st_size for f in Path(folder).glob("unit*/*") if f.is_file())
         journal = os.path.getsize(os.path.join(folder, "events.log"))
         return {
             "samples": live,
             "recovery_s_inproc": inproc_s,
             "recovery_s_zmq": zmq_s,
+            "startup_s_zmq_without_journal": startup_s,
             "journal_events": events,
             "journal_mib": journal / 2**20,
             "data_mib": data / 2**20,

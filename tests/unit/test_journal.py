@@ -229,6 +229,21 @@ def test_a_unit_restarted_alone_holds_what_it_held(tmp_path: Path) -> None:
     third.close()
 
 
+def test_retain_never_drops_samples_put_after_the_recovery(tmp_path: Path) -> None:
+    """The recovered controller's live set may reach a unit after new puts did."""
+    import pyarrow as pa
+
+    unit = StorageUnit(0, 16, folder=str(tmp_path))
+    col = Column.scalar("r", "int64")
+    unit.write(np.arange(4), {"r": pa.array([0, 1, 2, 3])}, {"r": col})  # 2, 3: uncommitted
+    unit.write(np.array([9]), {"r": pa.array([9])}, {"r": col})  # put after the recovery
+    unit.retain(np.array([0, 1]), below=8)
+    assert unit.read(np.array([0, 1, 9]), ("r",))["r"].to_pylist() == [0, 1, 9]
+    with pytest.raises(flowrl.errors.UnknownIndexError):
+        unit.read(np.array([2]), ("r",))
+    unit.close()
+
+
 def test_a_torn_segment_tail_is_ignored(tmp_path: Path) -> None:
     unit = StorageUnit(0, 16, folder=str(tmp_path))
     col = Column.scalar("r", "int64")

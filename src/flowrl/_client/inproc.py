@@ -62,7 +62,7 @@ class Hub(HubClient):
         if self._journal is not None:
             live = self.controller.live_indices()
             for unit in self.units:
-                unit.retain(live)
+                unit.retain(live, self.controller.table.next_index)
             # The holders of recovered leases died with the process that embedded the hub.
             with self.controller.cond:
                 self.controller.expire(now=math.inf)

@@ -293,10 +293,15 @@ class StorageUnit:
             live &= store.owner[slots] != indices
         return live
 
-    def retain(self, live: np.ndarray) -> None:
-        """Evict every sample not in ``live`` (after the controller recovered its state)."""
+    def retain(self, live: np.ndarray, below: int) -> None:
+        """Evict every sample below index ``below`` that is not in ``live``.
+
+        A recovered controller's live set: the unit may hold bytes of puts it never
+        committed. Samples put after the recovery (indices ``>= below``) are kept, so the
+        message may arrive late.
+        """
         with self._lock:
-            held = [s.owner[s.owner >= 0] for s in self._columns.values()]
+            held = [s.owner[(s.owner >= 0) & (s.owner < below)] for s in self._columns.values()]
             gone = np.unique(np.concatenate(held)) if held else np.empty(0, dtype=np.int64)
             gone = gone[~np.isin(gone, live)]
         if gone.size:

@@ -82,7 +82,11 @@ class ControllerServer:
         self.ctl.log.sinks.append(self._publish)  # every event, in order, leaves on PUB
         if self.journal is not None:
             # Units may hold bytes of puts the journal never committed: drop them.
-            retain = wire.encode(wire.Retain(indices=self.ctl.live_indices().tobytes()))
+            retain = wire.encode(
+                wire.Retain(
+                    indices=self.ctl.live_indices().tobytes(), below=self.ctl.table.next_index
+                )
+            )
             for s in self.unit_push:
                 s.send(retain)
             if not restarted:  # a new hub on an old journal: the lease holders are gone

@@ -66,7 +66,7 @@ class UnitServer:
             if isinstance(msg, wire.Evict):
                 self.unit.evict(wire.ints(msg.indices))
             elif isinstance(msg, wire.Retain):
-                self.unit.retain(wire.ints(msg.indices))
+                self.unit.retain(wire.ints(msg.indices), msg.below)
             elif isinstance(msg, wire.Shutdown):
                 self.running = False
         except Exception:

@@ -215,9 +215,11 @@ class ReadPartial(_Msg, frozen=True, tag="read_partial"):
 
 
 class Retain(_Msg, frozen=True, tag="retain"):
-    """Keep only these samples (a recovered controller's live set); evict the rest."""
+    """Evict every sample below index ``below`` that is not in ``indices`` (the live set
+    of a recovered controller; samples put after its recovery are all ``>= below``)."""
 
     indices: bytes
+    below: int
 
 
 class Discard(_Msg, frozen=True, tag="discard"):

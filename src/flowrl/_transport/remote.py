@@ -27,7 +27,7 @@ from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
 from flowrl._transport import wire
 from flowrl._transport.frames import from_frames, to_frames
-from flowrl.errors import HubClosed, TransportError, UnknownIndexError
+from flowrl.errors import HubClosed, Timeout, TransportError, UnknownIndexError
 from flowrl.events import event_decoder
 
 __all__ = ["RemoteHub"]
@@ -36,6 +36,8 @@ log = logging.getLogger("flowrl.client")
 
 #: How long a non-blocking request may take before the server is presumed gone.
 RPC_TIMEOUT_S = 30.0
+#: Longest a claim waits parked in the controller before the client asks again.
+CLAIM_SLICE_S = 10.0
 #: Longest single zmq poll while waiting for a reply (then check the deadline and close).
 POLL_SLICE_S = 1.0
 
@@ -220,19 +222,36 @@ class RemoteHub(HubClient):
         self._call(None, msg)
 
     def _claim(self, args: ClaimArgs, timeout: float | None) -> BatchMeta:
-        msg = wire.Claim(
-            task=args.task,
-            n=args.n,
-            sampler=wire.spec_of_sampler(args.sampler),
-            columns=None if args.columns is None else list(args.columns),
-            min_n=args.min_n,
-            timeout=_wire_timeout(timeout),
-            dp_rank=args.dp_rank,
-            lease_timeout=args.lease_timeout,
-            consumer=args.consumer,
-        )
-        reply, _ = self._call(None, msg, wait=_grace(timeout))
-        return BatchMeta.from_wire(reply.meta)
+        # A parked claim lives only in the controller's memory. Waiting in slices of at
+        # most CLAIM_SLICE_S means a controller that died (and was restarted from its
+        # journal) costs one re-sent request, not a reply that never comes.
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        while True:
+            piece = max(0.0, min(deadline - time.monotonic(), CLAIM_SLICE_S))
+            msg = wire.Claim(
+                task=args.task,
+                n=args.n,
+                sampler=wire.spec_of_sampler(args.sampler),
+                columns=None if args.columns is None else list(args.columns),
+                min_n=args.min_n,
+                timeout=piece,
+                dp_rank=args.dp_rank,
+                lease_timeout=args.lease_timeout,
+                consumer=args.consumer,
+            )
+            try:
+                reply, _ = self._call(None, msg, wait=piece + self.rpc_timeout)
+                return BatchMeta.from_wire(reply.meta)
+            except Timeout:
+                if time.monotonic() >= deadline:
+                    raise Timeout(
+                        f"claim() by task {args.task!r} found no {args.n} ready samples in "
+                        f"{timeout}s"
+                    ) from None
+            except TransportError:
+                if self._closed or time.monotonic() >= deadline:
+                    raise
+                log.warning("the controller did not answer a claim; sending it again")
 
     def _read_many(
         self, parts: list[tuple[int, np.ndarray]], columns: tuple[str, ...]

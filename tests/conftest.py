@@ -2,11 +2,17 @@
 
 Behaviour tests take ``make_hub`` and use only the public client API (``flowrl.*`` and hub
 methods), never ``hub.controller`` or other internals, so the same test runs unchanged
-in-process and over zmq. Every hub a test made is closed at teardown.
+in-process, over zmq and on Ray. Every hub a test made is closed at teardown.
+
+Ray tests (marker ``ray``; skipped when ray is not installed) share one Ray runtime per
+test session: ``ray_runtime.single()`` for the placement tests, ``ray_runtime.cluster()``
+(a local multi-node ``ray.cluster_utils.Cluster``) for the integration tests. A process
+holds one Ray runtime at a time, so asking for the other kind shuts the current one down.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -14,7 +20,7 @@ import pytest
 
 import flowrl
 
-PLACEMENTS = ["inproc", "zmq"]
+PLACEMENTS = ["inproc", "zmq", pytest.param("ray", marks=pytest.mark.ray)]
 
 
 def _inproc(
@@ -36,7 +42,82 @@ def _zmq(
     return launch(columns=list(columns), tasks=dict(tasks) if tasks else None, config=config)
 
 
-FACTORIES: dict[str, Callable[..., Any]] = {"inproc": _inproc, "zmq": _zmq}
+class RayRuntime:
+    """The Ray runtime of this test process: none, one node, or a local multi-node cluster."""
+
+    #: Logical resources of the cluster's nodes (this machine has 2 cores; Ray schedules by
+    #: these counts, not by real cores). The last node has 2 logical GPUs for placement
+    #: group tests; nothing runs on a real GPU.
+    CLUSTER_NODES: tuple[dict[str, Any], ...] = (
+        {"num_cpus": 2},
+        {"num_cpus": 2},
+        {"num_cpus": 2, "num_gpus": 2},
+    )
+
+    def __init__(self) -> None:
+        self.kind: str | None = None
+        self._cluster: Any = None
+
+    def single(self) -> None:
+        ray = pytest.importorskip("ray")
+        if self.kind != "single" or not ray.is_initialized():
+            self.shutdown()
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            self.kind = "single"
+
+    def cluster(self) -> Any:
+        """The cluster (started on first use); this process is its driver, on the head node."""
+        ray = pytest.importorskip("ray")
+        from ray.cluster_utils import Cluster
+
+        if self.kind != "cluster" or not ray.is_initialized():
+            self.shutdown()
+            head, *others = self.CLUSTER_NODES
+            self._cluster = Cluster(
+                initialize_head=True, head_node_args={**head, "include_dashboard": False}
+            )
+            for node in others:
+                self._cluster.add_node(**node)
+            self._cluster.wait_for_nodes()
+            ray.init(address=self._cluster.address, log_to_driver=False)
+            self.kind = "cluster"
+        return self._cluster
+
+    def shutdown(self) -> None:
+        """Shut down the runtime, also one that flowrl started by itself (``ray.init()``)."""
+        ray = sys.modules.get("ray")
+        if ray is not None:
+            ray.shutdown()
+        if self._cluster is not None:
+            self._cluster.shutdown()
+            self._cluster = None
+        self.kind = None
+
+
+_RAY = RayRuntime()
+
+
+@pytest.fixture(scope="session")
+def ray_runtime() -> Iterator[RayRuntime]:
+    yield _RAY
+    _RAY.shutdown()
+
+
+def _ray(
+    columns: Iterable[flowrl.Column],
+    tasks: Mapping[str, Sequence[str]] | None,
+    config: flowrl.HubConfig | None,
+) -> Any:
+    _RAY.single()
+    return flowrl.launch_ray_hub(
+        columns,
+        tasks=dict(tasks) if tasks else None,
+        config=config,
+        units_per_node=config.n_units if config else 1,  # one node: every unit on it
+    )
+
+
+FACTORIES: dict[str, Callable[..., Any]] = {"inproc": _inproc, "zmq": _zmq, "ray": _ray}
 
 MakeHub = Callable[..., Any]
 
@@ -47,8 +128,10 @@ def placement(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def make_hub(placement: str) -> Iterator[MakeHub]:
+def make_hub(placement: str, request: pytest.FixtureRequest) -> Iterator[MakeHub]:
     """``make_hub(columns=[...], tasks={...}, config=HubConfig(...))`` -> a hub client."""
+    if placement == "ray":
+        request.getfixturevalue("ray_runtime")  # shut down at the end of the session
     made: list[Any] = []
     factory = FACTORIES[placement]
 

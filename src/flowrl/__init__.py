@@ -18,6 +18,7 @@ from flowrl._controller.samplers import (
 from flowrl._pipeline.admission import AdmissionController, AdmissionStats, Staleness
 from flowrl._pipeline.executors.base import Executor
 from flowrl._pipeline.executors.processes import ProcessExecutor
+from flowrl._pipeline.executors.ray import RayExecutor
 from flowrl._pipeline.executors.threads import ThreadExecutor
 from flowrl._pipeline.loader import Loader, LoaderStats
 from flowrl._pipeline.pipeline import Pipeline, PipelineRun
@@ -30,6 +31,7 @@ from flowrl._schema.columns import Column
 from flowrl._schema.ragged import RaggedArray
 from flowrl._store.batch import Batch
 from flowrl._transport.launch import connect, launch_hub
+from flowrl._transport.ray_hub import launch_ray_hub
 from flowrl._transport.remote import RemoteHub
 from flowrl.errors import FlowRLError
 from flowrl.hooks import Observer
@@ -59,6 +61,7 @@ __all__ = [
     "PipelineRun",
     "ProcessExecutor",
     "RaggedArray",
+    "RayExecutor",
     "RemoteHub",
     "Rows",
     "RunResult",
@@ -78,5 +81,6 @@ __all__ = [
     "__version__",
     "connect",
     "launch_hub",
+    "launch_ray_hub",
     "stage",
 ]

@@ -107,7 +107,7 @@ def test_duplicate_names_producers_and_bad_stage_lists() -> None:
     with pytest.raises(PipelineError, match=r"must be @flowrl\.stage specs"):
         Pipeline([lambda batch: {}])  # type: ignore[list-item]
     with pytest.raises(ConfigError, match="unknown executor"):
-        Pipeline([counter_source(4)]).run(executor="ray")
+        Pipeline([counter_source(4)]).run(executor="dask")
 
 
 def test_pipeline_is_frozen_data() -> None:

@@ -19,6 +19,7 @@ from flowrl._client.base import HubClient
 from flowrl._pipeline.admission import Staleness
 from flowrl._pipeline.executors.base import Executor
 from flowrl._pipeline.executors.processes import ProcessExecutor
+from flowrl._pipeline.executors.ray import RayExecutor
 from flowrl._pipeline.executors.threads import ThreadExecutor
 from flowrl._pipeline.loader import Loader
 from flowrl._pipeline.result import RunResult
@@ -105,9 +106,10 @@ class Pipeline(msgspec.Struct, frozen=True):
         """Run until every stage reached the end of its stream; raise the first StageError.
 
         Without ``hub``, the executor makes one for the run (in-process for threads, a
-        ``launch_hub`` for processes) and closes it after. ``executor``: ``"threads"``
-        (default), ``"processes"`` or an :class:`Executor`. ``timeout``: seconds
-        for the whole run. ``max_samples``: stop the sources after this many samples.
+        ``launch_hub`` for processes, a ``launch_ray_hub`` for Ray) and closes it after.
+        ``executor``: ``"threads"`` (default), ``"processes"``, ``"ray"`` (stage workers as
+        Ray actors, see :class:`~flowrl.RayExecutor`) or an :class:`Executor`. ``timeout``:
+        seconds for the whole run. ``max_samples``: stop the sources after this many samples.
         """
         runner = _executor(executor, timeout, max_samples)
         if hub is not None:
@@ -207,8 +209,10 @@ def _executor(executor: str | Executor, timeout: float | None, max_samples: int 
         return ThreadExecutor(timeout=timeout, max_samples=max_samples)
     if executor == "processes":
         return ProcessExecutor(timeout=timeout, max_samples=max_samples)
+    if executor == "ray":
+        return RayExecutor(timeout=timeout, max_samples=max_samples)
     raise ConfigError(
-        f"unknown executor {executor!r}; use 'threads', 'processes' or an Executor instance"
+        f"unknown executor {executor!r}; use 'threads', 'processes', 'ray' or an Executor instance"
     )
 
 

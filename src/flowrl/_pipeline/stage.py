@@ -59,6 +59,9 @@ class StageSpec(msgspec.Struct, frozen=True, kw_only=True):
     setup_takes_context: bool
     file: str
     line: int
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    placement_strategy: str | None = None
 
     @property
     def is_source(self) -> bool:
@@ -136,15 +139,26 @@ def stage(
     sampler: Sampler | None = None,
     min_batch: int | None = None,
     lease_timeout: float | None = None,
+    num_cpus: float = 1.0,
+    num_gpus: float = 0.0,
+    placement_strategy: str | None = None,
 ) -> Callable[[object], StageSpec]:
     """Declare a stage. Use as ``@flowrl.stage(inputs=[...], outputs=[...], batch_size=n)``.
 
     ``batch_size``: samples per call (for a source: the most it returns per call).
-    ``workers``: concurrent calls (threads or processes, per executor). ``sampler``: which
-    ready samples a claim takes (e.g. ``GroupSampler`` for whole GRPO groups; a
-    ``BalancedSampler(dp_size=workers)`` makes worker ``r`` data-parallel rank ``r``).
-    ``min_batch``: run on fewer than ``batch_size`` samples once this many are ready.
+    ``workers``: concurrent calls (threads, processes or Ray actors, per executor).
+    ``sampler``: which ready samples a claim takes (e.g. ``GroupSampler`` for whole GRPO
+    groups; a ``BalancedSampler(dp_size=workers)`` makes worker ``r`` data-parallel rank
+    ``r``). ``min_batch``: run on fewer than ``batch_size`` samples once this many are ready.
     ``lease_timeout``: seconds one call may take before its samples go back to the hub.
+
+    Resources of one worker, used by ``executor="ray"`` (the other executors run where
+    they are): ``num_cpus`` (default 1) and ``num_gpus`` (fractions share a device).
+    ``placement_strategy`` (``"STRICT_PACK"``, ``"PACK"``, ``"SPREAD"`` or
+    ``"STRICT_SPREAD"``): reserve a Ray placement group of ``num_gpus`` one-GPU bundles per
+    worker; the worker runs in the first bundle and the Ray tasks and actors it starts
+    (e.g. an engine's tensor-parallel ranks) go to the others. Without it, a worker gets
+    all its ``num_gpus`` in its own process, on one node.
     """
     caller = sys._getframe(1)
     if fn is not None:
@@ -162,6 +176,7 @@ def stage(
         is_class, is_gen, setup_ctx = _check_callable(obj, bool(ins), loc)
         size = _check_numbers(batch_size, workers, min_batch, lease_timeout, bool(ins), loc)
         _check_sampler(sampler, workers, bool(ins), loc)
+        _check_resources(num_cpus, num_gpus, placement_strategy, loc)
         if is_gen and workers != 1:
             raise loc.config(
                 f"a generator source runs in one worker, got workers={workers}",
@@ -188,6 +203,9 @@ def stage(
             setup_takes_context=setup_ctx,
             file=loc.file,
             line=loc.line,
+            num_cpus=float(num_cpus),
+            num_gpus=float(num_gpus),
+            placement_strategy=placement_strategy,
         )
 
     return decorate
@@ -303,6 +321,38 @@ def _check_sampler(sampler: object, workers: object, consumes: bool, loc: _Where
             f"BalancedSampler(dp_size={sampler.dp_size}) needs one worker per data-parallel "
             f"rank, got workers={workers}",
             f"pass workers={sampler.dp_size}",
+        )
+
+
+_PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+
+
+def _check_resources(num_cpus: float, num_gpus: float, strategy: str | None, loc: _Where) -> None:
+    for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus)):
+        if (
+            not isinstance(value, int | float)
+            or isinstance(value, bool)
+            or not 0 <= value < float("inf")
+        ):
+            raise loc.config(
+                f"{name} must be a number >= 0 (per worker), got {value!r}", f"use e.g. {name}=1"
+            )
+    if num_gpus > 1 and num_gpus != int(num_gpus):
+        raise loc.config(
+            f"num_gpus above 1 must be a whole number of devices, got {num_gpus!r}",
+            "use a fraction below 1 to share one GPU, or a whole number",
+        )
+    if strategy is None:
+        return
+    if strategy not in _PLACEMENT_STRATEGIES:
+        raise loc.config(
+            f"placement_strategy must be one of {list(_PLACEMENT_STRATEGIES)}, got {strategy!r}",
+            "use 'STRICT_PACK' to keep a worker's GPUs on one node",
+        )
+    if num_gpus < 1:
+        raise loc.config(
+            f"placement_strategy reserves one bundle per GPU, but num_gpus={num_gpus!r}",
+            "pass num_gpus=n (a whole number >= 1) with it, or drop placement_strategy",
         )
 
 

@@ -39,13 +39,7 @@ def launch_hub(
     Returns a client; its ``address`` lets other processes ``flowrl.connect`` to the same
     hub. Closing that client shuts the servers down.
     """
-    config = config or HubConfig()
-    if not isinstance(config, HubConfig):
-        raise ConfigError(f"config must be a HubConfig, got {type(config).__name__}")
-    cols = list(columns)
-    for col in cols:
-        if not isinstance(col, Column):
-            raise ConfigError(f"columns must be flowrl.Column, got {type(col).__name__}")
+    cols, config = checked_args(columns, config)
     folder = tempfile.mkdtemp(prefix="flowrl-")
     addr = f"ipc://{folder}/controller"
     units = [f"ipc://{folder}/unit{u}" for u in range(config.n_units)]
@@ -85,11 +79,27 @@ def launch_hub(
     return client
 
 
-def connect(address: str) -> RemoteHub:
-    """A client of a hub that ``launch_hub`` started (pass its ``.address``)."""
+def connect(address: str, *, unit_nodes: Sequence[str] = (), node: str = "") -> RemoteHub:
+    """A client of a hub that ``launch_hub`` or ``launch_ray_hub`` started (pass its
+    ``.address``). ``unit_nodes`` (the hub's ``.unit_nodes``) and ``node`` (this process's
+    Ray node id) make new samples go to a storage unit on this node: see ``RemoteHub``."""
     if not isinstance(address, str) or "://" not in address:
         raise ConfigError(f"connect() expects a zmq address like 'ipc://...', got {address!r}")
-    return RemoteHub(address)
+    return RemoteHub(address, unit_nodes=unit_nodes, node=node)
+
+
+def checked_args(
+    columns: Iterable[Column], config: HubConfig | None
+) -> tuple[list[Column], HubConfig]:
+    """The columns and config of a hub to launch, checked (a default config if None)."""
+    config = config or HubConfig()
+    if not isinstance(config, HubConfig):
+        raise ConfigError(f"config must be a HubConfig, got {type(config).__name__}")
+    cols = list(columns)
+    for col in cols:
+        if not isinstance(col, Column):
+            raise ConfigError(f"columns must be flowrl.Column, got {type(col).__name__}")
+    return cols, config
 
 
 class _Servers:
@@ -154,9 +164,21 @@ class _Servers:
 
 def _stop(servers: _Servers, folder: str, addresses: list[str]) -> None:
     """Ask every server to shut down (acknowledged requests), then reap; kill stragglers."""
-    import zmq
-
     servers.stop_supervising()
+    request_shutdown(addresses)
+    for p in servers.procs:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def request_shutdown(addresses: Sequence[str]) -> None:
+    """Ask the servers at ``addresses`` to leave their loops; wait (2 s at most) for each
+    acknowledgement. A server that is gone already just does not answer."""
+    import zmq
 
     zctx: zmq.Context = zmq.Context.instance()
     socks = []
@@ -169,10 +191,3 @@ def _stop(servers: _Servers, folder: str, addresses: list[str]) -> None:
     for s in socks:
         s.poll(2000)  # the reply means the server left its loop
         s.close()
-    for p in servers.procs:
-        try:
-            p.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    shutil.rmtree(folder, ignore_errors=True)

@@ -27,7 +27,7 @@ from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
 from flowrl._transport import wire
 from flowrl._transport.frames import from_frames, to_frames
-from flowrl.errors import HubClosed, Timeout, TransportError, UnknownIndexError
+from flowrl.errors import ConfigError, HubClosed, Timeout, TransportError, UnknownIndexError
 from flowrl.events import event_decoder
 
 __all__ = ["RemoteHub"]
@@ -44,9 +44,26 @@ POLL_SLICE_S = 1.0
 
 @final
 class RemoteHub(HubClient):
-    """A client of a multi-process hub. Get one from ``flowrl.launch_hub`` or ``flowrl.connect``."""
+    """A client of a multi-process hub. Get one from ``flowrl.launch_hub``,
+    ``flowrl.launch_ray_hub`` or ``flowrl.connect``.
 
-    def __init__(self, address: str, *, rpc_timeout: float = RPC_TIMEOUT_S) -> None:
+    ``unit_nodes``: the node each storage unit runs on (Ray node ids for a Ray-placed hub)
+    and ``node``: the node of this client. New samples then go to a storage unit on the
+    client's own node when it has one (data locality); without them, the controller picks.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        rpc_timeout: float = RPC_TIMEOUT_S,
+        unit_nodes: Sequence[str] = (),
+        node: str = "",
+    ) -> None:
+        if isinstance(unit_nodes, str) or not all(isinstance(n, str) for n in unit_nodes):
+            raise ConfigError(f"unit_nodes must be a list of node ids, got {unit_nodes!r}")
+        if not isinstance(node, str):
+            raise ConfigError(f"node must be a node id (str), got {node!r}")
         self.address = address
         self.rpc_timeout = rpc_timeout
         self._zctx: zmq.Context = zmq.Context.instance()
@@ -76,6 +93,16 @@ class RemoteHub(HubClient):
         self._sub_thread: threading.Thread | None = None
         self._hello = threading.Condition()
         self._hello_seen = 0
+        self.unit_nodes: tuple[str, ...] = tuple(unit_nodes)
+        self.node = node
+        if self.unit_nodes and len(self.unit_nodes) != len(self.unit_addresses):
+            self.close()
+            raise ConfigError(
+                f"unit_nodes names {len(self.unit_nodes)} nodes, but the hub at {address} has "
+                f"{len(self.unit_addresses)} storage units; pass one node id per unit"
+            )
+        local = [u for u, n in enumerate(self.unit_nodes) if n == node]
+        self._local_units = itertools.cycle(local) if local else None
 
     # -- rpc --------------------------------------------------------------------------------
     def _socket(self, unit: int | None) -> zmq.Socket:
@@ -167,7 +194,8 @@ class RemoteHub(HubClient):
         self._call(None, wire.RegisterTask(task=task, columns=list(columns)))
 
     def _reserve(self, n: int, timeout: float | None) -> tuple[np.ndarray, int]:
-        msg = wire.Reserve(n=n, timeout=_wire_timeout(timeout))
+        unit = None if self._local_units is None else next(self._local_units)
+        msg = wire.Reserve(n=n, timeout=_wire_timeout(timeout), unit=unit)
         reply, _ = self._call(None, msg, wait=_grace(timeout))
         return wire.ints(reply.indices), reply.unit
 

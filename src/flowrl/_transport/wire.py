@@ -108,6 +108,7 @@ class RegisterTask(_Msg, frozen=True, tag="task"):
 class Reserve(_Msg, frozen=True, tag="reserve"):
     n: Count
     timeout: Seconds | None = None
+    unit: NonNeg | None = None  # the storage unit to put on (the producer's node's); None: any
 
 
 class Abort(_Msg, frozen=True, tag="abort"):

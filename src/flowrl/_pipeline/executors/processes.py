@@ -17,6 +17,7 @@ in one helper process (a ``multiprocessing`` manager) that every source worker c
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import pickle
 import queue
@@ -34,7 +35,7 @@ from flowrl._pipeline.executors.worker import WorkerReport, run_worker
 from flowrl.errors import ConfigError, StageError
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from flowrl._client.base import HubClient
     from flowrl._pipeline.pipeline import Pipeline
@@ -54,7 +55,7 @@ class _Failure(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     traceback: str
 
 
-_decoder = msgspec.msgpack.Decoder(WorkerReport | _Failure)
+decoder = msgspec.msgpack.Decoder(WorkerReport | _Failure)
 
 
 @final
@@ -80,15 +81,18 @@ class ProcessExecutor(Executor):
             )
         for spec in pipeline.stages:
             _check_importable(spec)
+        from flowrl._transport.launch import connect
+
         pipeline.register(hub)
         stop = self._stop
         results = self._ctx.Queue()
         helper = self._helper(address, pipeline.staleness)
         try:
+            open_hub = functools.partial(connect, address)
             procs = [
                 self._ctx.Process(
-                    target=_worker_main,
-                    args=(spec, w, address, stop, results, *helper[1:]),
+                    target=worker_main,
+                    args=(spec, w, open_hub, stop, results, *helper[1:]),
                     name=f"flowrl-{spec.name}-{w}",
                     daemon=True,
                 )
@@ -102,11 +106,11 @@ class ProcessExecutor(Executor):
 
             def receive(wait: float) -> WorkerReport | BaseException | None:
                 try:
-                    item = _decoder.decode(results.get(timeout=wait))
+                    item = decoder.decode(results.get(timeout=wait))
                 except queue.Empty:
                     return _dead(procs, reported)
                 reported.add(f"flowrl-{item.stage}-{item.worker}")
-                return _as_error(item) if isinstance(item, _Failure) else item
+                return outcome_of(item)
 
             try:
                 outcome = collect(pipeline, hub, receive, len(procs), stop, self.timeout, t0)
@@ -158,14 +162,20 @@ _Shared.register("Admission", callable=_admission)
 _Shared.register("Quota", callable=SampleQuota)
 
 
-def _worker_main(
-    spec: StageSpec, worker: int, address: str, stop: Any, results: Any, admission: Any, quota: Any
+def worker_main(
+    spec: StageSpec,
+    worker: int,
+    open_hub: Callable[[], HubClient],
+    stop: Any,
+    results: Any,
+    admission: Any,
+    quota: Any,
 ) -> None:
-    from flowrl._transport.launch import connect
-
+    """A worker in its own process: run it with a hub client of its own and put its
+    report, or its failure, on ``results`` (msgspec-encoded; decode with ``decoder``)."""
     encoder = msgspec.msgpack.Encoder()
     try:
-        with connect(address) as hub:
+        with open_hub() as hub:
             report = run_worker(spec, worker, hub, stop, admission=admission, quota=quota)
         results.put(encoder.encode(report))
     except BaseException as exc:
@@ -183,6 +193,11 @@ def _worker_main(
                 )
             )
         )
+
+
+def outcome_of(item: WorkerReport | _Failure) -> WorkerReport | StageError:
+    """What ``collect`` takes from a decoded worker message: a report or a StageError."""
+    return _as_error(item) if isinstance(item, _Failure) else item
 
 
 def _as_error(failure: _Failure) -> StageError:

@@ -12,9 +12,8 @@ published version, then throws malformed calls at one API entry point. Every cal
 * leave the servers up: after the examples a valid put/claim/get/ack round trip works.
 
 Where the validity of generated input is not obvious (column values), a scratch in-process
-hub is the oracle: input it accepts is valid and is skipped with ``assume``. Inputs that
-hit a known bug in code this file's author does not own are kept out of the strategies
-(``KNOWN_BUGS``) and pinned by strict-xfail regression tests at the end of the file.
+hub is the oracle: input it accepts is valid and is skipped with ``assume``. Bugs this
+file found are pinned by regression tests at its end.
 """
 
 from __future__ import annotations
@@ -483,7 +482,6 @@ def bad_puts(draw: st.DrawFn, world: World) -> Case:
             UnknownIndexError,
         )
     assume(not world.oracle_accepts(data, **kwargs))
-    assume(not _hits_known_bug(kwargs, n))
     if draw(st.booleans()):
         return Case(f"put_nowait({data!r}, {kwargs!r})", lambda h: h.put_nowait(data, **kwargs))
     return Case(f"put({data!r}, {kwargs!r})", lambda h: h.put(data, timeout=0, **kwargs), expected)
@@ -766,44 +764,13 @@ def test_documented_errors_then_a_burst_then_the_hub_serves(world: World, placem
     world.still_serves()
 
 
-# -- known bugs: strict xfails until the owner fixes them ---------------------------------------
-KNOWN_BUGS = {
-    # base._per_sample: int() on an object array holding None/str raises a raw TypeError
-    "per-sample-object",
-}
-
-
-def _hits_known_bug(kwargs: dict[str, Any], n: int) -> bool:
-    """Whether a put's keyword arguments run into a bug listed in KNOWN_BUGS."""
-    if "per-sample-object" not in KNOWN_BUGS:
-        return False
-    for key in ("groups", "tokens"):
-        if key not in kwargs:
-            continue
-        try:
-            arr = np.asarray(kwargs[key])
-        except Exception:
-            return True  # numpy refuses ragged nesting: a raw ValueError
-        if arr.dtype == object and arr.shape == (n,) and any(type(x) is not int for x in arr):
-            return True
-    return False
-
-
 def inproc_only() -> Any:
     """Client-side code paths: one placement exercises them."""
     return pytest.mark.parametrize("placement", ["inproc"], indirect=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="flowrl._client.base._per_sample: np.asarray(value) raises a raw ValueError for "
-    "ragged nesting (tokens=[[1], [1, 2]]), and for an object array holding a non-int "
-    "(tokens=[None], groups=[1, None]) int(arr.min()) raises a raw TypeError; wrap "
-    "np.asarray in try/except and for object arrays require every item to be an int "
-    "before comparing bounds (then drop 'per-sample-object' from KNOWN_BUGS)",
-)
 @inproc_only()
-def test_known_bug_per_sample_object_arrays(world: World) -> None:
+def test_per_sample_object_arrays_are_refused(world: World) -> None:
     for key in ("tokens", "groups"):
         for value in ([None], [1, None], [Opaque()], [[1], [1, 2]]):
             world.rejects(
@@ -836,27 +803,13 @@ def _blocking_claim_then_put(world: World, timeout: float) -> Any:
     return box[0]
 
 
-INPROC_LONG_WAIT = (
-    "flowrl._client.inproc._wait_time hands the whole remaining time to Condition.wait, "
-    "which raises a raw OverflowError above threading.TIMEOUT_MAX (~1e9 s here), inf "
-    "included (put() waiting for room has the same bug); cap each wait at "
-    "threading.TIMEOUT_MAX (the loop re-checks the deadline)"
-)
-
-
-def test_a_claim_may_wait_for_ever(
-    world: World, placement: str, request: pytest.FixtureRequest
-) -> None:
+def test_a_claim_may_wait_for_ever(world: World) -> None:
     """``timeout=inf`` passes the documented check (any number >= 0) and means: wait."""
     world.hub.ack(world.lease)  # no lease deadline to shorten the wait
-    if placement == "inproc":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=INPROC_LONG_WAIT))
     meta = _blocking_claim_then_put(world, math.inf)
     assert meta.indices.tolist() == [1, 2, 3, 4, 5]
 
 
-@pytest.mark.xfail(strict=True, reason=INPROC_LONG_WAIT)
-@inproc_only()  # over zmq the server dies: tests/integration/test_fuzz_wire.py pins that bug
 def test_a_claim_may_wait_1e10_seconds(world: World) -> None:
     world.hub.ack(world.lease)  # no lease deadline to shorten the wait
     meta = _blocking_claim_then_put(world, 1e10)

@@ -498,8 +498,13 @@ def _per_sample(value: Any, n: int, name: str, where: str) -> np.ndarray | None:
         return None
     if isinstance(value, int) and not isinstance(value, bool):
         value = [value] * n
-    arr = np.asarray(value.detach().cpu().numpy() if hasattr(value, "detach") else value)
+    try:
+        arr = np.asarray(value.detach().cpu().numpy() if hasattr(value, "detach") else value)
+    except ValueError:  # ragged nesting numpy cannot shape
+        arr = np.empty(0, dtype=object)
     low = 0 if name == "tokens" else -(2**63)
+    if arr.dtype == object and not all(type(x) is int for x in arr.ravel()):
+        arr = np.empty(0, dtype=object)  # None, str or other objects: not ints
     if (
         arr.shape != (n,)
         or arr.dtype.kind not in "iuO"

@@ -9,6 +9,7 @@ move outside the controller's lock.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import final
@@ -221,4 +222,5 @@ def _wait_time(remaining: float | None, lease_deadline: float | None) -> float |
     waits = [w for w in (remaining,) if w is not None]
     if lease_deadline is not None:
         waits.append(max(lease_deadline - time.time(), 0.0) + 1e-3)
-    return min(waits) if waits else None
+    # Condition.wait refuses longer waits (inf included); the caller's loop waits again.
+    return min(*waits, threading.TIMEOUT_MAX) if waits else None

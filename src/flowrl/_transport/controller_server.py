@@ -127,7 +127,8 @@ class ControllerServer:
             candidates.append(lease - time.time())
         if not candidates:
             return None
-        return max(0, int(min(candidates) * 1000) + 1)
+        # zmq takes an int of milliseconds; far deadlines are re-checked after an hour
+        return max(0, int(min(min(candidates), 3600.0) * 1000) + 1)
 
     def _handle(self, frames: list[Any]) -> None:
         if len(frames) < 3:

@@ -576,8 +576,9 @@ def bad_reads(draw: st.DrawFn, world: World) -> Case:
         meta = draw(junk)
     elif kind == "stale":
         meta = world.stale
-    elif kind == "unallocated":
-        idx = draw(st.lists(st.integers(5, 2**62), min_size=1, max_size=3))
+    elif kind == "unallocated":  # never allocated, or negative (-1: a known bug, below)
+        index = st.one_of(st.integers(5, 2**62), st.integers(-(2**62), -2))
+        idx = draw(st.lists(index, min_size=1, max_size=3))
         zeros = np.zeros(len(idx), dtype=np.int64)
         meta = forged(
             world.lease,
@@ -814,3 +815,21 @@ def test_a_claim_may_wait_1e10_seconds(world: World) -> None:
     world.hub.ack(world.lease)  # no lease deadline to shorten the wait
     meta = _blocking_claim_then_put(world, 1e10)
     assert meta.indices.tolist() == [1, 2, 3, 4, 5]
+
+
+def test_a_handle_naming_index_minus_one_is_refused(
+    world: World, placement: str, request: pytest.FixtureRequest
+) -> None:
+    if placement == "inproc":
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                reason="flowrl._store.unit._ColumnStore.read checks owner[slot] != index, "
+                "and a free slot's owner is -1: index -1 passes, then chunk_of[slot] = -1 "
+                "is looked up in chunks and a raw KeyError escapes get(); require "
+                "indices >= 0 there (UnknownIndexError)",
+            )
+        )
+    tampered = forged(world.lease, indices=np.array([-1, 1], dtype=np.int64))
+    world.rejects(lambda: world.hub.get(tampered), UnknownIndexError)
+    world.still_serves()

@@ -284,6 +284,9 @@ class RemoteHub(HubClient):
     def _read_many(
         self, parts: list[tuple[int, np.ndarray]], columns: tuple[str, ...]
     ) -> list[dict[str, pa.Array]]:
+        for _, idx in parts:
+            if idx.size and idx.min() < 0:  # a tampered handle: no unit holds such a sample
+                raise UnknownIndexError(f"sample index {int(idx.min())} does not exist")
         # Send every unit's request first, then collect: units serve in parallel.
         rids = [
             self._send(unit, wire.Read(indices=idx.tobytes(), columns=list(columns)))

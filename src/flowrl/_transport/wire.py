@@ -358,6 +358,8 @@ def _check_request(msg: Any) -> str:
     n = _int64s(getattr(msg, "indices", None))
     if n < 0:
         return "indices is not a whole number of int64s"
+    if isinstance(msg, Write | Read | Discard | Evict) and n and ints(msg.indices).min() < 0:
+        return "a sample index is negative"  # storage units trust indices to be >= 0
     if isinstance(msg, Commit):
         if n == 0:
             return "a commit names no sample"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -126,6 +127,10 @@ def _consume(
     counters: _Counters,
 ) -> bool:
     balanced = isinstance(spec.sampler, BalancedSampler)
+    # One consumer id per worker incarnation: a worker started in place of a dead one must
+    # not pass for the holder of its predecessor's leases (end of stream does not wait for
+    # the claimer's own leases, and those will only expire).
+    consumer = f"{spec.name}/{worker}/{uuid.uuid4().hex[:8]}"
     while not stop.is_set():
         try:
             meta = hub.claim(
@@ -136,7 +141,7 @@ def _consume(
                 timeout=POLL_S,
                 dp_rank=worker if balanced else 0,
                 lease_timeout=spec.lease_timeout,
-                consumer=f"{spec.name}/{worker}",
+                consumer=consumer,
             )
         except Timeout:
             continue

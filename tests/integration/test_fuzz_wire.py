@@ -514,6 +514,38 @@ def broken_writes(draw: st.DrawFn) -> tuple[bytes, list[bytes]]:
     return write(idx, [column], [header]), frames
 
 
+APPEND_COLUMNS = [
+    BY_NAME["ids"],
+    Column.ragged("ids", "float32"),  # another dtype than the stored one
+    Column.ragged("gen", "int64"),
+    Column.scalar("reward", "float32"),  # not ragged
+    Column.string("text"),
+]
+
+
+@st.composite
+def broken_appends(draw: st.DrawFn) -> tuple[bytes, list[bytes]]:
+    """Token appends that must be refused: to samples the unit does not hold, to columns
+    already complete, or with frames that do not match their header."""
+    column = draw(st.sampled_from(APPEND_COLUMNS))
+    live = draw(st.booleans()) and column.name in BY_NAME  # complete columns only
+    n = draw(st.integers(1, 2))
+    idx = ints(*(LIVE[:n] if live else range(200, 200 + n)))
+    frames = good_buffers(column, n)
+    header = ArrayHeader(column.name, n, len(frames))
+    broken = draw(st.sampled_from(["none", "frames", "length", "truncated", "indices"]))
+    if broken == "frames":
+        frames = frames[:-1]
+    elif broken == "length":
+        header = ArrayHeader(column.name, n + 1, len(frames))
+    elif broken == "truncated":
+        frames[-1] = frames[-1][:-1]
+    elif broken == "indices":
+        idx = draw(st.one_of(not_int64s, st.just(ints(-1))))
+    msg = wire.Append(indices=idx, column=column, version=draw(st.integers(0, 9)), array=header)
+    return wire.encode(msg), frames
+
+
 def test_storage_unit_refuses_broken_writes_and_reads(target: Target) -> None:
     units = [target.dealer(a) for a in target.hub.unit_addresses]
 
@@ -522,6 +554,12 @@ def test_storage_unit_refuses_broken_writes_and_reads(target: Target) -> None:
         unit=st.sampled_from([0, 1]),
         case=st.one_of(
             broken_writes(),
+            broken_appends(),
+            st.builds(
+                lambda i, c: (wire.encode(wire.ReadPartial(indices=i, column=c)), []),
+                st.one_of(not_int64s, unknown_indices),
+                st.sampled_from(APPEND_COLUMNS),
+            ),
             garbage_bodies(UNIT_TAGS + CONTROLLER_TAGS).map(lambda b: (b, [])),
             st.builds(
                 lambda i, c: (wire.encode(wire.Read(indices=i, columns=c)), []),

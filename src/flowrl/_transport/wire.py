@@ -358,7 +358,7 @@ def _check_request(msg: Any) -> str:
     n = _int64s(getattr(msg, "indices", None))
     if n < 0:
         return "indices is not a whole number of int64s"
-    if isinstance(msg, Write | Read | Discard | Evict) and n and ints(msg.indices).min() < 0:
+    if isinstance(msg, _UNIT_REQUESTS) and n and ints(msg.indices).min() < 0:
         return "a sample index is negative"  # storage units trust indices to be >= 0
     if isinstance(msg, Commit):
         if n == 0:
@@ -377,6 +377,10 @@ def _check_request(msg: Any) -> str:
     elif isinstance(msg, Write) and len(msg.arrays) != len({h.column for h in msg.arrays}):
         return "a column appears twice"
     return ""
+
+
+#: Requests naming samples on a storage unit, which trusts their indices to be >= 0.
+_UNIT_REQUESTS = (Write, Read, Discard, Evict, Append, ReadPartial, Retain)
 
 
 def _int64s(data: bytes | None) -> int:

@@ -20,8 +20,8 @@ the one-way PUSH/PULL eviction channel. A request with a marker id sent right af
 message must be the next thing answered.
 
 ``Shutdown`` is a valid request any client may send (``launch_hub`` stops servers with
-it), so it is never generated. Server bugs found by this file that live in code its
-author does not own are pinned by strict xfails at the end.
+it), so it is never generated. Server bugs this file found are pinned by regression tests
+at its end.
 """
 
 from __future__ import annotations
@@ -618,7 +618,7 @@ def test_storage_unit_drops_what_it_cannot_answer(target: Target) -> None:
     target.still_serves()
 
 
-# -- known bugs in the servers: strict xfails until their owner fixes them ---------------------
+# -- regressions: bugs this file found in the servers ---------------------------------------
 @pytest.mark.parametrize(
     "msg",
     [
@@ -646,28 +646,13 @@ def test_controller_survives_very_long_waits_and_leases(target: Target, msg: Any
     assert isinstance(reply, wire.StatsReply)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Controller._release_reserved (abort) matches owner[slot] == index without "
-    "index >= 0: Abort([-1]) matches a free slot (owner -1), frees it again and "
-    "decrements live and reserved below their true values; require indices >= 0 (as "
-    "SampleTable.slots_of does)",
-)
-def test_known_bug_abort_of_index_minus_one(target: Target) -> None:
+def test_abort_of_index_minus_one_changes_nothing(target: Target) -> None:
     sock = target.dealer(target.hub.address)
     target.request(sock, wire.encode(wire.Abort(indices=ints(-1))))
     target.check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="unit_server._dispatch stores every column type a Write names "
-    "(self.columns[col.name] = col) before validating the write and without checking it "
-    "against the type already known: a refused (or conflicting) write re-types a column, "
-    "and later reads of the stored data are served with the wrong layout; validate first, "
-    "refuse a type that conflicts with the known one (SchemaError), store types last",
-)
-def test_known_bug_a_refused_write_retypes_a_column(target: Target) -> None:
+def test_a_refused_write_does_not_retype_a_column(target: Target) -> None:
     sock = target.dealer(target.hub.unit_addresses[0])
     retyped = Column.scalar("ids", "float32")
     body = write(ints(300), [retyped], [ArrayHeader("ids", 1, 1)])
@@ -676,15 +661,7 @@ def test_known_bug_a_refused_write_retypes_a_column(target: Target) -> None:
     target.check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Controller.commit(new=True) accepts indices that are already committed "
-    "(slots_of(committed=False) only checks ownership): it re-stamps version/partition/"
-    "group, decrements the reserved count below zero and queues the samples again for "
-    "every task, so one sample can be delivered twice to a task; require the slots of a "
-    "new commit to be reserved and uncommitted, before changing anything",
-)
-def test_known_bug_commit_of_an_already_committed_sample(target: Target) -> None:
+def test_a_new_commit_of_a_committed_sample_is_refused(target: Target) -> None:
     sock = target.dealer(target.hub.address)
     cells = {c: wire.Cell(ints(8)) for c in ("reward", "flag")}
     reply, _ = target.request(

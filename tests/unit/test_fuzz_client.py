@@ -828,19 +828,7 @@ def test_a_claim_may_wait_1e10_seconds(world: World) -> None:
     assert meta.indices.tolist() == [1, 2, 3, 4, 5]
 
 
-def test_a_handle_naming_index_minus_one_is_refused(
-    world: World, placement: str, request: pytest.FixtureRequest
-) -> None:
-    if placement == "inproc":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="flowrl._store.unit._ColumnStore.read checks owner[slot] != index, "
-                "and a free slot's owner is -1: index -1 passes, then chunk_of[slot] = -1 "
-                "is looked up in chunks and a raw KeyError escapes get(); require "
-                "indices >= 0 there (UnknownIndexError)",
-            )
-        )
+def test_a_handle_naming_index_minus_one_is_refused(world: World) -> None:
     tampered = forged(world.lease, indices=np.array([-1, 1], dtype=np.int64))
     world.rejects(lambda: world.hub.get(tampered), UnknownIndexError)
     world.still_serves()

@@ -213,6 +213,7 @@ class Controller:
         self.cond.notify_all()
 
     def _release_reserved(self, indices: np.ndarray) -> int:
+        indices = indices[indices >= 0]  # a free slot's owner is -1: never match it
         slots = indices % self.table.capacity
         mine = slots[(self.table.owner[slots] == indices) & ~self.table.committed[slots]]
         self.table.free(mine)
@@ -245,6 +246,12 @@ class Controller:
         """Mark columns ready on samples (after their bytes were stored)."""
         t = self.table
         slots = t.slots_of(indices, committed=not new)
+        if new and t.committed[slots].any():
+            raise SchemaError(
+                f"sample {int(indices[np.argmax(t.committed[slots])])} is already committed; a "
+                "new put commits reserved indices once (put columns to existing samples "
+                "with indices=)"
+            )
         for name in cells:
             if name not in t.ready:
                 raise UnknownColumnError(f"unknown column {name!r} in commit")

@@ -87,7 +87,7 @@ class _ColumnStore:
         self.row_of[slots] = np.arange(slots.size)
 
     def read(self, name: str, slots: np.ndarray, indices: np.ndarray) -> pa.Array:
-        bad = self.owner[slots] != indices
+        bad = (self.owner[slots] != indices) | (indices < 0)  # a free slot's owner is -1
         if bad.any():
             raise UnknownIndexError(
                 f"column {name!r} holds no data for sample {int(indices[np.argmax(bad)])} "

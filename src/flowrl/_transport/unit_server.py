@@ -16,7 +16,7 @@ from flowrl._client.config import JournalConfig
 from flowrl._schema.columns import Column
 from flowrl._store.unit import StorageUnit
 from flowrl._transport import wire
-from flowrl._transport.frames import from_frames, to_frames
+from flowrl._transport.frames import ZERO_COPY_MIN_BYTES, from_frames, to_frames
 from flowrl.errors import FlowRLError, SchemaError, TransportError
 
 __all__ = ["serve_unit"]
@@ -85,7 +85,8 @@ class UnitServer:
         except Exception as exc:
             log.exception("storage unit %d failed on a request", self.unit.unit_id)
             reply, out = wire.error_of(exc), []
-        self.sock.send_multipart([ident, rid, wire.encode(reply), *out], copy=False)
+        small = sum(memoryview(f).nbytes for f in out) < ZERO_COPY_MIN_BYTES
+        self.sock.send_multipart([ident, rid, wire.encode(reply), *out], copy=small)
 
     def _dispatch(self, msg: Any, payload: list[Any], out: list[Any]) -> Any:
         if isinstance(msg, wire.Write):

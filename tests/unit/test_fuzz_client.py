@@ -377,6 +377,17 @@ bad_claim_columns = st.one_of(
 )
 
 
+bad_versions = st.one_of(
+    st.integers(-(2**70), VERSION - 1),
+    st.integers(2**63, 2**70),
+    st.floats(),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=2),
+    junk,
+)
+
+
 def forged(meta: BatchMeta, **changes: Any) -> BatchMeta:
     """A copy of a handle with some fields changed (a stale, foreign or tampered handle)."""
     fields = {name: getattr(meta, name) for name in BatchMeta.__slots__}
@@ -430,6 +441,7 @@ def bad_puts(draw: st.DrawFn, world: World) -> Case:
                 "indices",
                 "indices-value",
                 "stale",
+                "append",
             ]
         )
     )
@@ -482,6 +494,16 @@ def bad_puts(draw: st.DrawFn, world: World) -> Case:
         return Case(
             f"put({name}={value!r}) to [3, 4]",
             lambda h: h.put({name: value}, indices=[3, 4], timeout=0),
+        )
+    elif kind == "append":  # token appends: a column, indices or version that cannot be
+        column = draw(st.one_of(st.sampled_from(["ids", "reward", "text", "nope"]), junk))
+        indices = draw(st.one_of(st.just([3, 4]), _bad_indices()))
+        version = draw(st.one_of(st.integers(0, 9), bad_versions))
+        values = draw(st.one_of(st.just([[1], [2, 3]]), bad_column_values(2).map(lambda c: c[1])))
+        # 'ids' is complete on live samples and the others are not ragged: always refused
+        return Case(
+            f"append({indices!r}, {column!r}, {values!r}, version={version!r})",
+            lambda h: h.append(indices, column, values, version=version),
         )
     else:  # a handle whose sample was evicted
         return Case(
@@ -573,9 +595,16 @@ def _readable(columns: Any) -> bool:
 
 @st.composite
 def bad_reads(draw: st.DrawFn, world: World) -> Case:
-    kind = draw(st.sampled_from(["junk", "stale", "unallocated", "columns", "both", "meta"]))
+    kind = draw(
+        st.sampled_from(["junk", "stale", "unallocated", "columns", "both", "meta", "partial"])
+    )
     meta: Any = world.lease
     columns: Any = None
+    if kind == "partial":  # prefixes of in-progress values: of unknown samples or columns
+        indices = draw(st.one_of(st.just([3]), _bad_indices(repeats=False)))
+        column = draw(st.one_of(st.sampled_from(["ids", "reward", "nope"]), junk))
+        assume(not (isinstance(indices, list) and indices == [3] and column == "ids"))
+        return Case(f"partial({indices!r}, {column!r})", lambda h: h.partial(indices, column))
     if kind == "meta":
         indices = draw(_bad_indices(repeats=False))  # reading a sample twice is fine
         cols = draw(st.one_of(st.just(["ids"]), st.just(list(WRITTEN)), bad_claim_columns))
@@ -584,8 +613,8 @@ def bad_reads(draw: st.DrawFn, world: World) -> Case:
         meta = draw(junk)
     elif kind == "stale":
         meta = world.stale
-    elif kind == "unallocated":  # never allocated, or negative (-1: a known bug, below)
-        index = st.one_of(st.integers(5, 2**62), st.integers(-(2**62), -2))
+    elif kind == "unallocated":  # never allocated, or negative
+        index = st.one_of(st.integers(5, 2**62), st.integers(-(2**62), -1))
         idx = draw(st.lists(index, min_size=1, max_size=3))
         zeros = np.zeros(len(idx), dtype=np.int64)
         meta = forged(
@@ -684,15 +713,6 @@ new_columns = st.builds(
     Column.scalar,
     st.sampled_from(["fresh", "reward", "ids", "small"]),
     st.sampled_from(["int64", "float32", "float64", "int8", "bool"]),
-)
-bad_versions = st.one_of(
-    st.integers(-(2**70), VERSION - 1),
-    st.integers(2**63, 2**70),
-    st.floats(),
-    st.booleans(),
-    st.none(),
-    st.text(max_size=2),
-    junk,
 )
 
 

@@ -27,6 +27,7 @@ _Size = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 #: cheaper than zero-copy's per-frame bookkeeping (single-sample puts ~30% faster).
 ZERO_COPY_MIN_BYTES = 64 * 1024
 
+
 class ArrayHeader(msgspec.Struct, frozen=True, array_like=True):
     column: str
     length: _Size

@@ -1,7 +1,8 @@
 """flowrl: a streaming data hub for reinforcement-learning post-training of LLMs.
 
 The user API is re-exported here; implementation modules are private (``flowrl._*``).
-Public sub-namespaces: ``flowrl.errors``, ``flowrl.events``, ``flowrl.hooks``.
+Public sub-namespaces: ``flowrl.errors``, ``flowrl.events``, ``flowrl.hooks``,
+``flowrl.testing`` (imported on demand).
 """
 
 from flowrl._client.base import Partial

@@ -12,6 +12,7 @@ import flowrl
 import flowrl.errors
 import flowrl.events
 import flowrl.hooks
+import flowrl.testing
 
 
 def _names_bound_in_init() -> set[str]:
@@ -58,7 +59,10 @@ def test_public_module_attributes_are_all_listed() -> None:
     assert public <= set(flowrl.__all__)
 
 
-@pytest.mark.parametrize("module", [flowrl.errors, flowrl.events, flowrl.hooks])
+@pytest.mark.parametrize(
+    "module",
+    [flowrl.errors, flowrl.events, flowrl.hooks, flowrl.testing],
+)
 def test_submodule_all_is_sorted_and_resolves(module: types.ModuleType) -> None:
     assert list(module.__all__) == sorted(module.__all__)
     for name in module.__all__:

@@ -35,8 +35,32 @@ def test_survival_is_a_valid_distribution() -> None:
     assert np.all(rem >= 0) and np.all(rem <= 32768 - g)
     probs = d.bucket_probs(g, 256)
     assert np.allclose(probs.sum(axis=1), 1.0, atol=1e-6)
-    exp, tail = f.estimates(g, g)
-    assert np.all(tail >= exp)
+    est = f.estimates(g, g)
+    assert np.all(est.tail >= est.mean)
+    assert np.all(est.second >= est.mean**2 - 1e-6)  # variance >= 0
+
+
+def test_remaining_moments_match_the_distribution() -> None:
+    f = LengthForecaster(ForecastConfig(median=1500, sigma=1.0))
+    d = f.prior()
+    g = np.array([0.0, 2000.0])
+    mean, second = d.remaining_moments(g)
+    rng = np.random.default_rng(0)
+    u = rng.random(400_000)
+    for k, gk in enumerate(g):  # Monte Carlo from the same survival function
+        r = d.remaining_quantile(np.full(len(u), gk), u)
+        assert mean[k] == pytest.approx(r.mean(), rel=0.02)
+        assert second[k] == pytest.approx((r**2).mean(), rel=0.03)
+
+
+def test_arima_forecast_tracks_a_long_drifting_history() -> None:
+    f = LengthForecaster(ForecastConfig(median=1500, sigma=1.0))
+    for s in range(12):  # past 8 steps: the AR(1)-on-differences path
+        f.begin_step(4000)
+        f.record(_lengths(s))
+        f.end_step()
+    med = f.statistics().forecast_median
+    assert np.median(_lengths(11)) < med < np.median(_lengths(11)) * 1.25
 
 
 def test_arima_prior_follows_drift() -> None:

@@ -13,7 +13,6 @@ from flowrl.sched import (
     ParallelMode,
     choose_threshold,
     consolidation_size,
-    flat_batch,
     select_targets,
 )
 
@@ -34,30 +33,41 @@ def test_select_targets_takes_most_loaded() -> None:
     assert r[t].min() >= r[left].max()
 
 
-def test_choose_threshold_never_predicts_worse_than_serial() -> None:
-    rng = np.random.default_rng(0)
-    lens = np.clip(np.exp(rng.normal(np.log(1500), 1.0, 2048)), 16, 32768)
-    prompts = np.full(2048, 400.0)
-    ch = choose_threshold(
-        lens,
-        prompts,
-        n_replicas=8,
-        mode=ParallelMode.tensor(2),
-        total_gpus=16,
+def _choice(remaining: np.ndarray, context: np.ndarray, total: int) -> object:
+    return choose_threshold(
+        remaining,
+        context,
+        total=total,
+        next_tokens=float(total * 3000),
+        n_units=8,
+        unit_replicas=1,
+        mode=ParallelMode.tensor(8),
         model=ModelSpec(),
         hw=HardwareSpec(),
         config=FusionConfig(),
-        unit_replicas=4,
     )
+
+
+def test_choose_threshold_never_predicts_worse_than_serial() -> None:
+    rng = np.random.default_rng(0)
+    rem = np.clip(np.exp(rng.normal(np.log(6000), 0.8, 400)), 16, 30000)
+    ctx = np.full(400, 4000.0)
+    ch = _choice(rem, ctx, 8192)
     assert ch.predicted_end <= ch.predicted_serial_end + 1e-9
     assert ch.fraction in ch.fractions
-    assert ch.threshold == round(ch.fraction * 2048)
+    assert ch.threshold == round(ch.fraction * 8192)
+    if ch.threshold:  # units within [RLHFuse's lower bound, all units]
+        assert 1 <= ch.units <= 8
+        assert min(ch.predicted) == ch.predicted_end
     with pytest.raises(ConfigError):
         FusionConfig(fractions=(1.5,))
+    with pytest.raises(ConfigError):
+        _choice(rem, ctx[:-1], 8192)
 
 
-def test_flat_batch_shrinks_with_context() -> None:
-    m, hw, tp8 = ModelSpec(), HardwareSpec(), ParallelMode.tensor(8)
-    short = flat_batch(tp8, 500, 256, m, hw, 0.25)
-    long = flat_batch(tp8, 20_000, 256, m, hw, 0.25)
-    assert 1 <= long < short <= 256
+def test_a_long_tail_is_worth_consolidating() -> None:
+    """A few very long requests on 8 nodes: freeing most nodes for the next stage wins."""
+    rem = np.full(24, 20000.0)
+    ch = _choice(rem, np.full(24, 8000.0), 8192)
+    assert ch.threshold > 0 and ch.units < 8
+    assert ch.predicted_end < ch.predicted_serial_end

@@ -8,10 +8,15 @@ iterates a ``flowrl.Loader``::
     prompts ─► rollout ─► reward ─► advantage ─┐
                   └─────► logprob ─────────────┴─► trainer (Loader) ─► WeightStore
 
-* ``prompts`` (source): G copies of each problem, one GRPO group id per problem; admission
-  control keeps every trained sample within ``max_staleness`` policy versions.
-* ``rollout``: samples responses with the KV-cache sampler, using the newest published
-  weights (pulled between micro-batches), and records the sampler's log-probs.
+* ``prompts`` (source): G copies of each problem, one GRPO group id per problem, one
+  ``partition`` per training step; admission control keeps every trained sample within
+  ``max_staleness`` policy versions.
+* ``rollout`` (``rollout_workers`` workers): samples responses with the KV-cache sampler,
+  using the newest published weights (pulled between micro-batches), and records the
+  sampler's log-probs. The workers are the instances of the scheduling layer
+  (``flowrl._pipeline.sched_hooks.RolloutScheduler``, on unless ``--no-schedule``): its
+  forecaster, balancer and planner subscribe to the hub's events, and its sampler decides
+  how many of the ready prompts each worker claims.
 * ``reward``: the rule-based verifier.
 * ``logprob``: recomputes response log-probs with the trainer's weights (the loss never
   trusts the sampler's) and with the frozen reference model.
@@ -20,7 +25,10 @@ iterates a ``flowrl.Loader``::
   ``prompts_per_step * group_size`` samples, then publishes the weights (a new version).
 
 At the end it writes ``timeline.png`` (stage activity from the hub's event stream) and
-``metrics.jsonl`` to ``--out``, and prints a JSON summary.
+``metrics.jsonl`` to ``--out``, and prints a JSON summary (with the scheduler's statistics
+under ``sched``). A synchronous run (``max_staleness`` 0) with one rollout worker (the
+default) is reproducible for a seed; with several, which worker samples which prompt
+depends on timing, and so does each micro-batch's random stream.
 """
 
 from __future__ import annotations
@@ -43,16 +51,27 @@ from flowrl import (
     Loader,
     Pipeline,
     Rows,
+    StageContext,
     StageSpec,
     Staleness,
     Timeline,
     WeightStore,
 )
+from flowrl._pipeline.sched_hooks import RolloutScheduler
 from flowrl.models import TinyLM, TinyLMConfig, generate
 from flowrl.rl import build_batch, group_advantages, grpo_loss, token_logprobs
+from flowrl.sched import (
+    BalancerConfig,
+    ForecastConfig,
+    HardwareSpec,
+    ModelSpec,
+    ParallelMode,
+    PlannerConfig,
+    kv_capacity_tokens,
+)
 from flowrl.tasks import EOS_ID, VOCAB_SIZE, ArithTask, pretrain, verify
 
-__all__ = ["GRPOConfig", "main", "run"]
+__all__ = ["GRPOConfig", "build_pipeline", "build_scheduler", "main", "run"]
 
 
 class GRPOConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -63,6 +82,8 @@ class GRPOConfig(msgspec.Struct, frozen=True, kw_only=True):
     prompts_per_step: int = 16
     group_size: int = 8
     rollout_batch: int = 32
+    rollout_workers: int = 1
+    schedule: bool = True
     max_staleness: int = 1
     max_digits: int = 2
     d_model: int = 64
@@ -78,8 +99,48 @@ class GRPOConfig(msgspec.Struct, frozen=True, kw_only=True):
     progress: bool = True
 
 
-def build_pipeline(cfg: GRPOConfig, store: WeightStore, reference: TinyLM) -> Pipeline:
-    """The five stages, closed over the run's config, weights and reference model."""
+def build_scheduler(cfg: GRPOConfig, max_new: int) -> RolloutScheduler:
+    """The scheduling layer with the rollout workers as its instances.
+
+    A CPU worker runs one "mode"; the cost model is a TinyLM-shaped model on a CPU-core-like
+    device, so the planner's predictions are in the right units (they only compare workers).
+    Response lengths are a few tokens, hence one-token length buckets.
+    """
+    model = ModelSpec(
+        name="tinylm",
+        params=12.0 * 2 * cfg.d_model**2 + VOCAB_SIZE * cfg.d_model,
+        layers=2,
+        hidden=cfg.d_model,
+        n_heads=4,
+        n_kv_heads=4,
+        head_dim=cfg.d_model // 4,
+        dtype_bytes=4,
+    )
+    hw = HardwareSpec(
+        hbm_bytes=1e9, hbm_bw=1e10, flops=2e10, link_bw=1e10, net_bw=1e10, gpus_per_node=1
+    )
+    mode = ParallelMode(name="cpu", gpus=1, tp=1)
+    return RolloutScheduler(
+        task="Rollout",
+        workers=cfg.rollout_workers,
+        mode=mode,
+        planner=PlannerConfig(
+            model=model, hw=hw, bs_max=cfg.rollout_batch, bucket=1, method="greedy"
+        ),
+        balancer=BalancerConfig(move_running=False),
+        forecast=ForecastConfig(median=3.0, sigma=0.5, max_len=max_new, grid_step=1, bucket=1),
+        kv_capacity=kv_capacity_tokens(mode, model, hw),
+        bs_max=cfg.rollout_batch,
+    )
+
+
+def build_pipeline(
+    cfg: GRPOConfig,
+    store: WeightStore,
+    reference: TinyLM,
+    scheduler: RolloutScheduler | None = None,
+) -> Pipeline:
+    """The five stages, closed over the run's config, weights, reference and scheduler."""
     task = ArithTask(digits=(1, cfg.max_digits), seed=cfg.seed)
     max_new = task.max_response_len + 1
     g = cfg.group_size
@@ -88,21 +149,27 @@ def build_pipeline(cfg: GRPOConfig, store: WeightStore, reference: TinyLM) -> Pi
     @flowrl.stage(outputs=[Column.ragged("prompt", "int64")], batch_size=per_call * g)
     def prompts() -> Any:
         group = 0
-        while True:
-            problems = task.sample(per_call)
+        while True:  # a put never spans two training steps: one partition per step
+            n = min(per_call, cfg.prompts_per_step - group % cfg.prompts_per_step)
+            problems = task.sample(n)
             ids = [np.asarray(p.prompt_ids, dtype=np.int64) for p in problems for _ in range(g)]
-            groups = np.repeat(np.arange(group, group + per_call), g)
-            group += per_call
-            yield Rows({"prompt": ids}, groups=groups)
+            groups = np.repeat(np.arange(group, group + n), g)
+            step = group // cfg.prompts_per_step
+            group += n
+            yield Rows({"prompt": ids}, groups=groups, partition=f"step-{step}")
 
     @flowrl.stage(
         inputs=["prompt"],
         outputs=[Column.ragged("response", "int64"), Column.ragged("sample_logprobs", "float32")],
         batch_size=cfg.rollout_batch,
         min_batch=1,
+        workers=cfg.rollout_workers,
+        sampler=None if scheduler is None else scheduler.sampler,
     )
     class Rollout:
-        def setup(self) -> None:
+        def setup(self, ctx: StageContext) -> None:
+            if scheduler is not None:
+                scheduler.bind(ctx.worker)
             self.model = copy.deepcopy(reference).eval()
             self.version = store.pull(self.model, -1)
 
@@ -118,12 +185,14 @@ def build_pipeline(cfg: GRPOConfig, store: WeightStore, reference: TinyLM) -> Pi
                     eos_id=EOS_ID,
                     generator=gen,
                 )
+            responses = [r.numpy() for r in out.responses()]
             return Rows(
                 {
-                    "response": [r.numpy() for r in out.responses()],
+                    "response": responses,
                     "sample_logprobs": [lp.numpy() for lp in out.response_logprobs()],
                 },
                 version=self.version,
+                tokens=[len(r) for r in responses],  # response lengths, for the forecaster
             )
 
     @flowrl.stage(
@@ -239,10 +308,13 @@ def run(cfg: GRPOConfig) -> dict[str, Any]:
     reference = copy.deepcopy(model).requires_grad_(False)
 
     store = WeightStore(model)
-    pipe = build_pipeline(cfg, store, reference)
+    scheduler = build_scheduler(cfg, max_new) if cfg.schedule else None
+    pipe = build_pipeline(cfg, store, reference, scheduler)
     hub = flowrl.Hub(pipe.columns, config=flowrl.HubConfig(capacity=8192))
     timeline = Timeline()
     hub.subscribe(timeline)
+    if scheduler is not None:
+        hub.subscribe(scheduler.observe, strict=True)  # a policy: failures fail the run
     batch_size = cfg.prompts_per_step * cfg.group_size
     loader = Loader(
         hub, task="trainer", columns=TRAIN_COLUMNS, batch_size=batch_size, groups=cfg.group_size
@@ -307,6 +379,7 @@ def run(cfg: GRPOConfig) -> dict[str, Any]:
         "max_staleness": cfg.max_staleness,
         "stage_samples": {n: s.samples for n, s in result.stages.items()},
         "timeline_png": str(out / "timeline.png"),
+        "sched": None if scheduler is None else msgspec.to_builtins(scheduler.statistics()),
     }
     with open(out / "metrics.jsonl", "w") as f:
         for m in metrics:

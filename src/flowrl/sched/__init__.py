@@ -38,6 +38,7 @@ from flowrl.sched.forecast import (
     ForecastStatistics,
     LengthDistribution,
     LengthForecaster,
+    RemainingEstimate,
     bucket_relative_error,
     kaplan_meier,
 )
@@ -46,7 +47,6 @@ from flowrl.sched.fusion import (
     ThresholdChoice,
     choose_threshold,
     consolidation_size,
-    flat_batch,
     select_targets,
 )
 from flowrl.sched.planner import Plan, PlannerConfig, candidate_modes, plan, realize
@@ -72,6 +72,7 @@ __all__ = [
     "Plan",
     "PlanProblem",
     "PlannerConfig",
+    "RemainingEstimate",
     "ReplicaView",
     "RequestView",
     "Solution",
@@ -86,7 +87,6 @@ __all__ = [
     "consolidation_size",
     "evaluate",
     "feasible",
-    "flat_batch",
     "kaplan_meier",
     "kv_capacity_tokens",
     "kv_move_cost",

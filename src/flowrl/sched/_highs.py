@@ -38,10 +38,15 @@ def solve(
     *,
     integer: NDArray[np.bool_] | None = None,
     time_limit: float | None = None,
+    iteration_limit: int | None = None,
     start: NDArray[np.float64] | None = None,
     mip_rel_gap: float = 1e-6,
 ) -> LpResult:
-    """Solve with HiGHS; ``ok`` is True when a feasible point was found (optimal or not)."""
+    """Solve with HiGHS; ``ok`` is True when a feasible point was found (optimal or not).
+
+    ``threads=1`` and counted limits (``iteration_limit``) keep a solve deterministic;
+    ``time_limit`` does not.
+    """
     try:
         import highspy
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
@@ -54,6 +59,10 @@ def solve(
     h.setOptionValue("threads", 1)
     if time_limit is not None:
         h.setOptionValue("time_limit", max(float(time_limit), 1e-3))
+    if iteration_limit is not None:  # a counted budget: the result does not depend on speed
+        h.setOptionValue("simplex_iteration_limit", int(iteration_limit))
+        h.setOptionValue("ipm_iteration_limit", int(iteration_limit))
+        h.setOptionValue("solver", "simplex")
     lp = highspy.HighsLp()
     lp.num_col_ = csc.shape[1]
     lp.num_row_ = csc.shape[0]

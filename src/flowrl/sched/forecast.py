@@ -4,9 +4,10 @@ Two layers (OrchestrRL §4.1 asks for "an online prediction of the step-level ou
 distribution ... using an ARIMA model", updated as requests complete):
 
 1. **Across steps** — after each step we record quantiles of log response length at fixed
-   probabilities (``QUANTILE_PROBS``). Each quantile's series is forecast one step ahead by a
-   statsmodels ARIMA (random walk with drift, ``(0,1,0)`` + trend, from 3 steps; ``(1,1,0)`` +
-   trend from 8). The forecast quantiles, joined piecewise-linearly in normal-score space and
+   probabilities (``QUANTILE_PROBS``). Each quantile's series (the last ``history`` steps) is
+   forecast one step ahead by an ARIMA with drift (a random walk with drift, ``(0,1,0)``,
+   until 8 steps; ``(1,1,0)`` from 8, fitted by statsmodels, see :func:`_arima_next`). The
+   forecast quantiles, joined piecewise-linearly in normal-score space and
    extrapolated linearly beyond the outer ones, give the *prior* survival function of the
    next step. Before any step is seen the prior is ``lognormal(median, sigma)`` from config.
 2. **Within a step** — finished responses are exact observations, running requests are
@@ -28,7 +29,6 @@ predicted bucket counts sum to the number of requests asked about.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import final
 
@@ -46,6 +46,7 @@ __all__ = [
     "ForecastStatistics",
     "LengthDistribution",
     "LengthForecaster",
+    "RemainingEstimate",
     "bucket_relative_error",
     "kaplan_meier",
 ]
@@ -64,6 +65,7 @@ class ForecastConfig(msgspec.Struct, frozen=True, kw_only=True):
     grid_step: int = 32
     bucket: int = 256
     min_at_risk: int = 30
+    history: int = 64
     response_column: str = "response"
 
     def __post_init__(self) -> None:
@@ -73,6 +75,8 @@ class ForecastConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError("ForecastConfig needs 1 <= grid_step <= bucket <= max_len")
         if self.min_at_risk < 1:
             raise ConfigError(f"min_at_risk must be >= 1, got {self.min_at_risk}")
+        if self.history < 2:
+            raise ConfigError(f"history must be >= 2 steps, got {self.history}")
 
 
 @final
@@ -94,19 +98,43 @@ class LengthDistribution:
     def _s(self, x: ArrayLike) -> F64:
         return np.interp(np.asarray(x, dtype=np.float64), self.grid, self.surv)
 
+    def _tail_integrals(self, g: F64) -> tuple[F64, F64, F64]:
+        """``(S(g), int_g^M S(x) dx, int_g^M x S(x) dx)`` by the trapezoid rule on the grid."""
+        x, s = self.grid, self.surv
+        step = x[1] - x[0]
+        seg0 = 0.5 * (s[1:] + s[:-1]) * step
+        seg1 = 0.5 * (x[1:] * s[1:] + x[:-1] * s[:-1]) * step
+        i0 = np.concatenate([np.cumsum(seg0[::-1])[::-1], [0.0]])  # integrals from grid[j]
+        i1 = np.concatenate([np.cumsum(seg1[::-1])[::-1], [0.0]])
+        j = np.minimum((g // step).astype(np.int64), len(x) - 1)
+        frac = g - x[j]
+        s_g = self._s(g)
+        return (
+            s_g,
+            i0[j] - 0.5 * (s[j] + s_g) * frac,
+            i1[j] - 0.5 * (x[j] * s[j] + g * s_g) * frac,
+        )
+
+    def remaining_moments(self, generated: ArrayLike) -> tuple[F64, F64]:
+        """``(E[R], E[R^2])`` of the remaining length ``R = L - g`` given ``L > g``.
+
+        ``E[R^2] = 2 * int_g^M (x - g) S(x) dx / S(g)``. The second moment is what a
+        request's KV reads cost: decoding ``R`` more tokens from context ``c`` reads
+        ``R*c + R^2/2`` KV tokens, so the mean length alone underestimates the work of a
+        heavy-tailed remainder (Jensen). Both are 0 where ``g`` is at the cap.
+        """
+        g = np.clip(np.asarray(generated, dtype=np.float64), 0, self.grid[-1])
+        s_g, i0, i1 = self._tail_integrals(g)
+        alive = s_g > 1e-12
+        inv = 1.0 / np.maximum(s_g, 1e-12)
+        cap = self.grid[-1] - g
+        mean = np.clip(np.where(alive, i0 * inv, 0.0), 0.0, cap)
+        second = np.clip(np.where(alive, 2.0 * (i1 - g * i0) * inv, 0.0), mean**2, cap**2)
+        return mean, second
+
     def expected_remaining(self, generated: ArrayLike) -> F64:
         """``E[L - g | L > g]`` per request (0 where ``g`` is at the cap)."""
-        g = np.clip(np.asarray(generated, dtype=np.float64), 0, self.grid[-1])
-        step = self.grid[1] - self.grid[0]
-        seg = 0.5 * (self.surv[1:] + self.surv[:-1]) * step
-        tail = np.concatenate([np.cumsum(seg[::-1])[::-1], [0.0]])  # integral from grid[j]
-        j = np.minimum((g // step).astype(np.int64), len(self.grid) - 1)
-        frac = g - self.grid[j]
-        s_g = self._s(g)
-        s_j = self.surv[j]
-        integral = tail[j] - 0.5 * (s_j + s_g) * frac
-        out = np.where(s_g > 1e-12, integral / np.maximum(s_g, 1e-12), 0.0)
-        return np.clip(out, 0.0, self.grid[-1] - g)
+        return self.remaining_moments(generated)[0]
 
     def bucket_probs(self, generated: ArrayLike, bucket: int) -> F64:
         """``P(L - g in [k*bucket, (k+1)*bucket) | L > g)``, shape ``(len(g), n_buckets)``."""
@@ -131,6 +159,37 @@ class LengthDistribution:
 
     def quantile(self, p: float) -> float:
         return float(np.interp(1.0 - p, self.surv[::-1], self.grid[::-1]))
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class RemainingEstimate:
+    """Per pending request: ``E[R]``, ``E[R^2]`` and a tail (expected-maximum) length.
+
+    What :func:`~flowrl.sched.planner.plan` reads. :meth:`known` builds one from exact
+    remaining lengths (a trace, a test, an oracle).
+    """
+
+    mean: F64
+    second: F64
+    tail: F64
+
+    def __post_init__(self) -> None:
+        for f in ("mean", "second", "tail"):
+            object.__setattr__(self, f, np.asarray(getattr(self, f), dtype=np.float64))
+        if not self.mean.shape == self.second.shape == self.tail.shape or self.mean.ndim != 1:
+            raise ConfigError(
+                f"RemainingEstimate needs three 1-d arrays of one length, got shapes "
+                f"{self.mean.shape}, {self.second.shape}, {self.tail.shape}"
+            )
+
+    def __len__(self) -> int:
+        return len(self.mean)
+
+    @staticmethod
+    def known(remaining: ArrayLike) -> RemainingEstimate:
+        r = np.maximum(np.asarray(remaining, dtype=np.float64), 0.0)
+        return RemainingEstimate(r, r**2, r)
 
 
 def kaplan_meier(events: ArrayLike, censored: ArrayLike, grid: ArrayLike) -> tuple[F64, F64]:
@@ -169,20 +228,29 @@ def bucket_relative_error(predicted: ArrayLike, actual: ArrayLike) -> float:
     return float(np.abs(p - a).sum() / tot) if tot > 0 else 0.0
 
 
+def _autoreg() -> type:
+    """statsmodels' ``AutoReg`` (imported on first use: it takes seconds to import)."""
+    from statsmodels.tsa.ar_model import AutoReg
+
+    return AutoReg
+
+
 def _arima_next(series: F64) -> float:
-    """One-step-ahead forecast of a short per-step statistic series."""
+    """One-step-ahead forecast of a short per-step statistic series, ARIMA(p, 1, 0) + drift.
+
+    Below 8 points it is a random walk with drift (``p = 0``: last value + mean change);
+    from 8 on, ``p = 1``, fitted by conditional least squares (statsmodels ``AutoReg`` on
+    the first differences — the same model as ``ARIMA((1, 1, 0), trend="t")``, estimated in
+    milliseconds rather than by a state-space likelihood in a few hundred).
+    """
     n = len(series)
     if n == 1:
         return float(series[0])
-    if n == 2:
-        return float(2 * series[1] - series[0])
-    from statsmodels.tsa.arima.model import ARIMA
-
-    order = (1, 1, 0) if n >= 8 else (0, 1, 0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        res = ARIMA(series, order=order, trend="t").fit()
-        return float(res.forecast(1)[0])
+    diff = np.diff(series)
+    if n < 8 or np.ptp(diff[:-1]) < 1e-9:  # too short, or a constant regressor: no AR fit
+        return float(series[-1] + diff.mean())
+    res = _autoreg()(diff, lags=1, trend="c").fit()
+    return float(series[-1] + res.predict(start=len(diff), end=len(diff))[0])
 
 
 @final
@@ -198,6 +266,7 @@ class LengthForecaster:
     def __init__(self, config: ForecastConfig | None = None) -> None:
         self.config = config or ForecastConfig()
         c = self.config
+        _autoreg()  # import now, not on the event thread in the middle of a run
         self._grid = np.arange(0.0, c.max_len + c.grid_step, c.grid_step)
         self._grid[-1] = float(c.max_len)
         self._history: list[F64] = []
@@ -263,21 +332,23 @@ class LengthForecaster:
 
     def estimates(
         self, generated: ArrayLike, running_generated: ArrayLike = (), *, bucket: int | None = None
-    ) -> tuple[F64, F64]:
-        """``(expected, tail)`` remaining length per request, as the planner takes them.
+    ) -> RemainingEstimate:
+        """Remaining-length estimate per request, as the planner takes it.
 
-        ``tail`` is the expected maximum of the requests sharing a bucket of expected
-        remaining length: the conditional quantile at ``1 - 1/(n_b + 1)``, ``n_b`` being the
-        bucket's size. It feeds the planner's latency bound, since a makespan is set by the
-        longest of many heavy-tailed requests, not by their mean.
+        ``mean`` and ``second`` are ``E[R]`` and ``E[R^2]``
+        (:meth:`LengthDistribution.remaining_moments`); ``tail`` is the expected maximum of
+        the requests sharing a bucket of expected remaining length: the conditional quantile
+        at ``1 - 1/(n_b + 1)``, ``n_b`` being the bucket's size. It feeds the planner's
+        latency bound, since a makespan is set by the longest of many heavy-tailed
+        requests, not by their mean.
         """
         g = np.asarray(generated, dtype=np.float64)
         dist = self.distribution(running_generated)
-        exp = dist.expected_remaining(g)
-        b = np.ceil(np.maximum(exp, 1.0) / (bucket or self.config.bucket)).astype(np.int64)
+        mean, second = dist.remaining_moments(g)
+        b = np.ceil(np.maximum(mean, 1.0) / (bucket or self.config.bucket)).astype(np.int64)
         _, inv, cnt = np.unique(b, return_inverse=True, return_counts=True)
         tail = dist.remaining_quantile(g, 1.0 - 1.0 / (cnt[inv] + 1.0))
-        return exp, np.maximum(tail, exp)
+        return RemainingEstimate(mean, second, np.maximum(tail, mean))
 
     def predicted_buckets(self, generated: ArrayLike, running_generated: ArrayLike = ()) -> F64:
         """Expected number of the given requests per remaining-length bucket."""
@@ -311,7 +382,7 @@ class LengthForecaster:
         return np.log(self.config.median) + self.config.sigma * z
 
     def _forecast_quantiles(self) -> F64:
-        hist = np.vstack(self._history)
+        hist = np.vstack(self._history[-self.config.history :])
         q = np.array([_arima_next(hist[:, j]) for j in range(hist.shape[1])])
         return np.maximum.accumulate(q)  # quantiles must stay ordered
 

@@ -1,30 +1,33 @@
 """Inter-stage fusion (RLHFuse §4): migrate a step's long tail, lend the freed GPUs onward.
 
-When fewer than ``R_t`` requests of a step remain, they are consolidated onto ``m``
-replicas and the other replicas start the next stage (reference / reward inference) on
-the samples already finished, overlapping the tail.
+When at most ``R_t`` requests of a step remain, they are consolidated onto ``m`` units
+(nodes) and the other units start the next stage (reference / reward inference) on the
+samples already finished, overlapping the tail.
 
-- :func:`consolidation_size` — ``m = max(ceil(R / bs_max), ceil(kv_demand / kv_capacity))``:
-  enough replicas that the tail still runs at full batch and its KV fits. RLHFuse sizes KV
-  with the longest possible sample (``R * M / C``); we pass the tail's expected KV demand
-  (``sum(context + E[remaining])`` from the forecaster), which is less wasteful; a caller
-  wanting the paper's bound passes ``R * max_footprint``.
-  RLHFuse's ``BS_max`` assumes decode latency is flat up to the saturating batch; that holds
-  for short contexts but not for a long-context tail, whose KV reads grow with the batch.
-  :func:`flat_batch` gives the largest batch whose step time stays within ``1 + slack`` of a
-  lone sequence's at the tail's context; callers pass ``min(bs_max, flat_batch)``.
+- :func:`consolidation_size` — RLHFuse's lower bound on ``m``:
+  ``max(ceil(R / bs_max), ceil(kv_demand / kv_capacity))``, enough units that the tail still
+  runs at full batch and its KV fits. We pass the tail's expected KV demand
+  (``sum(context + E[remaining])`` from the forecaster), which is less wasteful than
+  RLHFuse's longest-sample bound ``R * M / C``.
 - :func:`select_targets` — the ``m`` units holding the most remaining requests (fewest moves).
-- :func:`choose_threshold` — simulates, on a sample of the forecast length distribution,
-  the generation wave of one representative replica (continuous batching with the
-  :mod:`~flowrl.sched.costmodel` step time), and for every candidate ``R_t`` the consolidated
-  tail plus the next stage on freed and then all GPUs; returns the ``R_t`` with the smallest
-  predicted end of the next stage (``R_t = 0`` is "no fusion", so fusion is chosen only
-  when predicted to help).
+- :func:`choose_threshold` — simulates candidates on the forecast distribution: given a
+  sample of the pending requests' remaining lengths (drawn from the forecaster's conditional
+  distribution) and their contexts, it runs the rest of the wave on one representative
+  replica (continuous batching with the :mod:`~flowrl.sched.costmodel` step time) and, for
+  every candidate ``R_t`` and every ``m`` from the lower bound up to all units, the
+  consolidated tail plus the next stage on the freed and then all GPUs. It returns the
+  ``(R_t, m)`` with the earliest predicted end of the next stage; ``R_t = 0`` is "no fusion",
+  so fusion is chosen only when predicted to help. RLHFuse's ``BS_max`` rule assumes decode
+  latency is flat up to a saturating batch; a long-context tail is KV-read bound instead, so
+  ``m`` is chosen by the same simulation rather than by that rule alone. Callers re-run it as
+  the wave progresses ("we refine the distribution by incorporating new generation
+  samples, which allows us to update R_t as needed").
 
 Invariants (asserted by tests): ``consolidation_size`` is within ``[1, n_units]`` and
 non-decreasing in ``R``; ``select_targets`` returns ``m`` distinct units holding at least as
 many requests as any unit left out; ``choose_threshold``'s prediction for its choice is
-never worse than its prediction for ``R_t = 0``.
+never worse than its prediction for ``R_t = 0``, and its ``units`` lie in
+``[consolidation_size(R_t, ...), n_units]``.
 """
 
 from __future__ import annotations
@@ -51,7 +54,6 @@ __all__ = [
     "ThresholdChoice",
     "choose_threshold",
     "consolidation_size",
-    "flat_batch",
     "select_targets",
 ]
 
@@ -67,7 +69,6 @@ class FusionConfig(msgspec.Struct, frozen=True, kw_only=True):
     infer_eta: float = 0.5
     setup_s: float = 3.0
     bs_max: int = 256
-    slack: float = 0.25
 
     def __post_init__(self) -> None:
         if not self.fractions or any(not 0 <= f < 1 for f in self.fractions):
@@ -81,8 +82,12 @@ class FusionConfig(msgspec.Struct, frozen=True, kw_only=True):
 @final
 @dataclass(frozen=True, slots=True)
 class ThresholdChoice:
+    """``threshold`` requests (``fraction`` of the step) onto ``units`` units; ``predicted``
+    holds the best predicted next-stage end per candidate fraction (seconds from now)."""
+
     threshold: int
     fraction: float
+    units: int
     predicted_end: float
     predicted_serial_end: float
     fractions: tuple[float, ...]
@@ -97,15 +102,6 @@ def consolidation_size(
         return 1
     m = max(math.ceil(remaining / bs_max), math.ceil(kv_demand / max(kv_capacity, 1.0)), 1)
     return int(min(m, n_units))
-
-
-def flat_batch(
-    mode: ParallelMode, ctx: float, bs_max: int, model: ModelSpec, hw: HardwareSpec, slack: float
-) -> int:
-    """Largest batch (<= bs_max) of ``ctx``-token sequences with step <= (1+slack) * step(1)."""
-    b = np.arange(1, bs_max + 1, dtype=np.float64)
-    t = step_time(mode, b, b * max(ctx, 1.0), model, hw)
-    return int(np.nonzero(t <= (1.0 + slack) * t[0])[0][-1] + 1)
 
 
 def select_targets(remaining_per_unit: ArrayLike, m: int) -> NDArray[np.int64]:
@@ -169,69 +165,84 @@ def _tail_time(rem: F64, ctx: F64, mode: ParallelMode, model: ModelSpec, hw: Har
     return float((d * step_time(mode, b, kv, model, hw)).sum())
 
 
+def _unit_options(lowest: int, n_units: int) -> list[int]:
+    """Every count from ``lowest`` to ``n_units`` when few, else a geometric ladder."""
+    if n_units - lowest <= 16:
+        return list(range(lowest, n_units + 1))
+    ladder = np.unique(np.round(lowest * 1.5 ** np.arange(64)).astype(np.int64))
+    return [int(m) for m in ladder if m < n_units] + [n_units]
+
+
 def choose_threshold(
-    lengths: ArrayLike,
-    prompts: ArrayLike,
+    remaining: ArrayLike,
+    context: ArrayLike,
     *,
-    n_replicas: int,
+    total: int,
+    next_tokens: float,
+    n_units: int,
+    unit_replicas: int,
     mode: ParallelMode,
-    total_gpus: int,
     model: ModelSpec,
     hw: HardwareSpec,
     config: FusionConfig,
-    unit_replicas: int = 1,
 ) -> ThresholdChoice:
-    """Pick ``R_t`` by simulating each candidate on a forecast sample (module docstring).
+    """Pick ``(R_t, m)`` by simulating each candidate from now on (module docstring).
 
-    Consolidation keeps whole units of ``unit_replicas`` replicas (e.g. a node), as the
-    simulator does; the other units' GPUs go to the next stage.
+    ``remaining``/``context``: a forecast sample of the pending requests' remaining lengths
+    and their current contexts; ``total`` the step's requests (candidates are
+    ``config.fractions`` of it); ``next_tokens`` the tokens the next stage processes for the
+    whole step; the generation cluster is ``n_units`` units of ``unit_replicas`` replicas of
+    ``mode``. Times in the result are seconds from now.
     """
-    lens = np.asarray(lengths, dtype=np.float64)
-    proms = np.asarray(prompts, dtype=np.float64)
-    if len(lens) != len(proms) or not len(lens):
-        raise ConfigError("choose_threshold needs equally long, non-empty lengths and prompts")
-    if n_replicas < 1:
-        raise ConfigError(f"n_replicas must be >= 1, got {n_replicas}")
-    n_total = len(lens)
-    per = max(1, n_total // n_replicas)
-    group_l, group_p = lens[:per], proms[:per]
-    marks = sorted({round(f * n_total / n_replicas) for f in config.fractions if f > 0})
-    gen_end, states = _wave(group_l, group_p, mode, config.bs_max, model, hw, marks)
+    rem = np.maximum(np.asarray(remaining, dtype=np.float64), 1.0)
+    ctx = np.asarray(context, dtype=np.float64)
+    if len(rem) != len(ctx) or not len(rem):
+        raise ConfigError("choose_threshold needs equally long, non-empty remaining and context")
+    if n_units < 1 or unit_replicas < 1 or total < len(rem):
+        raise ConfigError(
+            f"choose_threshold needs n_units, unit_replicas >= 1 and total >= pending, got "
+            f"{n_units}, {unit_replicas}, {total} (pending {len(rem)})"
+        )
+    n_rep = n_units * unit_replicas
+    marks = {f: round(f * total / n_rep) for f in config.fractions if f > 0}
+    gen_end, states = _wave(
+        rem[::n_rep], ctx[::n_rep], mode, config.bs_max, model, hw, sorted(set(marks.values()))
+    )
     rate = hw.flops * config.infer_eta / config.infer_flops_per_token  # tokens/s per GPU
-    work = float((lens + proms).sum())
-    serial = gen_end + config.setup_s + work / (rate * total_gpus)
-    cap = kv_capacity_tokens(mode, model, hw)
-    results = []
+    gpus = n_units * unit_replicas * mode.gpus
+    serial = gen_end + config.setup_s + next_tokens / (rate * gpus)
+    cap = kv_capacity_tokens(mode, model, hw) * unit_replicas
+    results: list[tuple[float, int]] = []
     for f in config.fractions:
-        mark = round(f * n_total / n_replicas)
-        if f == 0 or mark not in states:
-            results.append(serial)
+        t_r, left, held = states.get(marks.get(f, -1), (0.0, rem[:0], ctx[:0]))
+        if f == 0 or not len(left):
+            results.append((serial, n_units))
             continue
-        t_r, rem, ctx = states[mark]
-        if not len(rem):
-            results.append(serial)
-            continue
-        r_tot = len(rem) * n_replicas
-        demand = float((ctx + rem).sum()) * n_replicas
-        units = max(1, n_replicas // unit_replicas)
-        bs = flat_batch(mode, float(np.mean(ctx + rem)), config.bs_max, model, hw, config.slack)
-        mu = consolidation_size(r_tot, demand, bs * unit_replicas, cap * unit_replicas, units)
-        m = mu * unit_replicas
-        per_m = max(1, math.ceil(r_tot / m))
-        reps = np.resize(np.arange(len(rem)), per_m)
-        move = float(ctx.max(initial=0.0)) * model.kv_bytes_per_token / hw.net_bw
-        end = t_r + move + _tail_time(rem[reps], ctx[reps], mode, model, hw)
-        freed = total_gpus - m * mode.gpus
-        tail_work = float((ctx + rem).sum()) * n_replicas
-        early = min(work - tail_work, rate * freed * max(0.0, end - t_r - config.setup_s))
-        results.append(end + (work - early) / (rate * total_gpus))
-    i = int(np.argmin(results))
+        r_tot = len(left) * n_rep
+        lowest = consolidation_size(
+            r_tot, float((held + left).sum()) * n_rep, config.bs_max * unit_replicas, cap, n_units
+        )
+        move = float(held.max(initial=0.0)) * model.kv_bytes_per_token / hw.net_bw
+        tail_work = float((held + left).sum()) * n_rep
+        best = (serial, n_units)
+        for m in _unit_options(lowest, n_units):
+            per = max(1, math.ceil(r_tot / (m * unit_replicas)))
+            pick = np.resize(np.arange(len(left)), per)
+            end = t_r + move + _tail_time(left[pick], held[pick], mode, model, hw)
+            freed = gpus - m * unit_replicas * mode.gpus
+            early = min(
+                next_tokens - tail_work, rate * freed * max(0.0, end - t_r - config.setup_s)
+            )
+            best = min(best, (end + (next_tokens - early) / (rate * gpus), m))
+        results.append(best)
+    i = min(range(len(results)), key=lambda j: results[j][0])
     f = config.fractions[i]
     return ThresholdChoice(
-        threshold=round(f * n_total),
+        threshold=round(f * total),
         fraction=f,
-        predicted_end=results[i],
+        units=results[i][1],
+        predicted_end=results[i][0],
         predicted_serial_end=serial,
         fractions=config.fractions,
-        predicted=tuple(results),
+        predicted=tuple(r[0] for r in results),
     )

@@ -1,26 +1,35 @@
 """Proactive planner: choose every node's parallel mode and where pending requests run.
 
-``plan(snapshot, remaining, config)`` is pure: it reads a :class:`ClusterSnapshot` and the
-forecaster's expected remaining length per pending request, and returns a :class:`Plan`.
-It follows OrchestrRL §4.1: requests are grouped into 256-token remaining-length buckets,
-the cluster is modelled as a MILP over (node, mode) choices and (node, bucket) counts that
-minimises expected makespan + migration + mode-switch cost under a GPU budget and a
-KV-balance constraint (see :mod:`flowrl.sched.problem`), solved by HiGHS
+``plan(snapshot, estimate, config)`` is pure: it reads a :class:`ClusterSnapshot` and the
+forecaster's :class:`~flowrl.sched.forecast.RemainingEstimate` per pending request, and
+returns a :class:`Plan`. It follows OrchestrRL §4.1: requests are grouped into 256-token
+remaining-length buckets, the cluster is modelled as a MILP over (node, mode) choices and
+(node, bucket) counts that minimises expected makespan + migration + mode-switch cost under
+a GPU budget and a KV-balance constraint (see :mod:`flowrl.sched.problem`), solved by HiGHS
 (:mod:`flowrl.sched.solver`).
 
 Solving strategy (``method``):
 
-- ``"greedy"``: current modes, water-filled assignment (milliseconds; always feasible when
-  the KV limit allows any assignment);
-- ``"lp"`` (default): LP relaxation -> mode-mix rounding -> local search -> LP polish,
-  within ``time_limit`` seconds;
-- ``"milp"``: the above as a warm start for the exact MILP under ``time_limit``.
+- ``"greedy"``: current modes, bisection-packed assignment (milliseconds; always feasible
+  when the KV limit allows any assignment);
+- ``"lp"`` (default): LP relaxation -> mode-mix rounding -> local search -> LP polish, with
+  counted budgets (``max_evals`` mixes, ``lp_iterations`` simplex iterations): the plan
+  depends only on the snapshot and the estimate, never on machine speed;
+- ``"milp"``: the above as a warm start for the exact MILP under ``time_limit`` seconds (the
+  only timed path).
 
-Candidate modes are pruned by the wave (:func:`candidate_modes`): each mode is scored by
-``(1-w) * throughput/best_throughput + w * best_latency/latency`` with ``w`` the fraction of
-the step's requests already finished, and the ``keep`` best are kept, plus every mode a
-node currently runs (so keeping the current layout is always representable). Early in the
-wave that favours throughput-oriented modes, in the tail latency-oriented ones.
+Candidate modes are pruned by the wave (:func:`candidate_modes`, OrchestrRL's third
+heuristic). While more requests are pending than the latency-oriented modes could run at
+once, the wave is in its *bulk* and the ``keep_modes`` modes with the best saturated
+tokens/s per GPU are candidates; once the latency-oriented modes could hold every pending
+request, the wave is in its *tail* and the ``keep_modes`` modes with the lowest per-token
+latency are. Every mode a node currently runs is always a candidate, so keeping the current
+layout is representable. In the bulk the problem drops its latency bound
+(:func:`~flowrl.sched.problem.build_problem` with ``latency_bound=False``): a plan is for
+the rest of the step, and scored with the tail's latency it would trade the bulk's
+throughput for a tail that a later plan, in latency-oriented modes, handles better — the
+planner re-plans and switches when the tail comes (OrchestrRL: "early in the wave ... we
+favor throughput-oriented configurations to maximize aggregate token throughput").
 
 Invariants (asserted by tests):
 
@@ -30,7 +39,8 @@ Invariants (asserted by tests):
   current layout by at least ``min_gain`` (relative); otherwise ``node_mode`` and
   ``target_node`` describe the current layout unchanged;
 - requests on a node that keeps its mode stay there unless the plan's counts require moving
-  them; waiting requests move before running ones, shorter contexts before longer.
+  them; waiting requests move before running ones, shorter contexts before longer;
+- the same inputs give the same plan (``method`` ``"greedy"`` or ``"lp"``).
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ from typing import Literal, final
 
 import msgspec
 import numpy as np
-from numpy.typing import ArrayLike, NDArray
+from numpy.typing import NDArray
 
 from flowrl.errors import ConfigError
 from flowrl.sched.costmodel import (
@@ -49,8 +59,10 @@ from flowrl.sched.costmodel import (
     ModelSpec,
     ParallelMode,
     latency_per_token,
+    saturated_concurrency,
     saturated_token_rate,
 )
+from flowrl.sched.forecast import RemainingEstimate
 from flowrl.sched.problem import Evaluation, PlanProblem, build_problem, evaluate, feasible
 from flowrl.sched.snapshot import ClusterSnapshot
 from flowrl.sched.solver import (
@@ -76,21 +88,27 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True):
     bs_max: int = 256
     bucket: int = 256
     kv_tolerance: float = 0.25
-    overhead_weight: float | None = None
+    migration_weight: float = 1.0
+    switch_weight: float | None = None
     min_gain: float = 0.03
     method: Literal["greedy", "lp", "milp"] = "lp"
     time_limit: float = 1.0
     max_evals: int = 60
+    lp_iterations: int = 20000
     gpu_budget: int | None = None
-    keep_modes: int = 3
+    keep_modes: int = 1
 
     def __post_init__(self) -> None:
         if self.bs_max < 1 or self.bucket < 1:
             raise ConfigError("PlannerConfig bs_max and bucket must be >= 1")
+        if self.migration_weight < 0 or (self.switch_weight or 0.0) < 0:
+            raise ConfigError("PlannerConfig migration_weight and switch_weight must be >= 0")
         if self.kv_tolerance < 0 or not 0 <= self.min_gain < 1:
             raise ConfigError("PlannerConfig needs kv_tolerance >= 0 and 0 <= min_gain < 1")
         if self.time_limit <= 0:
             raise ConfigError(f"PlannerConfig.time_limit must be > 0, got {self.time_limit}")
+        if self.max_evals < 1 or self.lp_iterations < 1:
+            raise ConfigError("PlannerConfig max_evals and lp_iterations must be >= 1")
         if self.keep_modes < 1:
             raise ConfigError(f"PlannerConfig.keep_modes must be >= 1, got {self.keep_modes}")
 
@@ -124,7 +142,8 @@ class Plan:
 
 def candidate_modes(
     modes: tuple[ParallelMode, ...],
-    progress: float,
+    pending: int,
+    node_gpus: I64,
     current: I64,
     *,
     keep: int,
@@ -132,15 +151,22 @@ def candidate_modes(
     bs_max: int,
     model: ModelSpec,
     hw: HardwareSpec,
-) -> I64:
-    """Indices of modes worth considering at this point of the wave (see module docstring)."""
+) -> tuple[I64, bool]:
+    """Modes worth considering at this point of the wave, and whether it is in its tail.
+
+    See the module docstring: ``(indices into modes, tail)``.
+    """
     thr = np.array([saturated_token_rate(m, mean_ctx, bs_max, model, hw) / m.gpus for m in modes])
     lat = np.array([float(latency_per_token(m, mean_ctx, model, hw)) for m in modes])
-    w = float(np.clip(progress, 0.0, 1.0))
-    score = (1 - w) * thr / thr.max() + w * lat.min() / lat
-    best = set(np.argsort(-score, kind="stable")[:keep].tolist())
-    best |= {int(m) for m in current if m >= 0}
-    return np.array(sorted(best), dtype=np.int64)
+    by_lat = np.argsort(lat, kind="stable")[:keep]
+    holds = [
+        int((node_gpus // m.gpus).sum()) * saturated_concurrency(m, mean_ctx, bs_max, model, hw)
+        for m in modes
+    ]
+    tail = pending <= min(holds[int(j)] for j in by_lat)
+    chosen = by_lat if tail else np.argsort(-thr, kind="stable")[:keep]
+    best = {int(j) for j in chosen} | {int(m) for m in current if m >= 0}
+    return np.array(sorted(best), dtype=np.int64), bool(tail)
 
 
 def realize(p: PlanProblem, snap: ClusterSnapshot, mode: I64, counts: I64) -> I64:
@@ -171,32 +197,25 @@ def _keep_plan(p: PlanProblem) -> tuple[I64, I64]:
     return p.current.copy(), p.holdings.copy()
 
 
-def plan(
-    snap: ClusterSnapshot,
-    remaining: ArrayLike,
-    config: PlannerConfig,
-    *,
-    tail: ArrayLike | None = None,
-) -> Plan:
+def plan(snap: ClusterSnapshot, est: RemainingEstimate, config: PlannerConfig) -> Plan:
     """Decide modes and request placement for ``snap`` (see module docstring).
 
-    ``remaining`` is the expected remaining length of each pending request (snapshot order);
-    ``tail``, optional, a conservative one for the latency bound (see
-    :meth:`~flowrl.sched.forecast.LengthForecaster.estimates`).
+    ``est`` holds the remaining-length estimate of each pending request, in snapshot order
+    (:meth:`~flowrl.sched.forecast.LengthForecaster.estimates`, or
+    :meth:`RemainingEstimate.known` for exact lengths).
     """
     t0 = time.perf_counter()
-    deadline = t0 + config.time_limit
     q = snap.requests
-    rem = np.asarray(remaining, dtype=np.float64)
-    if rem.shape != (len(q),):
+    if len(est) != len(q):
         raise ConfigError(
-            f"remaining has {rem.size} entries, snapshot {len(q)} requests; pass one expected "
-            "remaining length per pending request, in snapshot order"
+            f"the estimate has {len(est)} entries, the snapshot {len(q)} pending requests; "
+            "pass one remaining-length estimate per pending request, in snapshot order"
         )
-    mean_ctx = float(np.mean(q.context + rem / 2)) if len(q) else 1.0
-    cand = candidate_modes(
+    mean_ctx = float(np.mean(q.context + est.mean / 2)) if len(q) else 1.0
+    cand, tail = candidate_modes(
         snap.modes,
-        snap.progress,
+        len(q),
+        snap.node_gpus,
         snap.node_mode,
         keep=config.keep_modes,
         mean_ctx=mean_ctx,
@@ -206,16 +225,17 @@ def plan(
     )
     p = build_problem(
         snap,
-        rem,
-        tail=None if tail is None else np.asarray(tail, dtype=np.float64),
+        est,
         cand=cand,
         model=config.model,
         hw=config.hw,
         bs_max=config.bs_max,
         bucket=config.bucket,
         kv_tolerance=config.kv_tolerance,
-        beta=config.overhead_weight,
+        mig_weight=config.migration_weight,
+        switch_weight=config.switch_weight,
         gpu_budget=config.gpu_budget,
+        latency_bound=tail,
     )
     keep_mode, keep_c = _keep_plan(p)
     keep = evaluate(p, keep_mode, keep_c)
@@ -226,13 +246,13 @@ def plan(
         sols.append(Solution(start, c, evaluate(p, start, c).objective, "greedy"))
     bound = float("nan")
     if config.method in ("lp", "milp") and len(q):
-        s = solve_relaxed(p, deadline=deadline, max_evals=config.max_evals)
+        s = solve_relaxed(p, max_evals=config.max_evals, lp_iterations=config.lp_iterations)
         if s is not None:
             sols.append(s)
             bound = s.bound
     if config.method == "milp" and len(q):
         warm = min(sols, key=lambda s: s.objective) if sols else None
-        s = solve_milp(p, time_limit=max(deadline - time.perf_counter(), 0.05), start=warm)
+        s = solve_milp(p, time_limit=config.time_limit, start=warm)
         if s is not None:
             sols.append(s)
             bound = s.bound
@@ -245,7 +265,7 @@ def plan(
         pred = evaluate(p, mode, counts)
     else:
         mode, target, method, pred = keep_mode, p.req_node.copy(), "keep", keep
-    out = Plan(
+    return Plan(
         node_mode=mode,
         target_node=target,
         apply=bool(apply),
@@ -257,4 +277,3 @@ def plan(
         candidates=tuple(int(m) for m in cand),
         previous_mode=p.current,
     )
-    return out

@@ -70,8 +70,8 @@ from flowrl.sched.costmodel import (
     step_time,
     switch_time,
 )
-from flowrl.sched.forecast import ForecastConfig, LengthForecaster
-from flowrl.sched.fusion import choose_threshold, consolidation_size, flat_batch, select_targets
+from flowrl.sched.forecast import ForecastConfig, LengthForecaster, RemainingEstimate
+from flowrl.sched.fusion import FusionConfig, ThresholdChoice, choose_threshold, select_targets
 from flowrl.sched.planner import Plan, plan
 from flowrl.sched.snapshot import ClusterSnapshot, ReplicaView, RequestView
 from flowrl.sim.cluster import ClusterSpec
@@ -160,9 +160,9 @@ class Simulator:
         self.steps, self.seed, self.tick = steps, seed, tick_s
         self.curve_points = curve_points
         self.capture_at = tuple(sorted(capture_at))
-        #: ``(snapshot, expected remaining, tail remaining)`` captured when a step's finished
-        #: fraction first reaches each of ``capture_at`` (for offline study of the policies)
-        self.captured: list[tuple[ClusterSnapshot, F64, F64]] = []
+        #: ``(snapshot, remaining-length estimate)`` captured when a step's finished fraction
+        #: first reaches each of ``capture_at`` (for offline study of the policies)
+        self.captured: list[tuple[ClusterSnapshot, RemainingEstimate]] = []
         self._observers = list(observers)
         fc = forecast or ForecastConfig(
             median=workload.median, sigma=max(workload.sigma, 0.05), max_len=workload.max_len
@@ -318,13 +318,12 @@ class Simulator:
         self.rep_clock = np.maximum(self.rep_clock, start)
         active = np.nonzero(self.rep_mode >= 0)[0]
         st.rep[:] = active[np.arange(n) % len(active)]
-        threshold = -1
-        if sch.fusion is not None:
-            threshold = self._pick_threshold(n)
+        choice: ThresholdChoice | None = None
         fused_at = -1.0
         freed_gpus = 0
         next_plan = start
         next_bal = start
+        next_fuse = start
         marks = [0.25, 0.5, 0.75]
         captures = list(self.capture_at)
         curve_t: list[float] = [start]
@@ -339,15 +338,18 @@ class Simulator:
             if sch.balancer is not None and t >= next_bal:
                 self._balance(s, t, n, done_count)
                 next_bal = t + sch.balance_interval_s
-            if threshold > 0 and fused_at < 0 and n - done_count <= threshold:
-                freed_gpus = self._fuse(t)
+            if sch.fusion is not None and fused_at < 0 and t >= next_fuse:
+                if n - done_count <= max(sch.fusion.fractions) * n:
+                    choice = self._choose_threshold(n, sch.fusion)
+                next_fuse = t + sch.plan_interval_s
+            if choice is not None and fused_at < 0 and 0 < n - done_count <= choice.threshold:
+                freed_gpus = self._fuse(t, choice.units)
                 fused_at = t
             while captures and done_count >= captures[0] * n:
                 captures.pop(0)
                 snap = self.snapshot(s, t, n, done_count)
                 g = st.gen[snap.requests.rid]
-                exp, tail = self.forecaster.estimates(g, g[snap.requests.running])
-                self.captured.append((snap, exp, tail))
+                self.captured.append((snap, self.forecaster.estimates(g, g[snap.requests.running])))
             while marks and done_count >= marks[0] * n:
                 marks.pop(0)
                 self._score_forecast()
@@ -373,7 +375,7 @@ class Simulator:
             tokens=int(length.sum()),
             requests=n,
             fused_at=fused_at,
-            threshold=threshold,
+            threshold=-1 if choice is None else choice.threshold,
             curve_t=(*tuple(curve_t[::keep]), gen_end),
             curve_remaining=(*tuple(curve_r[::keep]), 0),
         )
@@ -537,8 +539,7 @@ class Simulator:
         st = self.st
         g = st.gen[snap.requests.rid]
         run_g = g[snap.requests.running]
-        rem, tail = self.forecaster.estimates(g, run_g, bucket=cfg.bucket)
-        pl = plan(snap, rem, cfg, tail=tail)
+        pl = plan(snap, self.forecaster.estimates(g, run_g, bucket=cfg.bucket), cfg)
         self.plans += 1
         self.replan_ms.append(pl.solve_s * 1e3)
         if pl.apply:
@@ -618,53 +619,38 @@ class Simulator:
             if len(sel):
                 self._move_kv(sel, t, same_node=flag)
 
-    def _pick_threshold(self, n: int) -> int:
-        fz = self.scheme.fusion
-        if fz is None:  # guarded by the caller
-            return -1
-        c = self.c
-        prior = self.forecaster.prior()
-        u = (np.arange(n) + 0.5) / n
-        rng = np.random.default_rng([self.seed, 7, self.st.base])
-        lens = np.interp(1.0 - rng.permutation(u), prior.surv[::-1], prior.grid[::-1])
-        mode = c.modes[c.mode_index(self.scheme.initial_mode)]
-        choice = choose_threshold(
-            np.maximum(lens, 1.0),
-            self.st.prompt.astype(np.float64),
-            n_replicas=int((self.rep_mode >= 0).sum()),
-            mode=mode,
-            total_gpus=c.gpus,
-            model=c.model,
-            hw=c.hw,
-            config=fz,
-            unit_replicas=c.hw.gpus_per_node // mode.gpus,
-        )
-        return choice.threshold
-
-    def _fuse(self, t: float) -> int:
-        """Consolidate the tail on the nodes holding most of it; return the GPUs freed."""
+    def _choose_threshold(self, n: int, fz: FusionConfig) -> ThresholdChoice:
+        """``R_t`` and ``m`` for the rest of this step, simulated on a forecast sample."""
         st, c = self.st, self.c
         pend = np.nonzero(st.state != DONE)[0]
         g = st.gen[pend]
-        ctx = st.prompt[pend] + g
-        demand = float(
-            (ctx + self.forecaster.expected_remaining(g, g[st.state[pend] != WAIT])).sum()
+        dist = self.forecaster.distribution(g[st.state[pend] != WAIT])
+        rng = np.random.default_rng([self.seed, 7, st.base, n - len(pend)])
+        rem = dist.remaining_quantile(g, rng.random(len(pend)))
+        done = st.state == DONE
+        next_tokens = float((st.prompt + st.length)[done].sum() + (st.prompt[pend] + g + rem).sum())
+        on = self.node_mode[self.node_mode >= 0]
+        mode = c.modes[int(np.bincount(on).argmax())]
+        return choose_threshold(
+            rem,
+            (st.prompt[pend] + g).astype(np.float64),
+            total=n,
+            next_tokens=next_tokens,
+            n_units=len(on),
+            unit_replicas=c.hw.gpus_per_node // mode.gpus,
+            mode=mode,
+            model=c.model,
+            hw=c.hw,
+            config=fz,
         )
+
+    def _fuse(self, t: float, units: int) -> int:
+        """Consolidate the tail on the ``units`` nodes holding most of it; return GPUs freed."""
+        st, c = self.st, self.c
+        pend = np.nonzero(st.state != DONE)[0]
         on = np.nonzero(self.node_mode >= 0)[0]
-        cap_node = np.array(
-            [self._caps[self.node_mode[n]] * len(self._node_reps(int(n))) for n in on]
-        )
         per_node = np.bincount(st.rep[pend] // self.slots, minlength=c.nodes)[on]
-        fz = self.scheme.fusion
-        if fz is None:  # guarded by the caller
-            return 0
-        reps_per_node = max(1, len(self._node_reps(int(on[0]))))
-        mode = c.modes[int(self.node_mode[on[0]])]
-        bs = flat_batch(mode, demand / max(len(pend), 1), c.bs_max, c.model, c.hw, fz.slack)
-        m = consolidation_size(
-            len(pend), demand, bs * reps_per_node, float(cap_node.min()), len(on)
-        )
-        keep = on[select_targets(per_node, m)]
+        keep = on[select_targets(per_node, units)]
         freed = 0
         for node in on:
             if node in keep:

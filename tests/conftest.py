@@ -122,7 +122,31 @@ FACTORIES: dict[str, Callable[..., Any]] = {"inproc": _inproc, "zmq": _zmq, "ray
 MakeHub = Callable[..., Any]
 
 
-@pytest.fixture(params=PLACEMENTS)
+#: Modules whose ``make_hub`` tests run on Ray as well: the hub's behaviour. Elsewhere
+#: (schema conversions, client fuzzing, loaders, ...) tests exercise client code that is
+#: the same over zmq and on Ray, which only moves the zmq servers into actors, and every
+#: Ray hub costs a few seconds of actor start-up on a 2-core machine.
+RAY_MODULES = {"test_hub_behaviour", "test_drop"}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrize ``placement`` over ``PLACEMENTS`` (``ray`` only in ``RAY_MODULES``),
+    unless the test or its module chose its own placements."""
+    if "placement" not in metafunc.fixturenames:
+        return
+    closest = metafunc._arg2fixturedefs["placement"][-1]
+    if closest.func is not placement.__wrapped__:
+        return  # a module's own placement fixture
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0]
+        if "placement" in (names.replace(" ", "").split(",") if isinstance(names, str) else names):
+            return
+    module = metafunc.module.__name__.rsplit(".", 1)[-1]
+    chosen = PLACEMENTS if module in RAY_MODULES else PLACEMENTS[:2]
+    metafunc.parametrize("placement", chosen, indirect=True)
+
+
+@pytest.fixture
 def placement(request: pytest.FixtureRequest) -> str:
     return request.param
 

@@ -28,7 +28,7 @@ from flowrl._transport.remote import RPC_TIMEOUT_S, RemoteHub
 from flowrl._transport.specs import ControllerSpec, ServerSpec, UnitSpec
 from flowrl.errors import ConfigError, TransportError
 
-__all__ = ["launch_ray_hub"]
+__all__ = ["import_ray", "launch_ray_hub"]
 
 
 def launch_ray_hub(
@@ -51,15 +51,14 @@ def launch_ray_hub(
     unit_nodes=hub.unit_nodes, node=<their Ray node id>)``. Closing the returned client
     stops every actor of the hub.
     """
-    import ray
-
     cols, config = checked_args(columns, config)
-    if not isinstance(units_per_node, int) or isinstance(units_per_node, bool):
+    if (
+        not isinstance(units_per_node, int)
+        or isinstance(units_per_node, bool)
+        or units_per_node < 1
+    ):
         raise ConfigError(f"units_per_node must be a positive int, got {units_per_node!r}")
-    if units_per_node < 1:
-        raise ConfigError(f"units_per_node must be a positive int, got {units_per_node!r}")
-    if not ray.is_initialized():
-        ray.init()
+    ray = import_ray()
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
     placed = _check_nodes(nodes, ips)
     unit_nodes = [node for node in placed for _ in range(units_per_node)]
@@ -102,6 +101,19 @@ def launch_ray_hub(
     client.rpc_timeout = RPC_TIMEOUT_S
     client._on_close.append(lambda: _stop(actors, [address, *(b[0] for b in unit_bound)]))
     return client
+
+
+def import_ray() -> Any:
+    """The ray module, connected to a cluster (``ray.init()`` if this process is not yet)."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ConfigError(
+            "the Ray placement needs ray: pip install 'flowrl[ray]' (or pip install ray)"
+        ) from exc
+    if not ray.is_initialized():
+        ray.init()
+    return ray
 
 
 def _check_nodes(nodes: Sequence[str] | None, ips: dict[str, str]) -> list[str]:

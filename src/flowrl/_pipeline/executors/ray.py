@@ -43,6 +43,7 @@ from flowrl._pipeline.executors.processes import (
     outcome_of,
     worker_main,
 )
+from flowrl._transport.ray_hub import import_ray
 from flowrl.errors import ConfigError, StageError, Timeout
 
 if TYPE_CHECKING:
@@ -94,8 +95,6 @@ class RayExecutor(Executor):
         return launch_ray_hub(columns)
 
     def run(self, pipeline: Pipeline, hub: HubClient) -> RunResult:
-        import ray
-
         address = getattr(hub, "address", None)
         if not isinstance(address, str):
             raise ConfigError(
@@ -104,8 +103,7 @@ class RayExecutor(Executor):
             )
         for spec in pipeline.stages:
             _check_importable(spec)
-        if not ray.is_initialized():
-            ray.init()
+        import_ray()
         pipeline.register(hub)
         stop = self._stop
         shared = _shared(address, pipeline, self.max_samples)
@@ -156,6 +154,11 @@ class _Broadcast:
     def is_set(self) -> bool:
         return self._event.is_set()
 
+    def actors(self) -> list[Any]:
+        """Every worker actor of the run, dead ones too."""
+        with self._lock:
+            return list(self._actors)
+
     def set(self) -> None:
         with self._lock:
             first = not self._event.is_set()
@@ -195,7 +198,6 @@ class _Run:
     admission: Any
     quota: Any
     slots: list[_Slot] = field(default_factory=list)
-    actors: list[Any] = field(default_factory=list)  # every worker actor started, dead ones too
     pending: dict[Any, _Slot] = field(default_factory=dict)  # run() calls not returned yet
 
     def place(self, spec: StageSpec, worker: int) -> _Slot:
@@ -227,7 +229,6 @@ class _Run:
                 placement_group_capture_child_tasks=True,
             )
         slot.actor = _worker_actor().options(**options).remote()
-        self.actors.append(slot.actor)
         self.stop.add(slot.actor)
 
     def wait_placed(self, slots: list[_Slot], timeout: float) -> None:
@@ -266,6 +267,15 @@ class _Run:
         slot = self.pending.pop(ready[0])
         try:
             data = ray.get(ready[0])
+        except ray.exceptions.RayTaskError as exc:  # before the worker ran: e.g. an import
+            slot.reported = True
+            err = StageError(
+                f"the worker actor {slot.name} of stage {slot.spec.name!r} could not start "
+                f"its worker: {exc}",
+                stage=slot.spec.name,
+            )
+            err.__cause__ = exc
+            return err
         except ray.exceptions.RayActorError as exc:
             if self.restarts_left > 0 and not self.stop.is_set():
                 self.restarts_left -= 1
@@ -288,7 +298,7 @@ class _Run:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for actor in self.actors:
+        for actor in self.stop.actors():
             ray.kill(actor)
         if self.shared is not None:
             ray.kill(self.shared)

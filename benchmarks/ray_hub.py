@@ -1,0 +1,291 @@
+"""The hub on Ray: put/get throughput on a 2-node local cluster, zmq data plane vs object store.
+
+Setup: a ``ray.cluster_utils.Cluster`` of two nodes on this machine (node A: the head,
+where the driver runs; node B: a second raylet with its own object store), a hub from
+``flowrl.launch_ray_hub`` with one storage unit per node, and client actors pinned to the
+nodes. Payload as ``hub_throughput.py``: per sample an int64 ``input_ids`` and a float32
+``logprobs`` sequence of --seq-len plus a float32 ``reward``, in batches of --batch.
+
+What it measures (samples/s and GiB/s of payload; each figure the median of --repeat
+rounds, the sections alternating so that drift on a shared machine hits them alike):
+
+* ``zmq_put_*``: a producer actor on node A puts --samples samples; they land on node A's
+  storage unit (data locality: the producer's own node).
+* ``zmq_get_same_node_*`` / ``zmq_get_cross_node_*``: a consumer actor on node A, then one
+  on node B, claims every sample for its own task and reads it (``hub.get`` plus turning
+  every column into numpy); ``zmq_consume_*`` times the whole claim + get + ack loop.
+  Bytes go storage unit -> consumer over TCP, never through the driver.
+* ``objstore_put_*``: the same producer ``ray.put``\\ s the same payload (a dict of numpy
+  arrays per batch) into node A's object store; ``objstore_get_same_node_*`` /
+  ``objstore_get_cross_node_*``: consumers on A and B ``ray.get`` every batch as numpy
+  (node B first has the object copied from A's store). Both data planes' reads end in
+  numpy views and read one element of each array, not every byte.
+* ``*_ratio``: ``get_cross_vs_same_node_{zmq,objstore}`` and
+  ``objstore_vs_zmq_get_{same,cross}_node`` (above 1: the object store reads faster).
+
+How to read it: both "nodes" share this machine, so cross-node traffic is loopback TCP at
+memory speed, not a network; on a real cluster, cross-node reads are bounded by the link
+for both data planes. Same-node object-store reads are zero-copy views of shared memory,
+while the zmq data plane copies through a socket; on the other hand the object store holds
+objects by reference counting, not by task, so it has no claim/ack, leases or per-task
+exactly-once delivery: the hub uses zmq for those and could hand out object refs as its
+payload where same-node reads dominate. Quote ratios from one run; absolute numbers drift
+on a shared 2-core machine.
+
+Usage: python benchmarks/ray_hub.py --json [--samples N] [--seq-len L] [--repeat R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+from hub_throughput import COLUMNS, payload
+from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+import flowrl
+
+GIB = 1024**3
+TASKS = {"same_node": ["input_ids", "logprobs", "reward"]}
+
+
+@dataclass
+class Bench:
+    """What every section gets: the cluster's two nodes and the run's sizes."""
+
+    node_a: str  # the head node: the driver, the producer, the controller
+    node_b: str
+    samples: int
+    seq_len: int
+    batch: int
+
+    @property
+    def sample_bytes(self) -> int:
+        return self.seq_len * 8 + self.seq_len * 4 + 4
+
+    def rates(self, prefix: str, seconds: float) -> dict[str, float]:
+        n = self.samples
+        return {
+            f"{prefix}_samples_per_s": n / seconds,
+            f"{prefix}_gib_per_s": n * self.sample_bytes / seconds / GIB,
+        }
+
+    def on(self, node: str) -> NodeAffinitySchedulingStrategy:
+        return NodeAffinitySchedulingStrategy(node, soft=False)
+
+
+@ray.remote(num_cpus=1)
+class Client:
+    """A producer or consumer pinned to one node."""
+
+    def __init__(self, seq_len: int, batch: int, batches: int) -> None:
+        rng = np.random.default_rng(0)
+        self.batches = [payload(batch, seq_len, rng) for _ in range(min(8, batches))]
+        self.n_batches = batches
+        self.batch = batch
+        self.hub: Any = None
+
+    def connect(self, address: str, unit_nodes: list[str]) -> None:
+        node = ray.get_runtime_context().get_node_id()
+        self.hub = flowrl.connect(address, unit_nodes=unit_nodes, node=node)
+
+    def hub_put(self) -> tuple[float, list[int]]:
+        """(seconds, the storage units the samples went to)."""
+        t0 = time.perf_counter()
+        put = [self.hub.put(self.batches[i % len(self.batches)]) for i in range(self.n_batches)]
+        seconds = time.perf_counter() - t0
+        units = self.hub.meta(np.concatenate(put), ["reward"]).units
+        return seconds, sorted(set(units.tolist()))
+
+    def hub_consume(self, task: str) -> tuple[float, float, int]:
+        """(get seconds, claim+get+ack seconds, checksum)."""
+        get_s, checksum = 0.0, 0
+        t0 = time.perf_counter()
+        for _ in range(self.n_batches):
+            meta = self.hub.claim(task, self.batch, timeout=60)
+            t1 = time.perf_counter()
+            b = self.hub.get(meta)
+            ids, _ = b.packed("input_ids")
+            lps, _ = b.packed("logprobs")
+            checksum += int(ids[-1]) + int(lps.size) + int(b["reward"].size)
+            get_s += time.perf_counter() - t1
+            self.hub.ack(meta)
+        return get_s, time.perf_counter() - t0, checksum
+
+    def store_put(self) -> tuple[float, list[Any]]:
+        refs = []
+        t0 = time.perf_counter()
+        for i in range(self.n_batches):
+            b = self.batches[i % len(self.batches)]
+            refs.append(
+                ray.put(
+                    {
+                        "input_ids": b["input_ids"].values,
+                        "logprobs": b["logprobs"].values,
+                        "offsets": b["input_ids"].cu_seqlens,
+                        "reward": b["reward"],
+                    }
+                )
+            )
+        return time.perf_counter() - t0, refs
+
+    def store_get(self, refs: list[Any]) -> tuple[float, int]:
+        checksum = 0
+        t0 = time.perf_counter()
+        for ref in refs:
+            b = ray.get(ref)
+            checksum += int(b["input_ids"][-1]) + int(b["logprobs"].size) + int(b["reward"].size)
+        return time.perf_counter() - t0, checksum
+
+    def close(self) -> None:
+        if self.hub is not None:
+            self.hub.close()
+
+
+def _clients(bench: Bench) -> tuple[Any, Any, Any]:
+    """A producer on A and consumers on A and B."""
+    batches = bench.samples // bench.batch
+    make = [
+        Client.options(scheduling_strategy=bench.on(node)).remote(
+            bench.seq_len, bench.batch, batches
+        )
+        for node in (bench.node_a, bench.node_a, bench.node_b)
+    ]
+    return make[0], make[1], make[2]
+
+
+def zmq_data_plane(bench: Bench) -> dict[str, Any]:
+    """Put on node A's unit; read it from A (same node) and from B (cross node)."""
+    tasks = {**TASKS, "cross_node": TASKS["same_node"]}
+    capacity = bench.samples + bench.batch
+    hub = flowrl.launch_ray_hub(COLUMNS, tasks=tasks, config=flowrl.HubConfig(capacity=capacity))
+    producer, same, cross = _clients(bench)
+    try:
+        ray.get(
+            [c.connect.remote(hub.address, list(hub.unit_nodes)) for c in (producer, same, cross)]
+        )
+        put_s, units = ray.get(producer.hub_put.remote())
+        if [hub.unit_nodes[u] for u in units] != [bench.node_a]:
+            raise RuntimeError(f"the producer's samples left its node: units {units}")
+        get_a, consume_a, sum_a = ray.get(same.hub_consume.remote("same_node"))
+        get_b, consume_b, sum_b = ray.get(cross.hub_consume.remote("cross_node"))
+        if sum_a != sum_b:
+            raise RuntimeError("same-node and cross-node reads differ")
+        return {
+            **bench.rates("zmq_put", put_s),
+            **bench.rates("zmq_get_same_node", get_a),
+            **bench.rates("zmq_get_cross_node", get_b),
+            **bench.rates("zmq_consume_same_node", consume_a),
+            **bench.rates("zmq_consume_cross_node", consume_b),
+        }
+    finally:
+        ray.get([c.close.remote() for c in (producer, same, cross)])
+        for c in (producer, same, cross):
+            ray.kill(c)
+        hub.close()
+
+
+def object_store(bench: Bench) -> dict[str, Any]:
+    """``ray.put`` on node A; ``ray.get`` on A (same node) and on B (cross node)."""
+    producer, same, cross = _clients(bench)
+    try:
+        put_s, refs = ray.get(producer.store_put.remote())
+        get_a, sum_a = ray.get(same.store_get.remote(refs))
+        get_b, sum_b = ray.get(cross.store_get.remote(refs))
+        if sum_a != sum_b:
+            raise RuntimeError("same-node and cross-node reads differ")
+        del refs
+        return {
+            **bench.rates("objstore_put", put_s),
+            **bench.rates("objstore_get_same_node", get_a),
+            **bench.rates("objstore_get_cross_node", get_b),
+        }
+    finally:
+        for c in (producer, same, cross):
+            ray.kill(c)
+
+
+#: Sections of the report, run in turn each round; each returns a flat dict of figures.
+SECTIONS: dict[str, Callable[[Bench], dict[str, Any]]] = {
+    "zmq": zmq_data_plane,
+    "object_store": object_store,
+}
+
+
+def ratios(r: dict[str, float]) -> dict[str, float]:
+    out = {}
+    if "zmq_get_same_node_samples_per_s" in r:
+        out["get_cross_vs_same_node_zmq_ratio"] = (
+            r["zmq_get_cross_node_samples_per_s"] / r["zmq_get_same_node_samples_per_s"]
+        )
+    if "objstore_get_same_node_samples_per_s" in r:
+        out["get_cross_vs_same_node_objstore_ratio"] = (
+            r["objstore_get_cross_node_samples_per_s"] / r["objstore_get_same_node_samples_per_s"]
+        )
+    if "zmq_get_same_node_samples_per_s" in r and "objstore_get_same_node_samples_per_s" in r:
+        for where in ("same_node", "cross_node"):
+            out[f"objstore_vs_zmq_get_{where}_ratio"] = (
+                r[f"objstore_get_{where}_samples_per_s"] / r[f"zmq_get_{where}_samples_per_s"]
+            )
+    return out
+
+
+def run(bench: Bench, sections: list[str], repeat: int) -> dict[str, Any]:
+    """Every section ``repeat`` times in rotation; the median of each figure."""
+    rounds: dict[str, list[float]] = {}
+    for _ in range(repeat):
+        for name in sections:
+            for key, value in SECTIONS[name](bench).items():
+                rounds.setdefault(key, []).append(value)
+    result = {key: statistics.median(values) for key, values in rounds.items()}
+    return {**result, **ratios(result)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--samples", type=int, default=2048)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    args = ap.parse_args()
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "include_dashboard": False},
+    )
+    cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        node_a = ray.get_runtime_context().get_node_id()
+        node_b = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != node_a)
+        bench = Bench(node_a, node_b, args.samples, args.seq_len, args.batch)
+        result: dict[str, Any] = {
+            "nodes": 2,
+            "samples": args.samples,
+            "seq_len": args.seq_len,
+            "batch": args.batch,
+            "repeat": args.repeat,
+            **run(bench, args.sections, args.repeat),
+        }
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k:45s} {v}")
+
+
+if __name__ == "__main__":
+    main()

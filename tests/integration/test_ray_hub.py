@@ -104,6 +104,7 @@ def test_units_per_node_and_placement_errors(nodes: list[str]) -> None:
 
 def test_close_stops_every_actor_of_the_hub(nodes: list[str]) -> None:
     def alive() -> int:
+        # The GCS actor table (ray.util.state needs the dashboard, which tests leave off).
         table = ray._private.state.state.actor_table(None)
         return sum(
             a["State"] == "ALIVE" and a["ActorClassName"].endswith("ServerHost")

@@ -148,13 +148,14 @@ def _host(node: str) -> Any:
 
 def _stop(actors: list[Any], addresses: list[str]) -> None:
     """Let the servers leave their loops (so they answer waiting clients and close their
-    files), then end the actors."""
+    files), then end the actors. After ``ray.shutdown()`` they are gone already."""
     import ray
 
+    if not ray.is_initialized():
+        return
     request_shutdown(addresses)
-    if ray.is_initialized():
-        for actor in actors:
-            ray.kill(actor)
+    for actor in actors:
+        ray.kill(actor)
 
 
 @functools.cache

@@ -73,13 +73,12 @@ def launch_ray_hub(
     # Every actor's process starts at once; the controller is told its units' addresses.
     actors = [_host(node) for node in [*unit_nodes, here]]
     try:
+        units = [
+            UnitSpec(u, config.capacity, _any_port(ips[n]), _any_port(ips[n]), config.journal)
+            for u, n in enumerate(unit_nodes)
+        ]
         unit_bound = ray.get(
-            [
-                actor.start.remote(_spec(UnitSpec(u, config.capacity, port, port, config.journal)))
-                for u, (actor, port) in enumerate(
-                    zip(actors, [_any_port(ips[n]) for n in unit_nodes], strict=False)
-                )
-            ],
+            [a.start.remote(_spec(s)) for a, s in zip(actors[:-1], units, strict=True)],
             timeout=startup_timeout,
         )
         controller = ControllerSpec(

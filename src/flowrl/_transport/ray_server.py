@@ -20,9 +20,6 @@ __all__ = ["ServerHost"]
 class ServerHost:
     """The body of the Ray actor that hosts one hub server, serving in a thread."""
 
-    def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-
     def start(self, spec_json: bytes) -> list[str]:
         """Bind and start serving; returns the bound addresses (controller: its address and
         its events address; storage unit: its address and its control address)."""
@@ -36,8 +33,7 @@ class ServerHost:
         else:
             server = UnitServer(**fields)
             bound = [_bound(server.sock), _bound(server.control)]
-        self._thread = threading.Thread(target=server.serve, name="flowrl-server", daemon=True)
-        self._thread.start()
+        threading.Thread(target=server.serve, name="flowrl-server", daemon=True).start()
         return bound
 
 

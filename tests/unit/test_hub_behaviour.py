@@ -464,9 +464,7 @@ def test_eviction_only_after_every_registered_task_acked(make_hub) -> None:
     assert hub.statistics().live == 0
     # Storage units hear of evictions from the controller, not from this client: soon, not
     # necessarily before this client's next request reaches them.
-    assert wait_until(
-        lambda: all(u.samples == 0 and u.chunks == 0 for u in hub.statistics().units)
-    )
+    assert wait_until(lambda: all(u.samples == 0 and u.chunks == 0 for u in hub.statistics().units))
 
 
 def test_indices_are_never_reused(make_hub) -> None:

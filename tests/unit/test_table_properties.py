@@ -40,8 +40,8 @@ from hypothesis.stateful import (
 from flowrl._controller.controller import CellWrite, Controller
 from flowrl._controller.samplers import FifoSampler, GroupSampler, StalenessSampler
 from flowrl._controller.tasks import CONSUMED, LEASED, PENDING, READY
-from flowrl.errors import EndOfStream, HubFull, LeaseError, SchemaError, UnknownIndexError
 from flowrl._schema.columns import Column
+from flowrl.errors import EndOfStream, HubFull, LeaseError, SchemaError, UnknownIndexError
 from flowrl.events import Evicted, event_decoder, event_encoder
 
 CAP = 10

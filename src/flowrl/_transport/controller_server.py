@@ -226,7 +226,7 @@ class ControllerServer:
                 )
             if ctl.table.free_slots() < msg.n and not ctl.ended:
                 return None  # (reserve raises EndOfStream once the stream ended)
-            indices, unit = ctl.reserve(msg.n)
+            indices, unit = ctl.reserve(msg.n, unit=msg.unit)
             return wire.Reserved(indices=indices.tobytes(), unit=unit)
         meta = ctl.try_claim(
             msg.task,

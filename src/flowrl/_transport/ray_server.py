@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import msgspec
 import zmq
 
-from flowrl._transport import wire
 from flowrl._transport.controller_server import ControllerServer
 from flowrl._transport.specs import ControllerSpec, ServerSpec
 from flowrl._transport.unit_server import UnitServer
-from flowrl.errors import ConfigError
 
 __all__ = ["ServerHost"]
 
@@ -25,9 +22,9 @@ class ServerHost:
         its events address; storage unit: its address and its control address)."""
         spec = msgspec.json.decode(spec_json, type=ServerSpec)
         fields = msgspec.structs.asdict(spec)
-        server: _LocalityController | UnitServer
+        server: ControllerServer | UnitServer
         if isinstance(spec, ControllerSpec):
-            server = _LocalityController(**fields)
+            server = ControllerServer(**fields)
             server.events_address = _bound(server.pub)  # what Hello tells the clients
             bound = [_bound(server.sock), server.events_address]
         else:
@@ -40,17 +37,3 @@ class ServerHost:
 def _bound(sock: zmq.Socket) -> str:
     endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
     return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
-
-
-class _LocalityController(ControllerServer):
-    """The controller server, reserving new samples on the storage unit a producer asks for
-    (one on its own node)."""
-
-    def _try(self, msg: Any) -> Any:
-        if isinstance(msg, wire.Reserve) and msg.unit is not None:
-            if msg.unit >= self.ctl.n_units:
-                raise ConfigError(
-                    f"storage unit {msg.unit} does not exist (have {self.ctl.n_units})"
-                )
-            self.ctl._next_unit = msg.unit  # the unit Controller.reserve takes next
-        return super()._try(msg)

@@ -62,7 +62,7 @@ class RayRuntime:
         ray = pytest.importorskip("ray")
         if self.kind != "single" or not ray.is_initialized():
             self.shutdown()
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
             self.kind = "single"
 
     def cluster(self) -> Any:

@@ -23,6 +23,12 @@ rounds, the sections alternating so that drift on a shared machine hits them ali
 * ``*_ratio``: ``get_cross_vs_same_node_{zmq,objstore}`` and
   ``objstore_vs_zmq_get_{same,cross}_node`` (above 1: the object store reads faster).
 
+* ``journal`` and ``recovery`` (from ``benchmarks/journal.py``, on the same zmq servers
+  the Ray actors host, outside the cluster): put + consume throughput with the journal
+  off / on / on with persisted data at the default sync policy, ``loss`` = 1 - on/off
+  (target <= 0.20), and the time to recover a hub holding --recovery-samples samples.
+  ``--no-journal`` skips them.
+
 How to read it: both "nodes" share this machine, so cross-node traffic is loopback TCP at
 memory speed, not a network; on a real cluster, cross-node reads are bounded by the link
 for both data planes. Same-node object-store reads are zero-copy views of shared memory,
@@ -45,6 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import journal  # benchmarks/journal.py, beside this script
 import numpy as np
 import ray
 from hub_throughput import COLUMNS, payload
@@ -257,6 +264,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    ap.add_argument("--no-journal", action="store_true", help="skip journal and recovery")
+    ap.add_argument("--recovery-samples", type=int, default=100_000)
     args = ap.parse_args()
     cluster = Cluster(
         initialize_head=True,
@@ -280,6 +289,11 @@ def main() -> None:
     finally:
         ray.shutdown()
         cluster.shutdown()
+    if not args.no_journal:
+        result["journal"] = journal.overhead(
+            "zmq", 2 * args.samples, args.seq_len, args.batch, args.repeat
+        )
+        result["recovery"] = journal.recovery(args.recovery_samples, 256)
     if args.json:
         print(json.dumps(result))
     else:

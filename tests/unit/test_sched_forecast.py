@@ -24,7 +24,7 @@ def _lengths(step: int, n: int = 4000) -> np.ndarray:
 def test_survival_is_a_valid_distribution() -> None:
     f = LengthForecaster()
     for s in range(4):
-        f.begin_step(4000)
+        f.begin_step()
         f.record(_lengths(s))
         f.end_step()
     g = np.array([0, 100, 3000, 20000])
@@ -56,7 +56,7 @@ def test_remaining_moments_match_the_distribution() -> None:
 def test_arima_forecast_tracks_a_long_drifting_history() -> None:
     f = LengthForecaster(ForecastConfig(median=1500, sigma=1.0))
     for s in range(12):  # past 8 steps: the AR(1)-on-differences path
-        f.begin_step(4000)
+        f.begin_step()
         f.record(_lengths(s))
         f.end_step()
     med = f.statistics().forecast_median
@@ -66,7 +66,7 @@ def test_arima_forecast_tracks_a_long_drifting_history() -> None:
 def test_arima_prior_follows_drift() -> None:
     f = LengthForecaster(ForecastConfig(median=1500, sigma=1.0))
     for s in range(5):
-        f.begin_step(4000)
+        f.begin_step()
         f.record(_lengths(s))
         f.end_step()
     forecast = f.statistics().forecast_median

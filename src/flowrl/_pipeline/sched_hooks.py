@@ -83,14 +83,24 @@ class SchedulerStatistics(msgspec.Struct, frozen=True, kw_only=True):
 
 
 @dataclass(slots=True)
+class _Step:
+    """One step's prompts: the histogram forecast when they arrived, the lengths so far."""
+
+    prediction: NDArray[np.float64]
+    total: int = 0
+    lengths: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class _State:
     prompt: dict[int, int] = field(default_factory=dict)  # pending: index -> prompt tokens
     running: dict[int, int] = field(default_factory=dict)  # claimed: index -> worker
     planned: dict[int, int] = field(default_factory=dict)  # this step's plan: index -> worker
+    step_of: dict[int, int] = field(default_factory=dict)  # pending: index -> step
+    steps: dict[int, _Step] = field(default_factory=dict)  # steps with pending prompts
     rates: list[float] = field(default_factory=list)  # tokens/s per sequence, per worker
     claimed_at: list[float] = field(default_factory=list)
-    step_lengths: list[int] = field(default_factory=list)
-    step_prediction: NDArray[np.float64] | None = None
+    finished: int = 0
     errors: list[float] = field(default_factory=list)
 
 
@@ -129,6 +139,7 @@ class RolloutScheduler:
         self._s = _State(rates=[0.0] * workers, claimed_at=[0.0] * workers)
         self._memory = BalancerMemory()
         self._partition: str | None = None
+        self._step_id = 0
         self._claimed = [0] * workers
         self._claims = self._plans = self._applied = 0
         self._ticks = self._rebalances = self._migrations = 0
@@ -154,23 +165,25 @@ class RolloutScheduler:
                     self._s.running.pop(i, None)
 
     def _open(self, event: Put) -> None:
-        """New prompts; a new partition closes the step before it and is planned."""
+        """New prompts; a new partition opens a step, which is planned."""
         self.forecaster.observe(event)  # first: a new partition refits the prior
+        pred = self.forecaster.predicted_buckets(np.zeros(len(event.indices)))
         with self._lock:
-            step = event.partition != self._partition
-            if step:
-                if self._partition is not None:
-                    self._close_step()
+            s = self._s
+            new_step = event.partition != self._partition
+            if new_step:
                 self._partition = event.partition
-                self._s.step_lengths = []
-                self._s.step_prediction = None
-                self._s.planned = {}
+                self._step_id += 1
+                s.steps[self._step_id] = _Step(np.zeros_like(pred))
+                s.planned = {}
+                self._maybe_score(self._step_id - 1)
+            step = s.steps[self._step_id]
+            step.prediction += pred
+            step.total += len(event.indices)
             for i, tok in zip(event.indices, event.tokens, strict=True):
-                self._s.prompt.setdefault(i, int(tok))
-            pred = self.forecaster.predicted_buckets(np.zeros(len(event.indices)))
-            prev = self._s.step_prediction
-            self._s.step_prediction = pred if prev is None else prev + pred
-            if step and self.planner is not None:
+                s.prompt.setdefault(i, int(tok))
+                s.step_of[i] = self._step_id
+            if new_step and self.planner is not None:
                 self._replan(self.planner, event.indices)
 
     def _finish(self, event: Put) -> None:
@@ -181,6 +194,7 @@ class RolloutScheduler:
             for i, tok in zip(event.indices, event.tokens, strict=True):
                 self._s.prompt.pop(i, None)
                 self._s.planned.pop(i, None)
+                self._record(i, int(tok))
                 w = self._s.running.pop(i, -1)
                 if w >= 0:
                     produced[w] += int(tok)
@@ -190,16 +204,24 @@ class RolloutScheduler:
                     rate = produced[w] / k / max(event.t - self._s.claimed_at[w], 1e-3)
                     old = self._s.rates[w]
                     self._s.rates[w] = rate if not old else 0.5 * old + 0.5 * rate
-            self._s.step_lengths.extend(int(v) for v in event.tokens)
 
-    def _close_step(self) -> None:
-        pred, lengths = self._s.step_prediction, self._s.step_lengths
-        if pred is None or not lengths:
+    def _record(self, i: int, length: int) -> None:
+        self._s.finished += 1
+        sid = self._s.step_of.pop(i, None)
+        if sid is not None:
+            self._s.steps[sid].lengths.append(length)
+            self._maybe_score(sid)
+
+    def _maybe_score(self, sid: int) -> None:
+        """Once a step is no longer current and all its prompts responded, score its forecast."""
+        step = self._s.steps.get(sid)
+        if step is None or sid == self._step_id or len(step.lengths) < step.total:
             return
-        nb = len(pred)
-        bins = np.minimum(np.asarray(lengths) // self.forecaster.config.bucket, nb - 1)
+        del self._s.steps[sid]
+        nb = len(step.prediction)
+        bins = np.minimum(np.asarray(step.lengths) // self.forecaster.config.bucket, nb - 1)
         actual = np.bincount(bins.astype(np.int64), minlength=nb).astype(np.float64)
-        self._s.errors.append(bucket_relative_error(pred * actual.sum() / pred.sum(), actual))
+        self._s.errors.append(bucket_relative_error(step.prediction, actual))
 
     # -- snapshots and decisions (caller holds the lock) ---------------------------------------
     def _snapshot(self, waiting: I64, where: I64) -> ClusterSnapshot:
@@ -216,8 +238,8 @@ class RolloutScheduler:
         return ClusterSnapshot(
             t=time.time(),
             step=0,
-            total=len(rid) + len(s.step_lengths),
-            finished=len(s.step_lengths),
+            total=len(rid) + s.finished,
+            finished=s.finished,
             modes=(self.mode,),
             node_mode=np.zeros(w, dtype=np.int64),
             node_gpus=np.full(w, self.mode.gpus, dtype=np.int64),

@@ -119,7 +119,7 @@ def congestion_scores(snap: ClusterSnapshot) -> tuple[F64, F64, F64]:
     foot = np.maximum(_footprint(snap), 1.0)
     stable = np.maximum(1.0, np.minimum(r.bs_max, np.floor(r.kv_capacity / foot)))
     mu = r.token_rate / np.maximum(r.running, 1)
-    known = (r.mode >= 0) & (r.running > 0) & (mu > 0)
+    known = (r.mode >= 0) & (r.running > 0) & (mu > 1e-9)  # a rate that decayed to ~0 is unknown
     ref = float(mu[known].mean()) if known.any() else 1.0
     mu = np.where(known, mu, ref)
     slow = ref / mu

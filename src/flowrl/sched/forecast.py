@@ -29,7 +29,7 @@ predicted bucket counts sum to the number of requests asked about.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import final
 
 import msgspec
@@ -253,14 +253,24 @@ def _arima_next(series: F64) -> float:
     return float(series[-1] + res.predict(start=len(diff), end=len(diff))[0])
 
 
+@dataclass(slots=True)
+class _OpenStep:
+    total: int = 0
+    lengths: list[int] = field(default_factory=list)
+
+
 @final
 class LengthForecaster:
     """Observer of the hub's events that maintains the remaining-length distribution.
 
     Feed it events (:meth:`observe`) or call :meth:`begin_step` / :meth:`record` /
-    :meth:`end_step` directly. ``Put`` events with ``new=True`` open a step (their
-    ``partition`` names it); ``Put`` events carrying ``response_column`` report finished
-    responses, their ``tokens`` being the response lengths.
+    :meth:`end_step` directly. ``Put`` events with ``new=True`` add prompts to the step their
+    ``partition`` names (a new partition is the current step); ``Put`` events carrying
+    ``response_column`` report finished responses, their ``tokens`` being the response
+    lengths. A response counts for the step its prompt came in, so steps that overlap
+    (asynchronous RL) keep their own lengths; a step closes — its quantiles join the history
+    and the prior is refitted — once it is no longer current and all its prompts have
+    responded.
     """
 
     def __init__(self, config: ForecastConfig | None = None) -> None:
@@ -272,39 +282,57 @@ class LengthForecaster:
         self._history: list[F64] = []
         self._partition: str | None = None
         self._finished: list[int] = []
-        self._total = 0
+        self._open: dict[str, _OpenStep] = {}
+        self._step_of: dict[int, str] = {}
         self._prior = self._make_prior(self._initial_quantiles())
         self._last_error = float("nan")
 
     # -- event interface -------------------------------------------------------------------
     def observe(self, event: Event) -> None:
-        c = self.config
         if not isinstance(event, Put):
             return
-        if event.new and event.partition != self._partition:
-            if self._partition is not None and self._finished:
-                self.end_step()
-            self._partition = event.partition
-            self.begin_step(len(event.indices))
-        elif event.new:
-            self._total += len(event.indices)
-        if c.response_column in event.columns and event.tokens:
-            self.record(event.tokens)
+        if event.new:
+            p = event.partition
+            if p != self._partition:
+                previous, self._partition = self._partition, p
+                self._finished = []
+                if previous is not None:
+                    self._maybe_close(previous)
+            step = self._open.setdefault(p, _OpenStep())
+            step.total += len(event.indices)
+            self._step_of.update(dict.fromkeys(event.indices, p))
+        if self.config.response_column in event.columns and event.tokens:
+            for i, tok in zip(event.indices, event.tokens, strict=True):
+                q = self._step_of.pop(i, None)
+                if q is None or q == self._partition:
+                    self._finished.append(int(tok))  # the current step's, for Kaplan-Meier
+                if q is not None:
+                    self._open[q].lengths.append(int(tok))
+                    self._maybe_close(q)
 
-    def begin_step(self, total: int) -> None:
+    def _maybe_close(self, p: str) -> None:
+        step = self._open.get(p)
+        if step is not None and p != self._partition and len(step.lengths) >= step.total:
+            del self._open[p]
+            self._add_history(step.lengths)
+
+    def begin_step(self) -> None:
+        """Start a step by hand (without events)."""
         self._finished = []
-        self._total = int(total)
 
     def record(self, lengths: ArrayLike) -> None:
         self._finished.extend(int(v) for v in np.asarray(lengths).ravel())
 
     def end_step(self) -> None:
-        """Close the step: add its quantiles to the history and refit the prior."""
-        if self._finished:
-            logs = np.log(np.maximum(np.asarray(self._finished, dtype=np.float64), 1.0))
+        """Close a step started by hand: add its quantiles to the history, refit the prior."""
+        self._add_history(self._finished)
+        self._finished = []
+
+    def _add_history(self, lengths: list[int]) -> None:
+        if lengths:
+            logs = np.log(np.maximum(np.asarray(lengths, dtype=np.float64), 1.0))
             self._history.append(np.quantile(logs, QUANTILE_PROBS))
             self._prior = self._make_prior(self._forecast_quantiles())
-        self._finished = []
 
     # -- queries -----------------------------------------------------------------------------
     def prior(self) -> LengthDistribution:

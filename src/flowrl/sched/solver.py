@@ -27,7 +27,7 @@ Invariant (asserted by tests): every plan these return is ``feasible`` for the p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import final
 
 import numpy as np
@@ -203,15 +203,21 @@ def _polish(p: PlanProblem, mode: I64, start: I64) -> I64 | None:
     k = len(pairs)
     node, bkt = pairs[:, 0], pairs[:, 1]
     hosts = np.nonzero(level > 0)[0]
-    t_col = k + n * nb
+    held = np.flatnonzero(p.holdings.ravel() > 0)  # only these can have requests leave
+    nh = len(held)
+    t_col = k + nh
     nv = t_col + 1
     r_tot, r_thr, r_lat = 0, nb, nb + n
     r_kv = r_lat + len(hosts)
     r_mv = r_kv + n
-    n_rows = r_mv + n * nb
+    n_rows = r_mv + nh
     host_row = np.full(n, -1)
     host_row[hosts] = r_lat + np.arange(len(hosts))
     lat_pairs = host_row[node] >= 0
+    held_row = np.full(n * nb, -1)
+    held_row[held] = np.arange(nh)
+    stays = held_row[node * nb + bkt]
+    kept = stays >= 0
     rows = np.concatenate(
         [
             r_tot + bkt,
@@ -220,8 +226,8 @@ def _polish(p: PlanProblem, mode: I64, start: I64) -> I64 | None:
             host_row[node][lat_pairs],
             host_row[hosts],
             r_kv + node,
-            r_mv + node * nb + bkt,
-            r_mv + np.arange(n * nb),
+            r_mv + stays[kept],
+            r_mv + np.arange(nh),
         ]
     )
     cols = np.concatenate(
@@ -232,8 +238,8 @@ def _polish(p: PlanProblem, mode: I64, start: I64) -> I64 | None:
             np.arange(k)[lat_pairs],
             np.full(len(hosts), t_col),
             np.arange(k),
-            np.arange(k),
-            k + np.arange(n * nb),
+            np.arange(k)[kept],
+            k + np.arange(nh),
         ]
     )
     vals = np.concatenate(
@@ -244,23 +250,23 @@ def _polish(p: PlanProblem, mode: I64, start: I64) -> I64 | None:
             p.co[mm[node], bkt][lat_pairs],
             -np.ones(len(hosts)),
             p.kv[bkt],
-            -np.ones(k),
-            -np.ones(n * nb),
+            -np.ones(int(kept.sum())),
+            -np.ones(nh),
         ]
     )
-    lo = np.concatenate([p.count.astype(float), np.full(n + len(hosts) + n + n * nb, -np.inf)])
+    lo = np.concatenate([p.count.astype(float), np.full(n + len(hosts) + n + nh, -np.inf)])
     hi = np.concatenate(
         [
             p.count.astype(float),
             -sw,
             -(sw + level)[hosts],
             np.where(on, p.kv_limit * p.cap[mm], 0.0),
-            -p.holdings.ravel().astype(float),
+            -p.holdings.ravel()[held].astype(float),
         ]
     )
     a = sparse.csr_matrix((vals, (rows, cols)), shape=(n_rows, nv))
     cost = np.zeros(nv)
-    cost[k:t_col] = p.mig_weight * np.tile(p.mig, n)
+    cost[k:t_col] = p.mig_weight * np.tile(p.mig, n)[held]
     cost[t_col] = 1.0
     res = _highs.solve(cost, a, lo, hi, np.zeros(nv), np.full(nv, np.inf))
     if not res.ok:
@@ -291,6 +297,7 @@ class _Layout:
     n: int
     mc: int
     nb: int
+    nh: int  # (node, bucket) pairs holding requests: one "moved" variable each
 
     def x(self, i: int, j: int) -> int:
         return i * self.mc + j
@@ -309,7 +316,7 @@ class _Layout:
 
     @property
     def u0(self) -> int:
-        return self.mv0 + self.n * self.nb
+        return self.mv0 + self.nh
 
     @property
     def t(self) -> int:
@@ -324,7 +331,8 @@ def _full_model(p: PlanProblem):
     n, nb = p.n_nodes, p.n_buckets
     cand = p.cand
     mc = len(cand)
-    lay = _Layout(n, mc, nb)
+    held = np.flatnonzero(p.holdings.ravel() > 0)
+    lay = _Layout(n, mc, nb, len(held))
     nmb = n * mc * nb
     idx_nm = np.arange(n * mc)
     node_of_nm = idx_nm // mc
@@ -399,20 +407,23 @@ def _full_model(p: PlanProblem):
     lo.append(np.full(n * mc, -np.inf))
     hi.append(np.zeros(n * mc))
     r += n * mc
-    # R10 moved >= holdings - what stays on the node
-    mv_idx = np.arange(n * nb)
-    add(r + mv_idx, lay.mv0 + mv_idx, -np.ones(n * nb))
-    add(r + node_of * nb + b_of, lay.c0 + idx, -np.ones(nmb))
-    lo.append(np.full(n * nb, -np.inf))
-    hi.append(-p.holdings.ravel().astype(float))
-    r += n * nb
+    # R10 moved >= holdings - what stays on the node (pairs that hold requests only)
+    nh = lay.nh
+    held_row = np.full(n * nb, -1)
+    held_row[held] = np.arange(nh)
+    stay = held_row[node_of * nb + b_of]
+    add(r + np.arange(nh), lay.mv0 + np.arange(nh), -np.ones(nh))
+    add(r + stay[stay >= 0], lay.c0 + idx[stay >= 0], -np.ones(int((stay >= 0).sum())))
+    lo.append(np.full(nh, -np.inf))
+    hi.append(-p.holdings.ravel()[held].astype(float))
+    r += nh
     a = sparse.csr_matrix(
         (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
         shape=(r, lay.size),
     )
     cost = np.zeros(lay.size)
     cost[: lay.c0] = p.switch_weight * p.switch[node_of_nm, mode_of_nm]
-    cost[lay.mv0 : lay.u0] = p.mig_weight * np.tile(p.mig, n)
+    cost[lay.mv0 : lay.u0] = p.mig_weight * np.tile(p.mig, n)[held]
     cost[lay.t] = 1.0
     col_hi = np.full(lay.size, np.inf)
     col_hi[: lay.c0] = p.allowed[node_of_nm, mode_of_nm].astype(float)
@@ -438,7 +449,7 @@ def _encode(p: PlanProblem, lay: _Layout, sol: Solution) -> F64 | None:
         base = (i * lay.mc + j) * lay.nb
         v[lay.c0 + base : lay.c0 + base + lay.nb] = sol.counts[i]
         v[lay.z0 + base : lay.z0 + base + lay.nb] = sol.counts[i] > 0
-    v[lay.mv0 : lay.u0] = moved_counts(p, sol.counts).ravel()
+    v[lay.mv0 : lay.u0] = moved_counts(p, sol.counts).ravel()[p.holdings.ravel() > 0]
     v[lay.u0 : lay.t] = np.where(sol.mode >= 0, (p.co[mm] * sol.counts).sum(axis=1), 0.0)
     v[lay.t] = node_times(p, sol.mode, sol.counts).max(initial=0.0)
     return v
@@ -531,15 +542,59 @@ def _neighbours(p: PlanProblem, mode: I64) -> list[I64]:
     return out
 
 
+def _coarsen(p: PlanProblem, groups: int) -> PlanProblem:
+    """The problem with its buckets merged into at most ``groups`` runs of equal count.
+
+    Counts, holdings and KV add up; per-request coefficients are count-weighted means and
+    the latency of a run is its longest bucket's. Only the relaxation's mode mix reads it.
+    """
+    if p.n_buckets <= groups:
+        return p
+    order = np.argsort(p.bucket_len, kind="stable")
+    share = np.cumsum(p.count[order]) / max(int(p.count.sum()), 1)
+    run = np.minimum((share * groups - 1e-9).astype(np.int64), groups - 1)
+    gid = np.empty(p.n_buckets, dtype=np.int64)
+    gid[order] = np.unique(run, return_inverse=True)[1]
+    k = int(gid.max()) + 1
+    w = np.maximum(p.count, 1).astype(np.float64)
+    tot = np.bincount(gid, weights=w, minlength=k)
+
+    def mean(coef: F64) -> F64:  # count-weighted mean over each run, per leading axis
+        return np.stack([np.bincount(gid, weights=row * w, minlength=k) for row in coef]) / tot
+
+    lat = np.zeros((len(p.modes), k))
+    np.maximum.at(lat.T, gid, p.lat.T)
+    hold = np.zeros((p.n_nodes, k), dtype=np.int64)
+    np.add.at(hold.T, gid, p.holdings.T)
+    return replace(
+        p,
+        bucket_len=np.bincount(gid, weights=p.bucket_len * w, minlength=k) / tot,
+        count=np.bincount(gid, weights=p.count, minlength=k).astype(np.int64),
+        holdings=hold,
+        req_bucket=gid[p.req_bucket],
+        work=mean(p.work),
+        co=mean(p.co),
+        lat=lat,
+        kv=mean(p.kv[None, :])[0],
+        mig=mean(p.mig[None, :])[0],
+    )
+
+
 def solve_relaxed(
-    p: PlanProblem, *, max_evals: int = 40, lp_iterations: int = 20000, polish: bool = True
+    p: PlanProblem,
+    *,
+    max_evals: int = 40,
+    lp_iterations: int = 20000,
+    lp_buckets: int = 32,
+    polish: bool = True,
 ) -> Solution | None:
     """LP relaxation -> mode-mix rounding -> greedy local search -> LP polish (see module).
 
-    ``lp_iterations`` bounds the relaxation's simplex iterations; when it binds, the search
-    starts from the current and homogeneous layouts only.
+    The relaxation runs on the problem with its buckets merged into ``lp_buckets`` runs
+    (:func:`_coarsen`: it only has to pick a mode mix) under ``lp_iterations`` simplex
+    iterations; when that binds, the search starts from the current and homogeneous layouts.
     """
-    lay, cost, a, lo, hi, clo, chi, _ = _full_model(p)
+    lay, cost, a, lo, hi, clo, chi, _ = _full_model(_coarsen(p, lp_buckets))
     res = _highs.solve(cost, a, lo, hi, clo, chi, iteration_limit=lp_iterations)
     starts = [fit_budget(p, p.current)]
     if res.ok:

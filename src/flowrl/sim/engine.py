@@ -20,9 +20,11 @@ Model (one run = ``steps`` generation steps of a :class:`~flowrl.sim.workload.Wo
   node down for ``switch_time``; its requests are re-laid out (KV moved over NVLink or
   recomputed, the cheaper). Migrations move KV over RDMA or recompute it (the cheaper);
   waiting requests move for free. ``migrated``/``relaid`` count requests that carried state
-  (generated tokens or KV) when moved / re-laid out. With fusion, when the step's remaining
-  requests drop to ``R_t`` they are consolidated onto the nodes holding most of them and the
-  other nodes start the next stage.
+  (generated tokens or KV) when moved / re-laid out. With fusion, once fewer requests remain
+  than the largest candidate threshold, ``(R_t, m)`` is re-chosen every ``plan_interval_s``
+  by :func:`~flowrl.sched.fusion.choose_threshold` on a sample of the forecast remaining
+  lengths (never the true ones); when at most ``R_t`` remain they are consolidated onto the
+  ``m`` nodes holding most of them and the other nodes start the next stage.
 - **Stages after generation.** The next stage (reference inference) runs on generation GPUs
   after the step's generation (or on freed GPUs from the fusion trigger); training of step
   ``s`` starts when that stage ends and training of ``s-1`` is done; generation of step
@@ -35,9 +37,11 @@ Model (one run = ``steps`` generation steps of a :class:`~flowrl.sim.workload.Wo
   ``Evicted`` of training; ``VersionPublished`` when training of a step ends; ``StreamEnded``.
   ``t`` is simulated seconds.
 
-Invariants (asserted by tests): deterministic for a seed (planner evaluation budgets are
-counted, not timed); every request finishes exactly once with exactly its response length;
-events carry strictly increasing ``seq`` and non-decreasing ``t``.
+Invariants (asserted by tests): deterministic for a seed (every planner budget is counted —
+bisection rounds, evaluated mode mixes, simplex iterations — never timed, so a run does not
+depend on machine speed, at 2,048 GPUs as at 16); every request finishes exactly once with
+exactly its response length; events carry strictly increasing ``seq`` and non-decreasing
+``t``.
 """
 
 from __future__ import annotations
@@ -365,7 +369,6 @@ class Simulator:
                     self.node_gpus[node] = c.hw.gpus_per_node
                     self.node_mode[node] = self.c.mode_index(sch.initial_mode)
                     self._activate(node, int(self.node_mode[node]), stage_end)
-        self.forecaster.end_step()
         keep = max(1, len(curve_t) // self.curve_points)
         return StepResult(
             step=s,

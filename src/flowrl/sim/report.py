@@ -55,6 +55,9 @@ def summarise(r: SimResult) -> dict[str, object]:
         "balancer_tick_ms": round(float(np.mean(r.balancer_ms)) if r.balancer_ms else 0.0, 3),
         "balancer_tick_p99_ms": round(_pct(r.balancer_ms, 99), 3),
         "fusion_threshold": [s.threshold for s in r.steps],
+        "fused_after_s": [
+            round(s.fused_at - s.start, 1) if s.fused_at >= 0 else None for s in r.steps
+        ],
         "forecast_bucket_error": round(float(np.mean(r.forecast_errors)), 4)
         if r.forecast_errors
         else None,

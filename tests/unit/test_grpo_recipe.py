@@ -48,7 +48,7 @@ def test_streaming_run_bounds_staleness_and_writes_its_outputs(tmp_path: Path, c
     assert all(v >= n for v in summary["stage_samples"].values())
     sched = summary["sched"]  # the scheduling layer ran on the hub's events
     assert sched["claimed"] == [summary["stage_samples"]["Rollout"]]
-    assert sched["plans"] >= 1 and sched["balancer_ticks"] >= 1
+    assert sched["steps_scored"] >= 1  # one worker: nothing to plan, the forecaster runs
 
 
 def test_rollout_workers_are_the_schedulers_instances(tmp_path: Path) -> None:
@@ -59,6 +59,7 @@ def test_rollout_workers_are_the_schedulers_instances(tmp_path: Path) -> None:
     assert len(sched["claimed"]) == 2
     assert sum(sched["claimed"]) == summary["stage_samples"]["Rollout"] >= n
     assert sched["claims"] >= 2 and sched["steps_scored"] >= 1
+    assert sched["plans"] >= 1 and sched["balancer_ticks"] >= 1
     assert 0.0 <= sched["forecast_bucket_error"] <= 2.0
     off = run(GRPOConfig(**TINY, schedule=False, out=str(tmp_path / "o")))
     assert off["sched"] is None

@@ -93,7 +93,7 @@ def test_every_prompt_claimed_once_in_order_within_a_worker() -> None:
         assert mine == sorted(mine)  # first in, first out within a worker
     st = sched.statistics()
     assert sum(st.claimed) == len(seen) and st.claims == len(log)
-    assert st.balancer_ticks >= st.claims
+    assert 1 <= st.balancer_ticks  # at the start both workers are idle: a decision to make
 
 
 def test_decisions_are_applied_and_reported() -> None:
@@ -108,10 +108,12 @@ def test_decisions_are_applied_and_reported() -> None:
 
 
 def test_one_worker_takes_everything_fifo() -> None:
-    sched, log = _run(1, planner=False)
+    sched, log = _run(1)
     seen = [i for _, batch in log for i in batch]
     assert seen == list(range(GROUP * STEP_GROUPS * STEPS))
-    assert sched.statistics().plans == 0
+    st = sched.statistics()  # one instance: nothing to plan or balance, forecasts scored
+    assert st.plans == st.balancer_ticks == 0
+    assert st.steps_scored >= STEPS - 2
 
 
 def test_bad_config_raises() -> None:

@@ -16,13 +16,15 @@ slot; it runs :func:`~flowrl.sched.rebalance` on it (congestion score: queue ove
 KV-limited concurrency, times relative slowness, the per-sequence decode rate each worker
 showed on its last batches), applies the migrations, and ``w`` takes the oldest of the
 prompts left on it. Idle workers thus split the ready work by their service rates instead
-of the first one taking a whole micro-batch while the others wait.
+of the first one taking a whole micro-batch while the others wait. When no other worker is
+idle there is nothing to decide: the claimer takes the oldest ready prompts, without a
+balancer tick.
 
-- **planner** — when a step's first prompts arrive (a new ``partition``),
-  :func:`~flowrl.sched.plan` assigns the step's known prompts across the workers; when it
-  predicts a shorter makespan than an even split its assignment is where the prompts
-  wait in the balancer's snapshots (a prompt planned for a busy worker waits on the
-  claimer instead);
+- **planner** — when a step's first prompts arrive (a new ``partition``) and there are
+  several workers, :func:`~flowrl.sched.plan` assigns the step's known prompts across
+  them; when it predicts a shorter makespan than an even split its assignment is where
+  the prompts wait in the balancer's snapshots (a prompt planned for a busy worker waits
+  on the claimer instead);
 - **forecaster** — :class:`~flowrl.sched.LengthForecaster` observes the events itself
   (prompts open a step; the ``tokens`` of the puts carrying the response column are the
   response lengths, so the rollout stage reports them with ``Rows(tokens=...)``); when a
@@ -183,7 +185,7 @@ class RolloutScheduler:
             for i, tok in zip(event.indices, event.tokens, strict=True):
                 s.prompt.setdefault(i, int(tok))
                 s.step_of[i] = self._step_id
-            if new_step and self.planner is not None:
+            if new_step and self.planner is not None and self.workers > 1:
                 self._replan(self.planner, event.indices)
 
     def _finish(self, event: Put) -> None:
@@ -286,18 +288,10 @@ class RolloutScheduler:
                 s.prompt.setdefault(i, int(tok))  # ready before its event reached us
             busy = np.zeros(self.workers, dtype=bool)
             busy[list(s.running.values())] = True
-            where = np.array([s.planned.get(i, worker) for i in idx.tolist()], dtype=np.int64)
-            where[busy[where]] = worker
-            decision = rebalance(self._snapshot(idx, where), self.balancer, self._memory)
-            self._memory = decision.memory
-            self._ticks += 1
-            pos = {int(i): k for k, i in enumerate(idx.tolist())}
-            moved = [m for m in decision.migrations if not m.running and m.rid in pos]
-            for m in moved:
-                where[pos[m.rid]] = m.dst
-            self._migrations += len(moved)
-            self._rebalances += bool(moved)
-            take = np.flatnonzero(where == worker)[:n].astype(np.int64)
+            if busy.sum() >= self.workers - 1:  # no other idle worker: nothing to decide
+                take = np.arange(min(n, len(idx)), dtype=np.int64)
+            else:
+                take = self._balanced_take(idx, worker, busy, n)
             if len(take):
                 for i in idx[take].tolist():
                     s.running[i] = worker
@@ -305,6 +299,21 @@ class RolloutScheduler:
                 self._claims += 1
                 s.claimed_at[worker] = time.time()
             return take
+
+    def _balanced_take(self, idx: I64, worker: int, busy: NDArray[np.bool_], n: int) -> I64:
+        """Positions ``worker`` takes once the balancer spread the ready prompts (module doc)."""
+        where = np.array([self._s.planned.get(i, worker) for i in idx.tolist()], dtype=np.int64)
+        where[busy[where]] = worker
+        decision = rebalance(self._snapshot(idx, where), self.balancer, self._memory)
+        self._memory = decision.memory
+        self._ticks += 1
+        pos = {int(i): k for k, i in enumerate(idx.tolist())}
+        moved = [m for m in decision.migrations if not m.running and m.rid in pos]
+        for m in moved:
+            where[pos[m.rid]] = m.dst
+        self._migrations += len(moved)
+        self._rebalances += bool(moved)
+        return np.flatnonzero(where == worker)[:n].astype(np.int64)
 
     def statistics(self) -> SchedulerStatistics:
         with self._lock:

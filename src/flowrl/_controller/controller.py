@@ -291,7 +291,9 @@ class Controller:
             unit=int(t.unit[slots[0]]),
             producer=producer,
             groups=() if groups is None else tuple(t.group[slots].tolist()),
-            nbytes=tuple(int(b) for c in cells.values() for b in c.nbytes.tolist()),
+            nbytes=tuple(np.concatenate([c.nbytes for c in cells.values()]).tolist())
+            if cells
+            else (),
         )
         self.cond.notify_all()
 

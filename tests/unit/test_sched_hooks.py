@@ -93,7 +93,7 @@ def test_every_prompt_claimed_once_in_order_within_a_worker() -> None:
         assert mine == sorted(mine)  # first in, first out within a worker
     st = sched.statistics()
     assert sum(st.claimed) == len(seen) and st.claims == len(log)
-    assert 1 <= st.balancer_ticks  # at the start both workers are idle: a decision to make
+    assert st.balancer_ticks >= 1  # at the start both workers are idle: a decision to make
 
 
 def test_decisions_are_applied_and_reported() -> None:

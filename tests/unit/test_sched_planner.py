@@ -81,9 +81,7 @@ def test_plan_is_feasible_and_never_worse_than_keeping(captured, method: str) ->
         np.add.at(counts, (pl.target_node, p.req_bucket), 1)
         assert feasible(p, pl.node_mode, counts) is None
         assert pl.predicted.objective <= pl.keep.objective
-        assert evaluate(p, pl.node_mode, counts).objective == pytest.approx(
-            pl.predicted.objective
-        )
+        assert evaluate(p, pl.node_mode, counts).objective == pytest.approx(pl.predicted.objective)
         if pl.apply:
             assert pl.predicted.objective < pl.keep.objective * (1 - CFG.min_gain)
             gpus = p.mode_gpus[pl.node_mode[pl.node_mode >= 0]].sum()

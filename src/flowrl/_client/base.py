@@ -24,6 +24,7 @@ from flowrl._schema.columns import Column
 from flowrl._schema.ragged import RaggedArray
 from flowrl._schema.schema import Schema
 from flowrl._store.batch import Batch, _to_python
+from flowrl._store.partial import VERSIONS
 from flowrl.errors import ConfigError, LeaseError, SchemaError
 from flowrl.events import Event
 from flowrl.hooks import Observer
@@ -65,9 +66,6 @@ class Partial(NamedTuple):
 
     values: RaggedArray
     versions: RaggedArray
-
-
-_VERSIONS = Column.ragged("versions", "int64")
 
 
 class HubClient(abc.ABC):
@@ -173,7 +171,7 @@ class HubClient(abc.ABC):
         units = self._check_update(target, tuple(arrays))
         for unit, pos in _split_by_unit(units):
             part = {k: a if pos is None else a.take(pa.array(pos)) for k, a in arrays.items()}
-            self._write(unit, target if pos is None else target[pos], part, types)
+            self._write(unit, _part(target, pos), part, types)
         if new_columns:
             self._declare_columns(tuple(new_columns))
         self._commit(CommitArgs(target, cells, False, *per_put))
@@ -248,10 +246,7 @@ class HubClient(abc.ABC):
             empty = {c: pa.array([], type=self.schema[c].arrow_type) for c in cols}
             return Batch(meta, empty, {c: self.schema[c] for c in cols})
         parts = list(_split_by_unit(meta.units))
-        results = self._read_many(
-            [(unit, meta.indices if pos is None else meta.indices[pos]) for unit, pos in parts],
-            cols,
-        )
+        results = self._read_many([(unit, _part(meta.indices, pos)) for unit, pos in parts], cols)
         arrays = _in_request_order(parts, results)
         return Batch(meta, arrays, {c: self.schema[c] for c in cols})
 
@@ -281,9 +276,8 @@ class HubClient(abc.ABC):
         lengths = np.empty(len(meta), dtype=np.int64)
         for unit, pos in _split_by_unit(meta.units):
             part = array if pos is None else array.take(pa.array(pos))
-            idx = meta.indices if pos is None else meta.indices[pos]
             lengths[slice(None) if pos is None else pos] = self._append(
-                unit, idx, col, part, version
+                unit, _part(meta.indices, pos), col, part, version
             )
         return lengths
 
@@ -296,13 +290,17 @@ class HubClient(abc.ABC):
             return Partial(empty, RaggedArray(np.empty(0, np.int64), np.zeros(1, np.int64)))
         parts = list(_split_by_unit(meta.units))
         results = [
-            dict(zip((column, "versions"), self._read_partial(unit, idx, col), strict=True))
-            for unit, idx in (
-                (u, meta.indices if pos is None else meta.indices[pos]) for u, pos in parts
+            dict(
+                zip(
+                    (column, "versions"),
+                    self._read_partial(unit, _part(meta.indices, pos), col),
+                    strict=True,
+                )
             )
+            for unit, pos in parts
         ]
         arrays = _in_request_order(parts, results)
-        return Partial(_to_python(col, arrays[column]), _to_python(_VERSIONS, arrays["versions"]))
+        return Partial(_to_python(col, arrays[column]), _to_python(VERSIONS, arrays["versions"]))
 
     def _ragged(self, column: str, where: str) -> Column:
         if not isinstance(column, str):
@@ -529,6 +527,11 @@ def _in_request_order(
     return {
         c: pa.concat_arrays([r[c] for r in results]).take(pa.array(inverse)) for c in results[0]
     }
+
+
+def _part(values: np.ndarray, pos: np.ndarray | None) -> np.ndarray:
+    """The entries of one storage unit's part (``pos`` from :func:`_split_by_unit`)."""
+    return values if pos is None else values[pos]
 
 
 def _split_by_unit(units: np.ndarray) -> list[tuple[int, np.ndarray | None]]:

@@ -22,9 +22,11 @@ import pyarrow as pa
 from flowrl._schema.columns import Column
 from flowrl._store.persist import PartialLog, load_partial, partial_files
 
-__all__ = ["PartialStore"]
+__all__ = ["VERSIONS", "PartialStore"]
 
 _Piece = tuple[np.ndarray, int]  # values, version
+#: How prefixes' per-token policy versions are typed (on the wire and in ``hub.partial``).
+VERSIONS = Column.ragged("versions", "int64")
 
 
 class PartialStore:
@@ -66,29 +68,19 @@ class PartialStore:
             lengths[i] = self._add(column.name, int(indices[i]), piece, version)
         if log is not None:
             if log.full:
-                log.rewrite(self._flat(column.name))
+                log.rewrite(*self._flat(column))
             else:
-                log.append(indices, version, values)
+                log.append(indices, np.full(indices.size, version, dtype=np.int64), values)
         return lengths
 
     def read(self, indices: np.ndarray, column: Column) -> tuple[pa.Array, pa.Array]:
         """Prefixes of ``indices`` (empty when none): values and per-token versions."""
         held = self._pieces.get(column.name, {})
-        values: list[np.ndarray] = []
-        versions: list[np.ndarray] = []
-        offsets = np.zeros(indices.size + 1, dtype=np.int64)
-        for i, index in enumerate(indices.tolist()):
-            for piece, version in held.get(index, ()):
-                values.append(piece)
-                versions.append(np.full(piece.size, version, dtype=np.int64))
-            offsets[i + 1] = offsets[i] + sum(p.size for p, _ in held.get(index, ()))
-        dtype = column.np_dtype
-        flat = np.concatenate(values) if values else np.empty(0, dtype=dtype)
-        vers = np.concatenate(versions) if versions else np.empty(0, dtype=np.int64)
-        off = pa.array(offsets)
-        return (
-            pa.LargeListArray.from_arrays(off, pa.array(flat.astype(dtype, copy=False))),
-            pa.LargeListArray.from_arrays(off, pa.array(vers)),
+        pieces = [held.get(index, []) for index in indices.tolist()]
+        lengths = [sum(p.size for p, _ in sample) for sample in pieces]
+        flat = [piece for sample in pieces for piece in sample]
+        return _ragged(column, lengths, [p for p, _ in flat]), _ragged(
+            VERSIONS, lengths, [np.full(p.size, v, dtype=np.int64) for p, v in flat]
         )
 
     def clear(self, name: str | None, indices: np.ndarray) -> None:
@@ -114,17 +106,31 @@ class PartialStore:
         if log is None:
             assert self.folder is not None
             log = self._logs[column.name] = PartialLog(self.folder, column, fsync=self.fsync)
-            log.rewrite(self._flat(column.name))
+            log.rewrite(*self._flat(column))
         return log
 
-    def _flat(self, name: str) -> list[tuple[np.ndarray, int, pa.Array]]:
-        """Every live piece as a one-row batch ``(indices, version, values)``."""
-        out = []
-        for index, pieces in self._pieces.get(name, {}).items():
-            for piece, version in pieces:
-                values = pa.LargeListArray.from_arrays(pa.array([0, piece.size]), pa.array(piece))
-                out.append((np.array([index], dtype=np.int64), version, values))
-        return out
+    def _flat(self, column: Column) -> tuple[np.ndarray, np.ndarray, pa.Array]:
+        """Every live piece as one row ``(index, version, values)``, as a log stores them."""
+        rows = [
+            (index, version, piece)
+            for index, pieces in self._pieces.get(column.name, {}).items()
+            for piece, version in pieces
+        ]
+        return (
+            np.array([r[0] for r in rows], dtype=np.int64),
+            np.array([r[1] for r in rows], dtype=np.int64),
+            _ragged(column, [r[2].size for r in rows], [r[2] for r in rows]),
+        )
+
+
+def _ragged(column: Column, lengths: list[int], pieces: list[np.ndarray]) -> pa.Array:
+    """A ragged Arrow array of ``len(lengths)`` rows whose values are ``pieces`` in order."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate(pieces) if pieces else np.empty(0, dtype=column.np_dtype)
+    return pa.LargeListArray.from_arrays(
+        pa.array(offsets), pa.array(flat.astype(column.np_dtype, copy=False))
+    )
 
 
 def _rows(values: pa.Array) -> list[np.ndarray]:

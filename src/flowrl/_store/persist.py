@@ -73,9 +73,8 @@ class ColumnLog:
         self.folder = folder
         self.column = column
         self.fsync = fsync
-        self._schema = pa.schema(
-            [("index", pa.int64()), ("value", column.arrow_type)],
-            metadata={b"flowrl.column": msgspec.json.encode(column)},
+        self._schema = _declared_schema(
+            column, [("index", pa.int64()), ("value", column.arrow_type)]
         )
         self._next_segment = first_segment
         self._current: _Segment | None = None
@@ -131,6 +130,11 @@ class ColumnLog:
     def _delete(self, seg: _Segment) -> None:
         self._adopted.pop(seg.path, None)
         _unlink(seg.path)
+
+
+def _declared_schema(column: Column, fields: list[tuple[str, pa.DataType]]) -> pa.Schema:
+    """A file schema carrying the column's declaration (read back by ``_open_declared``)."""
+    return pa.schema(fields, metadata={b"flowrl.column": msgspec.json.encode(column)})
 
 
 def _unlink(path: str) -> None:
@@ -210,54 +214,43 @@ def _batches(reader: pa.ipc.RecordBatchStreamReader) -> Iterator[pa.RecordBatch]
     while True:
         try:
             yield reader.read_next_batch()
-        except StopIteration:
-            return
-        except (pa.ArrowInvalid, OSError):
+        except (StopIteration, pa.ArrowInvalid, OSError):  # the end, or a torn batch
             return
 
 
 class PartialLog:
     """Token appends to in-progress values of one ragged column (partial rollouts).
 
-    ``partial-<column>.arrows`` holds batches of ``(index, version, values)``; it is
-    rewritten with only the live prefixes when a unit starts and whenever it grows past
-    ``SEGMENT_BYTES`` (live prefixes are few: only requests still being generated).
+    ``partial-<column>.arrows`` holds batches of ``(index, version, values)`` rows, one row
+    per append to a sample; it is rewritten with only the live prefixes when a unit starts
+    and whenever it grows past ``SEGMENT_BYTES`` (live prefixes are few: only requests still
+    being generated).
     """
 
     def __init__(self, folder: str, column: Column, *, fsync: bool) -> None:
         self.path = os.path.join(folder, f"partial-{column.name}.arrows")
         self.fsync = fsync
-        self._schema = pa.schema(
+        self._schema = _declared_schema(
+            column,
             [("index", pa.int64()), ("version", pa.int64()), ("values", column.arrow_type)],
-            metadata={b"flowrl.column": msgspec.json.encode(column)},
         )
         self._segment: _Segment | None = None
 
-    def append(self, indices: np.ndarray, version: int, values: pa.Array) -> None:
+    def append(self, indices: np.ndarray, versions: np.ndarray, values: pa.Array) -> None:
         if self._segment is None:
             raise JournalError(f"{self.path!r} must be rewritten before it is appended to")
-        versions = pa.array(np.full(indices.size, version, dtype=np.int64))
-        batch = pa.RecordBatch.from_arrays(
-            [pa.array(indices), versions, values], schema=self._schema
-        )
-        self._segment.write(batch, self.fsync)
+        self._segment.write(self._batch(indices, versions, values), self.fsync)
 
     @property
     def full(self) -> bool:
         return self._segment is not None and self._segment.nbytes >= SEGMENT_BYTES
 
-    def rewrite(self, pieces: list[tuple[np.ndarray, int, pa.Array]]) -> None:
-        """Replace the file by one holding exactly ``pieces`` (atomically)."""
+    def rewrite(self, indices: np.ndarray, versions: np.ndarray, values: pa.Array) -> None:
+        """Replace the file by one holding exactly these rows (atomically)."""
         self.close()
         seg = _Segment(self.path + ".tmp", self._schema)
-        for indices, version, values in pieces:
-            versions = pa.array(np.full(indices.size, version, dtype=np.int64))
-            seg.write(
-                pa.RecordBatch.from_arrays(
-                    [pa.array(indices), versions, values], schema=self._schema
-                ),
-                self.fsync,
-            )
+        if indices.size:
+            seg.write(self._batch(indices, versions, values), self.fsync)
         os.replace(seg.path, self.path)
         seg.path = self.path
         self._segment = seg
@@ -266,6 +259,11 @@ class PartialLog:
         if self._segment is not None:
             self._segment.close()
             self._segment = None
+
+    def _batch(self, indices: np.ndarray, versions: np.ndarray, values: pa.Array) -> pa.RecordBatch:
+        return pa.RecordBatch.from_arrays(
+            [pa.array(indices), pa.array(versions), values], schema=self._schema
+        )
 
 
 def partial_files(folder: str) -> list[str]:

@@ -268,9 +268,8 @@ class StorageUnit:
                 f"sample {int(indices[np.argmax(gone)])} is not held by storage unit "
                 f"{self.unit_id} (never put, or evicted)"
             )
-        store = self._columns.get(column.name)
-        if store is not None and not completed_ok:
-            done = store.owner[slots] == indices
+        if not completed_ok:
+            done = self._complete(column.name, slots, indices)
             if done.any():
                 raise SchemaError(
                     f"column {column.name!r} of sample {int(indices[np.argmax(done)])} is "
@@ -287,11 +286,14 @@ class StorageUnit:
     def _in_progress(self, name: str, indices: np.ndarray) -> np.ndarray:
         """Which samples may still hold a prefix of ``name``: live, column not complete."""
         slots = indices % self.capacity
-        live = self._held(slots, indices)
+        return self._held(slots, indices) & ~self._complete(name, slots, indices)
+
+    def _complete(self, name: str, slots: np.ndarray, indices: np.ndarray) -> np.ndarray:
+        """Which samples hold column ``name`` (put in full, not appended to)."""
         store = self._columns.get(name)
-        if store is not None:
-            live &= store.owner[slots] != indices
-        return live
+        if store is None:
+            return np.zeros(indices.size, dtype=bool)
+        return store.owner[slots] == indices
 
     def retain(self, live: np.ndarray, below: int) -> None:
         """Evict every sample below index ``below`` that is not in ``live``.

@@ -19,12 +19,13 @@ import numpy as np
 import pyarrow as pa
 import zmq
 
-from flowrl._client.base import _VERSIONS, ClaimArgs, CommitArgs, HubClient
+from flowrl._client.base import ClaimArgs, CommitArgs, HubClient
 from flowrl._client.config import HubConfig, HubStats
 from flowrl._controller.eventlog import EventLog
 from flowrl._controller.meta import BatchMeta
 from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
+from flowrl._store.partial import VERSIONS
 from flowrl._transport import wire
 from flowrl._transport.frames import ZERO_COPY_MIN_BYTES, from_frames, to_frames
 from flowrl.errors import ConfigError, HubClosed, Timeout, TransportError, UnknownIndexError
@@ -324,7 +325,7 @@ class RemoteHub(HubClient):
         split = values_h.frames
         return (
             from_frames(column, values_h, [f.buffer for f in frames[:split]]),
-            from_frames(_VERSIONS, versions_h, [f.buffer for f in frames[split:]]),
+            from_frames(VERSIONS, versions_h, [f.buffer for f in frames[split:]]),
         )
 
     def _meta(self, indices: np.ndarray, columns: tuple[str, ...]) -> BatchMeta:

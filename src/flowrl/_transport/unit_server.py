@@ -14,6 +14,7 @@ import zmq
 
 from flowrl._client.config import JournalConfig
 from flowrl._schema.columns import Column
+from flowrl._store.partial import VERSIONS
 from flowrl._store.unit import StorageUnit
 from flowrl._transport import wire
 from flowrl._transport.frames import ZERO_COPY_MIN_BYTES, from_frames, to_frames
@@ -22,8 +23,6 @@ from flowrl.errors import FlowRLError, SchemaError, TransportError
 __all__ = ["serve_unit"]
 
 log = logging.getLogger("flowrl.unit")
-
-_VERSIONS = Column.ragged("versions", "int64")
 
 
 class UnitServer:
@@ -133,7 +132,7 @@ class UnitServer:
         if isinstance(msg, wire.ReadPartial):
             prefixes = self.unit.read_partial(wire.ints(msg.indices), msg.column)
             headers = []
-            for col, arr in zip((msg.column, _VERSIONS), prefixes, strict=True):
+            for col, arr in zip((msg.column, VERSIONS), prefixes, strict=True):
                 header, bufs = to_frames(col.name, col, arr)
                 headers.append(header)
                 out.extend(bufs)

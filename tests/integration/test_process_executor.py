@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import signal
+from collections import Counter
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import flowrl
 from flowrl import Column
 from flowrl._pipeline.admission import Staleness
+from flowrl._pipeline.executors.processes import ProcessExecutor
 from flowrl._pipeline.loader import Loader
 from flowrl._pipeline.pipeline import Pipeline
 from flowrl._pipeline.stage import stage
@@ -46,6 +52,49 @@ def fragile(batch):
     if (batch.numpy("x") >= 8).any():
         raise ValueError("bad sample")
     return {"y": batch.numpy("x")}
+
+
+#: Where the killing stages below keep their marks (an environment variable, so that the
+#: spawned worker processes see it).
+KILLS = "FLOWRL_TEST_KILLS"
+
+
+def _mark(name: str, indices: np.ndarray, *, once: bool) -> bool:
+    """Record a death about to happen; with ``once``, only the first caller anywhere dies."""
+    folder = Path(os.environ[KILLS])
+    path = folder / name if once else folder / f"{name}-{os.getpid()}"
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(fd, ",".join(map(str, indices.tolist())).encode())
+    os.close(fd)
+    return True
+
+
+@stage(outputs=[X], batch_size=4)
+def forty():
+    for start in range(0, 40, 4):
+        yield {"x": np.arange(start, start + 4)}
+
+
+@stage(inputs=["x"], outputs=[Y], batch_size=4, workers=2, lease_timeout=1.0)
+def dies_once(batch):
+    """The first call anywhere SIGKILLs its own process mid-batch, holding a lease."""
+    if _mark("dies_once", batch.indices, once=True):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"y": batch.numpy("x") * 2}
+
+
+@stage(inputs=["x"], outputs=[Y], batch_size=4, lease_timeout=1.0)
+def always_dies(batch):
+    _mark("always_dies", batch.indices, once=False)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@stage(outputs=[X], batch_size=4)
+def source_dies():
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_three_stages_in_processes_deliver_every_sample_once() -> None:
@@ -104,3 +153,62 @@ def test_processes_need_a_multi_process_hub_and_importable_stages() -> None:
 
     with pytest.raises(ConfigError, match="define the function or class at module level"):
         Pipeline([local]).run(executor="processes")
+
+
+def test_a_killed_worker_is_replaced_and_its_batch_goes_to_another_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(KILLS, str(tmp_path))
+    pipe = Pipeline([forty, dies_once])
+    hub = flowrl.launch_hub(pipe.columns)
+    try:
+        loader = Loader(hub, task="check", columns=["x", "y"], batch_size=4, timeout=60)
+        executor = ProcessExecutor(timeout=120, max_restarts=1)
+        with pipe.start(hub, executor=executor, loaders=[loader]) as run:
+            seen: list[int] = []
+            for batch in loader:
+                assert (batch.numpy("y") == 2 * batch.numpy("x")).all()
+                seen.extend(batch.numpy("x").tolist())
+        result = run.result()
+        killed = [int(i) for i in (tmp_path / "dies_once").read_text().split(",")]
+        assert len(killed) == 4  # it died holding a lease on a whole batch
+        assert Counter(seen) == Counter(range(40))  # none lost, none twice
+        assert result.completed
+        assert result.stages["dies_once"].restarts == 1
+        assert result.stages["dies_once"].samples == 40  # the dead worker consumed nothing
+        stats = hub.statistics()
+        for task in ("dies_once", "check"):
+            assert stats.tasks[task].consumed == 40, task
+            assert stats.tasks[task].ready == stats.tasks[task].leased == 0, task
+        assert stats.live == 0 and stats.leases == 0
+    finally:
+        hub.close()
+
+
+def test_deaths_past_max_restarts_fail_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(KILLS, str(tmp_path))
+    hub = flowrl.launch_hub()
+    try:
+        with pytest.raises(StageError, match="no restart is left") as info:
+            Pipeline([forty, always_dies]).run(
+                hub, executor=ProcessExecutor(timeout=120, max_restarts=1)
+            )
+        assert info.value.stage == "always_dies"
+        assert "was killed by SIGKILL" in str(info.value)
+        assert len(list(tmp_path.glob("always_dies-*"))) == 2  # the first and its replacement
+    finally:
+        hub.close()
+
+
+def test_a_dead_source_worker_fails_the_run_and_a_bad_max_restarts_is_refused() -> None:
+    with pytest.raises(ConfigError, match="max_restarts"):
+        ProcessExecutor(max_restarts=-1)
+    hub = flowrl.launch_hub()
+    try:
+        with pytest.raises(StageError, match="source worker is not restarted") as info:
+            Pipeline([source_dies]).run(hub, executor=ProcessExecutor(timeout=120))
+        assert info.value.stage == "source_dies"
+    finally:
+        hub.close()

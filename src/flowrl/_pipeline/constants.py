@@ -6,3 +6,7 @@ POLL_S = 0.05
 
 #: After a run is stopped, how long ``run`` waits for workers still inside a stage function.
 STOP_GRACE_S = 10.0
+
+#: Dead stage workers (killed, crashed, lost with their node) that the process and Ray
+#: executors replace per run before the run fails.
+MAX_RESTARTS = 3

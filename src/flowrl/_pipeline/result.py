@@ -17,6 +17,7 @@ class StageStats(msgspec.Struct, frozen=True, kw_only=True):
     they created (a source) or consumed (any other stage). ``busy_s``: seconds spent
     inside the stage function, all workers together. ``busy_fraction``: ``busy_s`` over
     the run's wall time times ``workers`` — near 1 means the stage is the bottleneck.
+    ``restarts``: dead workers of the stage that were replaced (process and Ray executors).
     """
 
     name: str
@@ -25,6 +26,7 @@ class StageStats(msgspec.Struct, frozen=True, kw_only=True):
     samples: int
     busy_s: float
     busy_fraction: float
+    restarts: int = 0
 
 
 @final

@@ -4,6 +4,14 @@ Workers (threads or processes) report a :class:`WorkerReport` or an exception wh
 finish. The driver ends the hub's stream once every source worker is exhausted (unless
 code outside the pipeline puts external columns), stops everyone at the first failure or
 at the run's deadline, and turns the reports into a :class:`RunResult`.
+
+Executors whose workers can die without reporting (processes, Ray actors) share one
+restart policy, :class:`Restarts`: a dead worker of a consuming stage is replaced by a
+fresh one, at most ``max_restarts`` times per run; the samples it had leased come back
+when their lease expires and go to another worker, so nothing is lost or processed twice.
+A dead source worker is not replaced (started afresh, a source would create its samples
+again); nor is any worker once the run is stopping. A worker that raised is no death: it
+reported a StageError, which fails the run.
 """
 
 from __future__ import annotations
@@ -16,13 +24,23 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 from flowrl._pipeline.constants import STOP_GRACE_S
 from flowrl._pipeline.executors.worker import WorkerReport
 from flowrl._pipeline.result import RunResult, StageStats
-from flowrl.errors import ConfigError, Timeout
+from flowrl.errors import ConfigError, StageError, Timeout
 
 if TYPE_CHECKING:
     from flowrl._client.base import HubClient
     from flowrl._pipeline.pipeline import Pipeline
+    from flowrl._pipeline.stage import StageSpec
 
-__all__ = ["Outcome", "SampleQuota", "StopFlag", "check_limits", "collect", "finish"]
+__all__ = [
+    "Outcome",
+    "Restarts",
+    "SampleQuota",
+    "StopFlag",
+    "check_limits",
+    "check_restarts",
+    "collect",
+    "finish",
+]
 
 
 class StopFlag(Protocol):
@@ -46,6 +64,56 @@ def check_limits(timeout: object, max_samples: object) -> None:
         not isinstance(max_samples, int) or isinstance(max_samples, bool) or max_samples < 1
     ):
         raise ConfigError(f"max_samples must be a positive int, got {max_samples!r}")
+
+
+def check_restarts(max_restarts: object) -> int:
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        raise ConfigError(
+            f"max_restarts must be an int >= 0 (dead workers replaced per run), got "
+            f"{max_restarts!r}"
+        )
+    return max_restarts
+
+
+class Restarts:
+    """The restart policy of one run: which dead workers are replaced, and how many were.
+
+    ``replace`` is called by the driver when a worker died without reporting; it returns
+    None when the executor should start a fresh worker in its place (one restart used), or
+    the StageError that fails the run.
+    """
+
+    def __init__(self, max_restarts: int) -> None:
+        self.left = check_restarts(max_restarts)
+        self.by_stage: dict[str, int] = {}
+
+    def replace(self, spec: StageSpec, name: str, how: str, stop: StopFlag) -> StageError | None:
+        """``name``: the worker's name; ``how``: how it died ("was killed by SIGKILL")."""
+        if spec.is_source:
+            why = (
+                "a source worker is not restarted (started afresh it would create its "
+                "samples again)"
+            )
+        elif stop.is_set():
+            return StageError(
+                f"the worker {name} of stage {spec.name!r} {how} while the run was stopping",
+                stage=spec.name,
+            )
+        elif self.left > 0:
+            self.left -= 1
+            self.by_stage[spec.name] = self.by_stage.get(spec.name, 0) + 1
+            return None
+        else:
+            used = sum(self.by_stage.values())
+            why = (
+                f"no restart is left ({used} dead worker(s) already replaced in this run; "
+                "raise max_restarts= of the executor to allow more)"
+            )
+        return StageError(
+            f"the worker {name} of stage {spec.name!r} {how} before reporting, and {why}; "
+            "the samples it had leased return to the hub when their lease expires",
+            stage=spec.name,
+        )
 
 
 def collect(
@@ -98,6 +166,7 @@ def finish(
     wall: float,
     timeout: float | None,
     stuck: Sequence[str],
+    restarts: Restarts | None = None,
 ) -> RunResult:
     """Raise the first failure (or a Timeout), else sum the reports per stage."""
     if outcome.errors:
@@ -122,6 +191,7 @@ def finish(
             samples=sum(r.samples for r in mine),
             busy_s=busy,
             busy_fraction=busy / (wall * spec.workers) if wall > 0 else 0.0,
+            restarts=0 if restarts is None else restarts.by_stage.get(spec.name, 0),
         )
     completed = len(outcome.reports) == n_workers and all(r.ended for r in outcome.reports)
     return RunResult(wall_s=wall, stages=stages, completed=completed)

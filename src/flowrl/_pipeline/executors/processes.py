@@ -8,8 +8,16 @@ stage functions and classes must be importable: defined at module level.
 Reports and failures come back as msgspec-encoded bytes. A failure keeps its stage, sample
 indices and message; its ``__cause__`` is a ``RuntimeError`` naming the original type,
 with the worker's traceback as a note (the original exception object stays in its
-process). A worker process that dies without reporting (killed, segfault) fails the run;
-its leases expire after their ``lease_timeout`` and the samples return to the hub.
+process), and it fails the run.
+
+A worker process that dies without reporting (SIGKILL, a segfault, the OOM killer) is
+replaced by a fresh process, at most ``max_restarts`` times per run (the restart policy
+of :mod:`.driver`, shared with the Ray executor); the fresh worker claims under a consumer
+id of its own, and the samples the dead one had leased return to the hub when their lease
+expires (the stage's ``lease_timeout``) and go to another worker: nothing is lost or
+processed twice. Past ``max_restarts``, or for a source worker, the death fails the run
+with a StageError. A worker limits torch to the CPUs its stage reserved
+(``torch.set_num_threads``), as under Ray.
 
 With ``staleness`` or ``max_samples``, the admission controller and the sample quota live
 in one helper process (a ``multiprocessing`` manager) that every source worker calls.
@@ -21,6 +29,8 @@ import functools
 import multiprocessing as mp
 import pickle
 import queue
+import signal
+import sys
 import time
 import traceback
 from multiprocessing.managers import BaseManager
@@ -29,8 +39,16 @@ from typing import TYPE_CHECKING, Any, final
 import msgspec
 
 from flowrl._pipeline.admission import AdmissionController, Staleness
+from flowrl._pipeline.constants import MAX_RESTARTS
 from flowrl._pipeline.executors.base import Executor
-from flowrl._pipeline.executors.driver import SampleQuota, check_limits, collect, finish
+from flowrl._pipeline.executors.driver import (
+    Restarts,
+    SampleQuota,
+    check_limits,
+    check_restarts,
+    collect,
+    finish,
+)
 from flowrl._pipeline.executors.worker import WorkerReport, run_worker
 from flowrl.errors import ConfigError, StageError
 
@@ -60,12 +78,20 @@ decoder = msgspec.msgpack.Decoder(WorkerReport | _Failure)
 
 @final
 class ProcessExecutor(Executor):
-    """Run each stage worker as a process. ``timeout`` and ``max_samples`` as for threads."""
+    """Run each stage worker as a process. ``timeout`` and ``max_samples`` as for threads;
+    ``max_restarts``: dead worker processes replaced per run before the run fails."""
 
-    def __init__(self, *, timeout: float | None = None, max_samples: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        timeout: float | None = None,
+        max_samples: int | None = None,
+        max_restarts: int = MAX_RESTARTS,
+    ) -> None:
         check_limits(timeout, max_samples)
         self.timeout = timeout
         self.max_samples = max_samples
+        self.max_restarts = check_restarts(max_restarts)
         self._ctx = mp.get_context("spawn")
         self._stop = self._ctx.Event()
 
@@ -89,41 +115,42 @@ class ProcessExecutor(Executor):
         helper = self._helper(address, pipeline.staleness)
         try:
             open_hub = functools.partial(connect, address)
-            procs = [
-                self._ctx.Process(
-                    target=worker_main,
-                    args=(spec, w, open_hub, stop, results, *helper[1:]),
-                    name=f"flowrl-{spec.name}-{w}",
-                    daemon=True,
-                )
-                for spec in pipeline.stages
-                for w in range(spec.workers)
-            ]
+            workers = _Workers(
+                functools.partial(self._ctx.Process, target=worker_main, daemon=True),
+                (open_hub, stop, results, *helper[1:]),
+                Restarts(self.max_restarts),
+            )
+            for spec in pipeline.stages:
+                for w in range(spec.workers):
+                    workers.add(spec, w)
             t0 = time.perf_counter()
-            for p in procs:
-                p.start()
-            reported: set[str] = set()
+            workers.start_all()
 
             def receive(wait: float) -> WorkerReport | BaseException | None:
                 try:
-                    item = decoder.decode(results.get(timeout=wait))
+                    data = results.get(timeout=wait)
                 except queue.Empty:
-                    return _dead(procs, reported)
-                reported.add(f"flowrl-{item.stage}-{item.worker}")
+                    # A report may land just before its worker exits: read it first.
+                    dead = workers.dead()
+                    if dead is None:
+                        return None
+                    try:
+                        data = results.get_nowait()
+                    except queue.Empty:
+                        return workers.replace(dead, stop)
+                item = decoder.decode(data)
+                workers.reported.add(_name(item.stage, item.worker))
                 return outcome_of(item)
 
             try:
-                outcome = collect(pipeline, hub, receive, len(procs), stop, self.timeout, t0)
+                outcome = collect(pipeline, hub, receive, len(workers), stop, self.timeout, t0)
             finally:
                 stop.set()
-                for p in procs:
-                    p.join(timeout=1.0)
-                    if p.is_alive():
-                        p.terminate()
-                        p.join()
-            stuck = [p.name for p in procs if p.name not in reported]
+                workers.join_all()
+            stuck = [name for name in workers.procs if name not in workers.reported]
+            wall = time.perf_counter() - t0
             return finish(
-                pipeline, outcome, len(procs), time.perf_counter() - t0, self.timeout, stuck
+                pipeline, outcome, len(workers), wall, self.timeout, stuck, workers.restarts
             )
         finally:
             if helper[0] is not None:
@@ -146,6 +173,77 @@ class ProcessExecutor(Executor):
             manager.Quota(self.max_samples) if self.max_samples is not None else None  # type: ignore[attr-defined]
         )
         return manager, admission, quota
+
+
+def _name(stage: str, worker: int) -> str:
+    return f"flowrl-{stage}-{worker}"
+
+
+class _Workers:
+    """The worker processes of one run, by name; dead ones are replaced in place."""
+
+    def __init__(
+        self, make: Callable[..., Any], shared_args: tuple[Any, ...], restarts: Restarts
+    ) -> None:
+        self._make = make
+        self._shared_args = shared_args
+        self.restarts = restarts
+        self.procs: dict[str, Any] = {}
+        self.specs: dict[str, tuple[StageSpec, int]] = {}
+        self.reported: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self.procs)
+
+    def add(self, spec: StageSpec, worker: int) -> None:
+        name = _name(spec.name, worker)
+        self.specs[name] = (spec, worker)
+        self.procs[name] = self._new(name)
+
+    def _new(self, name: str) -> Any:
+        spec, worker = self.specs[name]
+        return self._make(args=(spec, worker, *self._shared_args), name=name)
+
+    def start_all(self) -> None:
+        for p in self.procs.values():
+            p.start()
+
+    def dead(self) -> str | None:
+        """A worker process that exited without reporting (killed, crashed), if any."""
+        for name, p in self.procs.items():
+            if p.exitcode is not None and name not in self.reported:
+                return name
+        return None
+
+    def replace(self, name: str, stop: Any) -> StageError | None:
+        """Start a fresh process in place of dead ``name``, or say why the run fails."""
+        spec, _ = self.specs[name]
+        old = self.procs[name]
+        old.join()
+        err = self.restarts.replace(spec, f"process {name}", _how(old.exitcode), stop)
+        if err is not None:
+            self.reported.add(name)
+            return err
+        fresh = self._new(name)
+        fresh.start()
+        self.procs[name] = fresh
+        return None
+
+    def join_all(self) -> None:
+        for p in self.procs.values():
+            p.join(timeout=1.0)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+
+
+def _how(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
 
 
 class _Shared(BaseManager):
@@ -174,6 +272,7 @@ def worker_main(
     """A worker in its own process: run it with a hub client of its own and put its
     report, or its failure, on ``results`` (msgspec-encoded; decode with ``decoder``)."""
     encoder = msgspec.msgpack.Encoder()
+    limit_torch_threads(spec)
     try:
         with open_hub() as hub:
             report = run_worker(spec, worker, hub, stop, admission=admission, quota=quota)
@@ -195,6 +294,14 @@ def worker_main(
         )
 
 
+def limit_torch_threads(spec: StageSpec) -> None:
+    """Limit torch, if the stage's module imported it, to the CPUs the stage reserved:
+    worker processes on one machine must not each start a thread per core."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(max(1, int(spec.num_cpus)))
+
+
 def outcome_of(item: WorkerReport | _Failure) -> WorkerReport | StageError:
     """What ``collect`` takes from a decoded worker message: a report or a StageError."""
     return _as_error(item) if isinstance(item, _Failure) else item
@@ -207,20 +314,6 @@ def _as_error(failure: _Failure) -> StageError:
     err = StageError(failure.message, stage=failure.stage, indices=failure.indices)
     err.__cause__ = cause
     return err
-
-
-def _dead(procs: list[Any], reported: set[str]) -> StageError | None:
-    """A worker process that exited without reporting (killed, crashed) fails the run."""
-    for p in procs:
-        if p.exitcode is not None and p.name not in reported:
-            reported.add(p.name)
-            stage = p.name.removeprefix("flowrl-").rsplit("-", 1)[0]
-            return StageError(
-                f"the worker process {p.name} of stage {stage!r} died with exit code "
-                f"{p.exitcode} before reporting; its leases return to the hub when they expire",
-                stage=stage,
-            )
-    return None
 
 
 def _check_importable(spec: StageSpec) -> None:

@@ -16,9 +16,10 @@ ConfigError naming what they asked for. A worker limits torch to the CPUs it res
 (``torch.set_num_threads``).
 
 A worker actor that dies (ray.kill, a lost node, out of memory) is replaced by a fresh
-one, at most ``max_restarts`` times per run; the samples it had leased return to the hub
-when their lease expires (the stage's ``lease_timeout``) and go to another worker, so
-nothing is lost or processed twice. Past that, the run fails with a StageError.
+one, at most ``max_restarts`` times per run (the restart policy of :mod:`.driver`, shared
+with the process executor); the samples it had leased return to the hub when their lease
+expires (the stage's ``lease_timeout``) and go to another worker, so nothing is lost or
+processed twice. Past that, or for a source worker, the run fails with a StageError.
 
 With ``staleness`` or ``max_samples``, the admission controller and the sample quota live
 in one helper actor that every source worker calls.
@@ -35,8 +36,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, final
 
 from flowrl._pipeline.admission import AdmissionController, Staleness
+from flowrl._pipeline.constants import MAX_RESTARTS
 from flowrl._pipeline.executors.base import Executor
-from flowrl._pipeline.executors.driver import SampleQuota, check_limits, collect, finish
+from flowrl._pipeline.executors.driver import (
+    Restarts,
+    SampleQuota,
+    check_limits,
+    check_restarts,
+    collect,
+    finish,
+)
 from flowrl._pipeline.executors.processes import (
     _check_importable,
     decoder,
@@ -71,19 +80,17 @@ class RayExecutor(Executor):
         timeout: float | None = None,
         max_samples: int | None = None,
         placement_timeout: float = 60.0,
-        max_restarts: int = 3,
+        max_restarts: int = MAX_RESTARTS,
     ) -> None:
         check_limits(timeout, max_samples)
         if not isinstance(placement_timeout, int | float) or not placement_timeout > 0:
             raise ConfigError(
                 f"placement_timeout must be a positive number of seconds, got {placement_timeout!r}"
             )
-        if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
-            raise ConfigError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
         self.timeout = timeout
         self.max_samples = max_samples
         self.placement_timeout = float(placement_timeout)
-        self.max_restarts = max_restarts
+        self.max_restarts = check_restarts(max_restarts)
         self._stop = _Broadcast()
 
     def stop(self) -> None:
@@ -112,7 +119,7 @@ class RayExecutor(Executor):
             unit_nodes=tuple(getattr(hub, "unit_nodes", ())),
             path=list(sys.path),
             stop=stop,
-            restarts_left=self.max_restarts,
+            restarts=Restarts(self.max_restarts),
             shared=shared,
             admission=shared if pipeline.staleness is not None else None,
             quota=shared if self.max_samples is not None else None,
@@ -128,9 +135,8 @@ class RayExecutor(Executor):
             finally:
                 stop.set()
             stuck = [slot.name for slot in slots if not slot.reported]
-            return finish(
-                pipeline, outcome, len(slots), time.perf_counter() - t0, self.timeout, stuck
-            )
+            wall = time.perf_counter() - t0
+            return finish(pipeline, outcome, len(slots), wall, self.timeout, stuck, run.restarts)
         finally:
             run.close()
             self._stop = _Broadcast()  # the executor can run again
@@ -193,7 +199,7 @@ class _Run:
     unit_nodes: tuple[str, ...]
     path: list[str]
     stop: _Broadcast
-    restarts_left: int
+    restarts: Restarts
     shared: Any  # the helper actor, or None; admission and quota: it, where they are used
     admission: Any
     quota: Any
@@ -277,19 +283,15 @@ class _Run:
             err.__cause__ = exc
             return err
         except ray.exceptions.RayActorError as exc:
-            if self.restarts_left > 0 and not self.stop.is_set():
-                self.restarts_left -= 1
+            how = f"died ({type(exc).__name__}: {exc})"
+            failed = self.restarts.replace(slot.spec, f"actor {slot.name}", how, self.stop)
+            if failed is None:
                 ray.kill(slot.actor)
                 self._start(slot)  # the dead one's leases expire and go to other workers
                 self.submit(slot)
                 return None
             slot.reported = True
-            return StageError(
-                f"the worker actor {slot.name} of stage {slot.spec.name!r} died and no "
-                f"restart is left ({type(exc).__name__}: {exc}); its leases return to the "
-                "hub when they expire",
-                stage=slot.spec.name,
-            )
+            return failed
         slot.reported = True
         return outcome_of(decoder.decode(data))
 
@@ -351,9 +353,6 @@ class StageWorker:
 
         sys.path.extend(p for p in path if p not in sys.path)
         spec: StageSpec = pickle.loads(pickled)  # imports the stage's module
-        torch = sys.modules.get("torch")
-        if torch is not None:
-            torch.set_num_threads(max(1, int(spec.num_cpus)))
         node = ray.get_runtime_context().get_node_id()
         open_hub = functools.partial(connect, address, unit_nodes=unit_nodes, node=node)
         result = _Result()

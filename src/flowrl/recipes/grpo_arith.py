@@ -13,7 +13,11 @@ iterates a ``flowrl.Loader``::
   ``max_staleness`` policy versions.
 * ``rollout`` (``rollout_workers`` workers): samples responses with the KV-cache sampler,
   using the newest published weights (pulled between micro-batches), and records the
-  sampler's log-probs. The workers are the instances of the scheduling layer
+  sampler's log-probs and the policy version of every token. It is durable at token
+  granularity (``flowrl.rl.generate_resumable``): every ``append_every`` decoding steps it
+  appends the new tokens to the hub, so a worker that takes over a preempted micro-batch
+  resumes each response from its stored prefix instead of sampling it again. The workers
+  are the instances of the scheduling layer
   (``flowrl._pipeline.sched_hooks.RolloutScheduler``, on unless ``--no-schedule``): its
   forecaster, balancer and planner subscribe to the hub's events, and its sampler decides
   how many of the ready prompts each worker claims.
@@ -59,7 +63,13 @@ from flowrl import (
 )
 from flowrl._pipeline.sched_hooks import RolloutScheduler
 from flowrl.models import TinyLM, TinyLMConfig, generate
-from flowrl.rl import build_batch, group_advantages, grpo_loss, token_logprobs
+from flowrl.rl import (
+    build_batch,
+    generate_resumable,
+    group_advantages,
+    grpo_loss,
+    token_logprobs,
+)
 from flowrl.sched import (
     BalancerConfig,
     ForecastConfig,
@@ -94,6 +104,7 @@ class GRPOConfig(msgspec.Struct, frozen=True, kw_only=True):
     clip_eps: float = 0.2
     kl_coef: float = 0.01
     temperature: float = 1.0
+    append_every: int = 2
     eval_size: int = 512
     out: str = "runs/grpo"
     progress: bool = True
@@ -160,7 +171,11 @@ def build_pipeline(
 
     @flowrl.stage(
         inputs=["prompt"],
-        outputs=[Column.ragged("response", "int64"), Column.ragged("sample_logprobs", "float32")],
+        outputs=[
+            Column.ragged("response", "int64"),
+            Column.ragged("sample_logprobs", "float32"),
+            Column.ragged("response_versions", "int64"),
+        ],
         batch_size=cfg.rollout_batch,
         min_batch=1,
         workers=cfg.rollout_workers,
@@ -172,27 +187,34 @@ def build_pipeline(
                 scheduler.bind(ctx.worker)
             self.model = copy.deepcopy(reference).eval()
             self.version = store.pull(self.model, -1)
+            self.hub = ctx.hub
 
         def __call__(self, batch: flowrl.Batch) -> Rows:
             self.version = store.pull(self.model, self.version)  # between micro-batches
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + int(batch.indices[0]))
             with torch.no_grad():
-                out = generate(
+                out = generate_resumable(
                     self.model,
+                    self.hub,
+                    batch.meta,
                     batch.ragged("prompt").tolist(),
                     max_new,
-                    temperature=cfg.temperature,
+                    version=self.version,
                     eos_id=EOS_ID,
+                    temperature=cfg.temperature,
                     generator=gen,
+                    append_every=cfg.append_every,
                 )
-            responses = [r.numpy() for r in out.responses()]
             return Rows(
                 {
-                    "response": responses,
-                    "sample_logprobs": [lp.numpy() for lp in out.response_logprobs()],
+                    "response": out.responses,
+                    "sample_logprobs": out.logprobs,
+                    "response_versions": out.versions,
                 },
-                version=self.version,
-                tokens=[len(r) for r in responses],  # response lengths, for the forecaster
+                # A resumed response mixes versions: the sample counts as old as its oldest
+                # token, so the staleness bound holds for every token.
+                version=out.min_version(self.version),
+                tokens=out.responses.lengths,  # response lengths, for the forecaster
             )
 
     @flowrl.stage(
@@ -252,7 +274,15 @@ def build_pipeline(
 
 
 STAGE_NAMES = ("Rollout", "reward", "Logprob", "advantage", "trainer")
-TRAIN_COLUMNS = ["prompt", "response", "old_logprobs", "ref_logprobs", "advantage", "reward"]
+TRAIN_COLUMNS = [
+    "prompt",
+    "response",
+    "response_versions",
+    "old_logprobs",
+    "ref_logprobs",
+    "advantage",
+    "reward",
+]
 
 
 def _model_inputs(batch: flowrl.Batch) -> tuple[torch.Tensor, ...]:
@@ -332,6 +362,7 @@ def run(cfg: GRPOConfig) -> dict[str, Any]:
             waited = time.perf_counter() - t_wait
             m = _train_step(cfg, model, opt, batch)
             lag = store.version - batch.meta.versions
+            token_lag = store.version - batch.packed("response_versions")[0]
             version = store.publish(model)
             hub.publish_version(version)
             m.update(
@@ -339,6 +370,7 @@ def run(cfg: GRPOConfig) -> dict[str, Any]:
                 version=version,
                 lag_mean=float(lag.mean()),
                 lag_max=int(lag.max()),
+                token_lag_mean=float(token_lag.mean()) if token_lag.size else 0.0,
                 wait_s=waited,
                 samples_per_s=(step + 1) * batch_size / (time.time() - t_rl),
                 busy={  # stage busy fractions over this step, from the event stream

@@ -1,5 +1,15 @@
-"""RL math for GRPO: log-prob recompute, group advantages, the clipped objective."""
+"""RL math for GRPO (log-prob recompute, group advantages, the clipped objective) and
+durable, resumable generation through the hub (partial rollouts)."""
 
 from flowrl.rl.grpo import build_batch, group_advantages, grpo_loss, token_logprobs
+from flowrl.rl.rollout import APPEND_EVERY, ResumableGeneration, generate_resumable
 
-__all__ = ["build_batch", "group_advantages", "grpo_loss", "token_logprobs"]
+__all__ = [
+    "APPEND_EVERY",
+    "ResumableGeneration",
+    "build_batch",
+    "generate_resumable",
+    "group_advantages",
+    "grpo_loss",
+    "token_logprobs",
+]

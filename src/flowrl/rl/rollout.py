@@ -1,0 +1,193 @@
+"""Durable rollouts: generate a claimed micro-batch token by token through the hub.
+
+:func:`generate_resumable` is what a rollout stage calls with the batch it claimed. It
+
+1. reads each sample's stored prefix (``hub.partial``): tokens that an earlier worker
+   generated and appended before it was preempted (its lease expired, the sample came
+   back to the hub and to this worker);
+2. decodes, feeding each prompt *and its prefix* to the model, so an interrupted request
+   resumes where it stopped instead of starting over (starting over would bias training
+   towards short responses);
+3. every ``append_every`` decoding steps appends the tokens sampled since the last append,
+   and their sampler log-probs, tagged with the policy ``version`` generating them
+   (``hub.append``);
+4. returns each sample's whole response (prefix + new tokens), log-probs, and the policy
+   version of every token, for the stage to ``put``: that put completes the columns and
+   drops the prefixes.
+
+Invariants. The response is appended before its log-probs, so a sample's stored log-prob
+prefix is never longer than its token prefix; if a worker died between the two appends,
+the resuming worker fills the gap with log-probs recomputed under its own weights (and
+appends them, tagged with its version, so the two prefixes line up again). A returned
+response always starts with the prefix that was stored, with that prefix's versions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple, final
+
+import numpy as np
+import torch
+
+from flowrl._schema.ragged import RaggedArray
+from flowrl.models.sampler import generate
+from flowrl.rl.grpo import build_batch, token_logprobs
+
+if TYPE_CHECKING:
+    from flowrl._client.base import HubClient, Partial
+    from flowrl._controller.meta import BatchMeta
+    from flowrl.models.transformer import TinyLM
+
+__all__ = ["APPEND_EVERY", "ResumableGeneration", "generate_resumable"]
+
+#: Default decoding steps between two appends: a few appends per typical LLM response,
+#: each one small next to the decoding work it protects.
+APPEND_EVERY = 16
+
+
+@final
+class ResumableGeneration(NamedTuple):
+    """Whole responses of a micro-batch, one row per sample, packed.
+
+    ``responses`` int64 token ids (stored prefix first), ``logprobs`` float32 sampler
+    log-probs, ``versions`` int64 policy version of each token; ``resumed``: how many
+    samples continued from a stored prefix.
+    """
+
+    responses: RaggedArray
+    logprobs: RaggedArray
+    versions: RaggedArray
+    resumed: int
+
+    def min_version(self, default: int) -> int:
+        """The oldest policy version of any token (``default`` when there is no token)."""
+        values = self.versions.values
+        return int(values.min()) if values.size else default
+
+
+def generate_resumable(
+    model: TinyLM,
+    hub: HubClient,
+    meta: BatchMeta,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    version: int,
+    eos_id: int,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    append_every: int = APPEND_EVERY,
+    response: str = "response",
+    logprobs: str = "sample_logprobs",
+) -> ResumableGeneration:
+    """Generate the responses of the claimed samples ``meta``, durably (module docstring).
+
+    ``prompts``: one per sample of ``meta``, in order. ``max_new_tokens`` bounds a whole
+    response, prefix included. ``version``: the policy version of ``model``'s weights.
+    ``append_every``: decoding steps between appends (0: no appends; the batch is then
+    not resumable). ``response`` and ``logprobs``: the ragged columns (int64, float32)
+    the stage writes.
+    """
+    if not isinstance(append_every, int) or isinstance(append_every, bool) or append_every < 0:
+        raise ValueError(f"append_every must be an int >= 0 (0: off), got {append_every!r}")
+    if len(prompts) != len(meta):
+        raise ValueError(
+            f"generate_resumable got {len(prompts)} prompts for {len(meta)} claimed samples; "
+            "pass one prompt per sample of the claim, in its order"
+        )
+    stored = hub.partial(meta, response)
+    resumed = int(np.count_nonzero(stored.values.lengths))
+    old_lp: list[np.ndarray] = []
+    if resumed:
+        old_lp = _aligned_logprobs(
+            hub, meta, model, prompts, stored, version, temperature, logprobs
+        )
+
+    def on_chunk(tokens: torch.Tensor, lps: torch.Tensor, counts: torch.Tensor) -> None:
+        cu = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts.cpu().numpy(), out=cu[1:])
+        # Tokens first: a stored log-prob prefix is never longer than its token prefix.
+        hub.append(meta, response, RaggedArray(tokens.cpu().numpy(), cu), version=version)
+        hub.append(meta, logprobs, RaggedArray(lps.cpu().numpy(), cu.copy()), version=version)
+
+    out = generate(
+        model,
+        prompts,
+        max_new_tokens,
+        temperature=temperature,
+        eos_id=eos_id,
+        generator=generator,
+        prefixes=stored.values.tolist() if resumed else None,
+        on_chunk=on_chunk if append_every else None,
+        chunk_steps=max(append_every, 1),
+    )
+    tokens = out.token_ids.cpu().numpy()
+    lps = out.logprobs.cpu().numpy()
+    cu = out.cu_seqlens.cpu().numpy()
+    if not resumed:
+        versions = np.full(tokens.size, version, dtype=np.int64)
+        return ResumableGeneration(
+            RaggedArray(tokens, cu),
+            RaggedArray(lps, cu.copy()),
+            RaggedArray(versions, cu.copy()),
+            0,
+        )
+    rows = range(len(meta))
+    new = [slice(cu[i], cu[i + 1]) for i in rows]
+    return ResumableGeneration(
+        RaggedArray.from_list([np.concatenate([stored.values[i], tokens[new[i]]]) for i in rows]),
+        RaggedArray.from_list([np.concatenate([old_lp[i], lps[new[i]]]) for i in rows]),
+        RaggedArray.from_list(
+            [
+                np.concatenate(
+                    [stored.versions[i], np.full(new[i].stop - new[i].start, version, np.int64)]
+                )
+                for i in rows
+            ]
+        ),
+        resumed,
+    )
+
+
+def _aligned_logprobs(
+    hub: HubClient,
+    meta: BatchMeta,
+    model: TinyLM,
+    prompts: Sequence[Sequence[int]],
+    stored: Partial,
+    version: int,
+    temperature: float,
+    column: str,
+) -> list[np.ndarray]:
+    """The stored log-prob prefix of each sample, as long as its token prefix.
+
+    A worker that died between its two appends left fewer log-probs than tokens: the
+    missing ones are recomputed with ``model`` and appended, tagged with ``version``.
+    """
+    lps = hub.partial(meta, column).values
+    have = lps.lengths
+    want = stored.values.lengths
+    if np.any(have > want):
+        bad = int(np.argmax(have > want))
+        raise ValueError(
+            f"sample {int(meta.indices[bad])} has {int(have[bad])} stored {column!r} values "
+            f"but only {int(want[bad])} stored tokens; generate_resumable appends tokens "
+            f"first, so another writer appended to {column!r}: let one stage write both"
+        )
+    short = np.flatnonzero(have < want).tolist()
+    if not short:
+        return [lps[i] for i in range(len(meta))]
+    ids, mask, starts, cu = build_batch(
+        [torch.as_tensor(prompts[i], dtype=torch.long) for i in short],
+        [torch.from_numpy(stored.values[i].astype(np.int64)) for i in short],
+    )
+    with torch.no_grad():
+        scale = temperature if temperature > 0 else 1.0  # as the sampler's log-probs
+        full = token_logprobs(model, ids, mask, starts, cu, temperature=scale)
+    full_np = full.cpu().numpy()
+    fills = [np.empty(0, dtype=np.float32) for _ in range(len(meta))]
+    for j, i in enumerate(short):
+        fills[i] = full_np[int(cu[j]) + int(have[i]) : int(cu[j + 1])]
+    hub.append(meta, column, fills, version=version)
+    return [np.concatenate([lps[i], fills[i]]) for i in range(len(meta))]

@@ -79,6 +79,7 @@ class ControllerServer:
             s.connect(addr)
             self.unit_push.append(s)
         self.ctl.on_evict = self._evict
+        self._subscribed = False  # before the sink: expiring old leases below publishes
         self.ctl.log.sinks.append(self._publish)  # every event, in order, leaves on PUB
         if self.journal is not None:
             # Units may hold bytes of puts the journal never committed: drop them.
@@ -94,7 +95,6 @@ class ControllerServer:
                     self.ctl.expire(now=math.inf)
         self.parked: list[_Parked] = []
         self._evictions: list[list[np.ndarray]] = [[] for _ in unit_control_addresses]
-        self._subscribed = False
         self._seen_seq = 0
         self.running = True
 

@@ -18,10 +18,10 @@ from flowrl._client.config import HubConfig
 from flowrl._schema.columns import Column
 from flowrl._transport import wire
 from flowrl._transport.remote import RPC_TIMEOUT_S, RemoteHub
-from flowrl._transport.specs import ControllerSpec, UnitSpec
+from flowrl._transport.specs import ControllerSpec, ServerSpec, UnitSpec
 from flowrl.errors import ConfigError, TransportError
 
-__all__ = ["connect", "launch_hub"]
+__all__ = ["as_restarted", "connect", "launch_hub"]
 
 log = logging.getLogger("flowrl.launch")
 
@@ -151,15 +151,22 @@ class _Servers:
                     spec.address,
                     proc.returncode,
                 )
-                if isinstance(spec, ControllerSpec):
-                    spec = msgspec.structs.replace(spec, restarted=True)
-                self.procs[i] = self._spawn(spec)
+                self.procs[i] = self._spawn(as_restarted(spec))
                 self.restarts += 1
 
     def stop_supervising(self) -> None:
         self._stopping.set()
         if self._watch is not None:
             self._watch.join(timeout=5)
+
+
+def as_restarted(spec: ServerSpec) -> ServerSpec:
+    """The spec a dead server is restarted with (by ``launch_hub``'s supervisor, or by Ray
+    for ``launch_ray_hub``): a restarted controller recovers from the journal keeping the
+    leases of the clients, which are still alive; a storage unit's spec does not change."""
+    if isinstance(spec, ControllerSpec):
+        return msgspec.structs.replace(spec, restarted=True)
+    return spec
 
 
 def _stop(servers: _Servers, folder: str, addresses: list[str]) -> None:
@@ -176,8 +183,9 @@ def _stop(servers: _Servers, folder: str, addresses: list[str]) -> None:
 
 
 def request_shutdown(addresses: Sequence[str]) -> None:
-    """Ask the servers at ``addresses`` to leave their loops; wait (2 s at most) for each
-    acknowledgement. A server that is gone already just does not answer."""
+    """Ask the servers at ``addresses`` to leave their loops; wait (2 s at most, for all of
+    them together) for their acknowledgements. A server that is gone already just does not
+    answer."""
     import zmq
 
     zctx: zmq.Context = zmq.Context.instance()
@@ -188,6 +196,8 @@ def request_shutdown(addresses: Sequence[str]) -> None:
         s.connect(addr)
         s.send_multipart([b"shutdown", wire.encode(wire.Shutdown())])
         socks.append(s)
+    deadline = time.monotonic() + 2.0
     for s in socks:
-        s.poll(2000)  # the reply means the server left its loop
+        # the reply means the server left its loop
+        s.poll(max(0, int((deadline - time.monotonic()) * 1000)))
         s.close()

@@ -1,23 +1,36 @@
 """The hub on a Ray cluster: the controller and the storage units as Ray actors.
 
 Each actor runs the same zmq server as a ``launch_hub`` process, in a thread, bound to a
-free TCP port on its node's IP address. Clients talk to the servers directly over zmq:
-metadata to the controller, bytes to and from the storage units; no payload goes through
-the driver or Ray's object store. ``units_per_node`` storage units run on every node, and
-a client created with the hub's ``unit_nodes`` and its own node id puts new samples on a
-unit of its own node (data locality); a claim's ``BatchMeta.units`` says where each
-sample's bytes live.
+TCP port of its node's IP address drawn at launch (``PORTS``). Clients talk to the servers
+directly over zmq: metadata to the controller, bytes to and from the storage units; no
+payload goes through the driver or Ray's object store. ``units_per_node`` storage units
+run on every node, and a client created with the hub's ``unit_nodes`` and its own node
+id puts new samples on a unit of its own node (data locality); a claim's
+``BatchMeta.units`` says where each sample's bytes live.
+
+Crashes. An actor's constructor takes its server's spec and serves. With a journal, the
+actors have ``max_restarts=-1``: when an actor's process dies (a crash, SIGKILL, the OOM
+killer, ``ray.kill(actor, no_restart=False)``), Ray re-runs the constructor with the same
+spec on the same node (hard node affinity: the journal and the units' Arrow files are on
+that node's disk). The new process binds the same addresses, so clients reconnect by
+themselves; it learns that it is a restart from
+``ray.get_runtime_context().was_current_actor_reconstructed``, and a restarted controller
+recovers from the journal keeping the leases of the clients, which survived. Without a
+journal a restart would come back empty, so there is none: the actor stays dead and
+clients get ``TransportError``. ``hub.servers`` (``RayServers``) counts the restarts.
 
 The actors are owned by the process that launched the hub: closing its client stops
-them, and Ray reaps them if that process exits first. They reserve no CPU (``num_cpus=0``):
-they wait on sockets and would otherwise take slots from the stage workers.
+them for good (``ray.kill`` without restart), and Ray reaps them if that process exits
+first. They reserve no CPU (``num_cpus=0``): they wait on sockets and would otherwise take
+slots from the stage workers.
 """
 
 from __future__ import annotations
 
 import functools
+import random
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, final
 
 import msgspec
 
@@ -28,7 +41,14 @@ from flowrl._transport.remote import RPC_TIMEOUT_S, RemoteHub
 from flowrl._transport.specs import ControllerSpec, ServerSpec, UnitSpec
 from flowrl.errors import ConfigError, TransportError
 
-__all__ = ["import_ray", "launch_ray_hub"]
+__all__ = ["PORTS", "PORT_TRIES", "RayServers", "import_ray", "launch_ray_hub"]
+
+#: The servers' TCP ports are drawn from here, at launch: below Linux's ephemeral range
+#: (32768-60999), from which outgoing connections take theirs, and above Ray's worker
+#: ports (10002-19999), so the port of a dead server stays free for its restart.
+PORTS = range(20000, 32768)
+#: Launch attempts with fresh ports when a drawn port turns out to be taken.
+PORT_TRIES = 5
 
 
 def launch_ray_hub(
@@ -70,27 +90,41 @@ def launch_ray_hub(
         )
     config = msgspec.structs.replace(config, n_units=len(unit_nodes))
     here = ray.get_runtime_context().get_node_id()
-    # Every actor's process starts at once; the controller is told its units' addresses.
-    actors = [_host(node) for node in [*unit_nodes, here]]
+    tasks_ = {t: list(c) for t, c in (tasks or {}).items()}
+    nodes_ = [*unit_nodes, here]
+    # Ray restarts a dead server actor only where that brings its state back: from the
+    # journal (controller) and the Arrow files (storage units) on its node's disk.
+    max_restarts = -1 if config.journal is not None else 0
+    actors: list[Any] = []
     try:
-        units = [
-            UnitSpec(u, config.capacity, _any_port(ips[n]), _any_port(ips[n]), config.journal)
-            for u, n in enumerate(unit_nodes)
-        ]
-        unit_bound = ray.get(
-            [a.start.remote(_spec(s)) for a, s in zip(actors[:-1], units, strict=True)],
-            timeout=startup_timeout,
-        )
-        controller = ControllerSpec(
-            _any_port(ips[here]),
-            _any_port(ips[here]),
-            [b[0] for b in unit_bound],
-            [b[1] for b in unit_bound],
-            cols,
-            {t: list(c) for t, c in (tasks or {}).items()},
-            config,
-        )
-        address = ray.get(actors[-1].start.remote(_spec(controller)), timeout=startup_timeout)[0]
+        for _ in range(PORT_TRIES):
+            ports = _Ports(ips)
+            units = [
+                UnitSpec(u, config.capacity, ports.draw(n), ports.draw(n), config.journal)
+                for u, n in enumerate(unit_nodes)
+            ]
+            controller = ControllerSpec(
+                ports.draw(here),
+                ports.draw(here),
+                [s.address for s in units],
+                [s.control_address for s in units],
+                cols,
+                tasks_,
+                config,
+            )
+            # Every actor's process starts at once: the addresses are known up front.
+            specs: list[ServerSpec] = [*units, controller]
+            actors = [_host(n, s, max_restarts) for n, s in zip(nodes_, specs, strict=True)]
+            bound = ray.get([a.addresses.remote() for a in actors], timeout=startup_timeout)
+            if not any(isinstance(b, str) for b in bound):
+                break
+            _stop(actors, [])  # a drawn port was taken on its node: draw again
+        else:
+            raise TransportError(
+                f"the hub's servers found their ports taken {PORT_TRIES} times in a row: "
+                f"last {[b for b in bound if isinstance(b, str)]}"
+            )
+        address = controller.address
         client = RemoteHub(address, rpc_timeout=startup_timeout, unit_nodes=unit_nodes, node=here)
     except Exception as exc:
         _stop(actors, [])
@@ -98,8 +132,64 @@ def launch_ray_hub(
             raise
         raise TransportError(f"the hub's Ray actors failed to start: {exc!r}") from exc
     client.rpc_timeout = RPC_TIMEOUT_S
-    client._on_close.append(lambda: _stop(actors, [address, *(b[0] for b in unit_bound)]))
+    client.servers = RayServers(actors, nodes_)
+    client._on_close.append(lambda: _stop(actors, [address, *(s.address for s in units)]))
     return client
+
+
+@final
+class RayServers:
+    """The server actors of a Ray-placed hub (``hub.servers``): one per storage unit, in
+    unit order, then the controller; ``nodes`` says where each runs.
+
+    With a journal, Ray restarts an actor whose process died (``max_restarts``), on the
+    same node and with the same spec: it binds the same addresses and recovers (see the
+    module docstring). Without one the actor stays dead and clients get
+    ``TransportError``.
+    """
+
+    def __init__(self, actors: list[Any], nodes: list[str]) -> None:
+        self.actors = tuple(actors)
+        self.nodes = tuple(nodes)
+
+    def pids(self) -> list[int]:
+        """Each actor's process id (waits for an actor Ray is restarting)."""
+        import ray
+
+        return list(ray.get([a.pid.remote() for a in self.actors], timeout=RPC_TIMEOUT_S))
+
+    def states(self) -> list[str]:
+        """Each actor's state in Ray: ``ALIVE``, ``RESTARTING``, ``DEAD``, ..."""
+        return [row["State"] for row in self._table()]
+
+    @property
+    def restarts(self) -> int:
+        """How many times Ray restarted one of the hub's actors, all actors together."""
+        return sum(int(row["NumRestarts"]) for row in self._table())
+
+    def _table(self) -> list[dict[str, Any]]:
+        # The GCS actor table: ray.util.state would need the dashboard, which is optional.
+        from ray._private.state import state
+
+        return [state.actor_table(a._actor_id.hex()) for a in self.actors]
+
+
+class _Ports:
+    """Draws distinct ports at random from ``PORTS`` for each node's IP address."""
+
+    def __init__(self, ips: dict[str, str]) -> None:
+        self.ips = ips
+        self.used: dict[str, set[int]] = {}
+        self.rng = random.SystemRandom()
+
+    def draw(self, node: str) -> str:
+        ip = self.ips[node]
+        used = self.used.setdefault(ip, set())
+        port = self.rng.choice(PORTS)
+        while port in used:
+            port = self.rng.choice(PORTS)
+        used.add(port)
+        return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
 
 
 def import_ray() -> Any:
@@ -129,20 +219,17 @@ def _check_nodes(nodes: Sequence[str] | None, ips: dict[str, str]) -> list[str]:
     return list(dict.fromkeys(nodes))
 
 
-def _any_port(ip: str) -> str:
-    return f"tcp://{ip}:*"  # zmq binds a free port; the server reports which
-
-
-def _spec(spec: ServerSpec) -> bytes:
-    return msgspec.json.encode(spec)
-
-
-def _host(node: str) -> Any:
-    """A server host actor pinned to ``node``."""
+def _host(node: str, spec: ServerSpec, max_restarts: int) -> Any:
+    """A server host actor serving ``spec``, pinned to ``node`` (hard affinity: restarts
+    too, since its journal and files are on that node's disk)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     strategy = NodeAffinitySchedulingStrategy(node, soft=False)
-    return _server_actor().options(scheduling_strategy=strategy).remote()
+    return (
+        _server_actor()
+        .options(scheduling_strategy=strategy, max_restarts=max_restarts)
+        .remote(msgspec.json.encode(spec))
+    )
 
 
 def _stop(actors: list[Any], addresses: list[str]) -> None:
@@ -154,7 +241,7 @@ def _stop(actors: list[Any], addresses: list[str]) -> None:
         return
     request_shutdown(addresses)
     for actor in actors:
-        ray.kill(actor)
+        ray.kill(actor)  # no_restart: an actor ended on purpose stays dead
 
 
 @functools.cache

@@ -1,39 +1,115 @@
-"""The Ray actor that hosts one hub server (see ray_hub.py): imported in the actor only."""
+"""The Ray actor that hosts one hub server (see ray_hub.py): imported in the actor only.
+
+The constructor serves. Ray re-runs it, with the same spec, when it restarts the actor
+after its process died (``max_restarts`` of a journaled hub): the server binds the same
+addresses again, so clients reconnect by themselves, and recovers from the journal.
+"""
 
 from __future__ import annotations
 
+import errno
+import os
+import socket
 import threading
+import time
+from typing import Any
 
 import msgspec
 import zmq
 
 from flowrl._transport.controller_server import ControllerServer
+from flowrl._transport.launch import as_restarted
 from flowrl._transport.specs import ControllerSpec, ServerSpec
 from flowrl._transport.unit_server import UnitServer
 
-__all__ = ["ServerHost"]
+__all__ = ["BIND_WAIT_S", "ServerHost"]
+
+#: How long a restarted server waits for its ports to be free again before it gives up.
+BIND_WAIT_S = 30.0
 
 
 class ServerHost:
-    """The body of the Ray actor that hosts one hub server, serving in a thread."""
+    """The body of the Ray actor that hosts one hub server, serving in a thread.
 
-    def start(self, spec_json: bytes) -> list[str]:
-        """Bind and start serving; returns the bound addresses (controller: its address and
-        its events address; storage unit: its address and its control address)."""
+    A first start whose ports are taken (they are drawn at random by the launcher) serves
+    nothing and says so in ``addresses()``: the launcher then draws other ports. A restart
+    (``was_current_actor_reconstructed``) must get its ports back: it waits for them, then
+    fails, which ends the actor.
+    """
+
+    def __init__(self, spec_json: bytes) -> None:
+        import ray
+
         spec = msgspec.json.decode(spec_json, type=ServerSpec)
+        self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        if self.restarted:
+            spec = as_restarted(spec)  # the controller keeps the live clients' leases
+        self.busy: str | None = None
+        self.bound: list[str] = []
+        wanted = _addresses(spec)
+        deadline = time.monotonic() + (BIND_WAIT_S if self.restarted else 0.0)
+        while (taken := next((a for a in wanted if not _free(a)), None)) is not None:
+            if time.monotonic() >= deadline:
+                if not self.restarted:
+                    self.busy = taken
+                    return
+                raise OSError(errno.EADDRINUSE, f"{taken} is still taken {BIND_WAIT_S}s later")
+            time.sleep(0.1)
         fields = msgspec.structs.asdict(spec)
         server: ControllerServer | UnitServer
-        if isinstance(spec, ControllerSpec):
-            server = ControllerServer(**fields)
-            server.events_address = _bound(server.pub)  # what Hello tells the clients
-            bound = [_bound(server.sock), server.events_address]
-        else:
-            server = UnitServer(**fields)
-            bound = [_bound(server.sock), _bound(server.control)]
+        try:
+            if isinstance(spec, ControllerSpec):
+                server = ControllerServer(**fields)
+                self.bound = [_bound(server.sock), _bound(server.pub)]
+            else:
+                server = UnitServer(**fields)
+                self.bound = [_bound(server.sock), _bound(server.control)]
+        except zmq.ZMQError as exc:  # taken between the check and the bind
+            if exc.errno != errno.EADDRINUSE or self.restarted:
+                raise
+            self.busy = str(exc)
+            return
         threading.Thread(target=server.serve, name="flowrl-server", daemon=True).start()
-        return bound
+
+    def addresses(self) -> list[str] | str:
+        """The bound addresses (controller: its address and its events address; storage
+        unit: its address and its control address), or why it could not bind (a str)."""
+        return self.busy if self.busy is not None else self.bound
+
+    def pid(self) -> int:
+        """This actor's process (a test kills it to simulate a crash)."""
+        return os.getpid()
+
+    def node(self) -> str:
+        """The Ray node this actor runs on."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
+
+def _addresses(spec: ServerSpec) -> list[str]:
+    if isinstance(spec, ControllerSpec):
+        return [spec.address, spec.events_address]
+    return [spec.address, spec.control_address]
+
+
+def _free(address: str) -> bool:
+    """Whether ``tcp://ip:port`` can be bound (as zmq binds it: with SO_REUSEADDR, so the
+    connections of a dead server in TIME_WAIT do not keep its port)."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, int(port)))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return False
+            raise
+    return True
 
 
 def _bound(sock: zmq.Socket) -> str:
-    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    endpoint: Any = sock.getsockopt(zmq.LAST_ENDPOINT)
     return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)

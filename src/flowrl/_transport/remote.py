@@ -279,7 +279,9 @@ class RemoteHub(HubClient):
                         f"{timeout}s"
                     ) from None
             except TransportError:
-                if self._closed or time.monotonic() >= deadline:
+                # Only a journaled hub's controller comes back (restarted by launch_hub's
+                # supervisor or by Ray); without a journal, waiting on is a hang.
+                if self._closed or self.config.journal is None or time.monotonic() >= deadline:
                     raise
                 log.warning("the controller did not answer a claim; sending it again")
 

@@ -14,7 +14,8 @@ from flowrl.sched import (
     congestion_scores,
     rebalance,
 )
-from flowrl.sched.costmodel import ParallelMode
+from flowrl.sched.costmodel import ParallelMode, step_time
+from flowrl.sched.forecast import RemainingEstimate
 
 
 def _snap(
@@ -152,3 +153,83 @@ def test_max_moves_and_config_errors() -> None:
     assert len(dec.migrations) <= 3
     with pytest.raises(ConfigError):
         BalancerConfig(start_gap=0.1, stop_gap=0.2)
+
+
+def _tail_snap(per_replica: list[list[int]], *, ctx: int = 8000) -> ClusterSnapshot:
+    """Tail phase: every request running, replica ``i`` holding ``len(per_replica[i])``
+    requests whose remaining lengths are the listed values; TP8 replicas."""
+    rep = [i for i, rs in enumerate(per_replica) for _ in rs]
+    n = len(per_replica)
+    rep_a = np.array(rep, dtype=np.int64)
+    ctx_a = np.full(len(rep), ctx, dtype=np.int64)
+    return ClusterSnapshot(
+        t=0.0,
+        step=0,
+        total=len(rep),
+        finished=0,
+        modes=(ParallelMode.tensor(8),),
+        node_mode=np.zeros(n, dtype=np.int64),
+        node_gpus=np.full(n, 8, dtype=np.int64),
+        replicas=ReplicaView(
+            node=np.arange(n),
+            mode=np.zeros(n, dtype=np.int64),
+            running=np.bincount(rep_a, minlength=n),
+            waiting=np.zeros(n, dtype=np.int64),
+            kv_used=np.bincount(rep_a, weights=ctx_a, minlength=n),
+            kv_capacity=np.full(n, 2_000_000),
+            bs_max=np.full(n, 256),
+            token_rate=100.0 * np.bincount(rep_a, minlength=n),  # equal per-sequence rates
+        ),
+        requests=RequestView(
+            rid=np.arange(len(rep)),
+            replica=rep_a,
+            prompt=ctx_a,
+            generated=np.zeros(len(rep)),
+            running=np.ones(len(rep), dtype=bool),
+        ),
+    )
+
+
+def _remaining(per_replica: list[list[int]]) -> RemainingEstimate:
+    return RemainingEstimate.known([x for rs in per_replica for x in rs])
+
+
+def test_tail_steal_moves_critical_request_off_the_latest_replica() -> None:
+    # replica 0 holds the longest request among 30 long co-runners; replica 2 is nearly idle
+    layout = [[20_000] + [6_000] * 29, [5_000] * 10, [1_000]]
+    snap = _tail_snap(layout)
+    cfg = BalancerConfig()
+    assert not rebalance(snap, cfg).migrations  # no estimate: the queue pass sees no gap
+    dec = rebalance(snap, cfg, None, _remaining(layout))
+    assert dec.migrations
+    first = dec.migrations[0]
+    assert (first.rid, first.src, first.dst, first.running) == (0, 0, 2, True)
+    assert len(dec.migrations) <= cfg.steal_moves
+    # the predicted finish of the moved request's new home beats staying
+    st = step_time(
+        ParallelMode.tensor(8), np.array([30.0, 2.0]), np.array([240e3, 16e3]), cfg.model, cfg.hw
+    )
+    assert 20_000 * st[1] < 20_000 * st[0]
+
+
+def test_tail_steal_respects_headroom_cooldown_and_balance() -> None:
+    layout = [[20_000] + [6_000] * 29, [5_000] * 10, [1_000]]
+    # already balanced: one long request per replica, nothing to gain
+    even = [[20_000, 500], [20_000, 500], [20_000, 500]]
+    assert not rebalance(_tail_snap(even), BalancerConfig(), None, _remaining(even)).migrations
+    # no stealing while any replica has a waiting request (the queue pass's regime)
+    q = _snap([(64, 40), (10, 0)])
+    est = RemainingEstimate.known(np.full(len(q.requests), 1000.0))
+    assert all(not m.running for m in rebalance(q, BalancerConfig(), None, est).migrations)
+    # a request moved is not moved again within the cooldown; receivers are no sources
+    cfg = BalancerConfig(cooldown=3, steal_gain=0.0)
+    snap = _tail_snap(layout)
+    dec = rebalance(snap, cfg, None, _remaining(layout))
+    mem, moved = dec.memory, {m.rid for m in dec.migrations}
+    again = rebalance(snap, cfg, mem, _remaining(layout))
+    assert not moved & {m.rid for m in again.migrations}
+    assert not {m.dst for m in dec.migrations} & {m.src for m in again.migrations}
+    with pytest.raises(ConfigError):
+        rebalance(snap, cfg, None, RemainingEstimate.known([1.0]))
+    with pytest.raises(ConfigError):
+        BalancerConfig(steal_gain=1.0)

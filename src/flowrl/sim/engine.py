@@ -602,8 +602,13 @@ class Simulator:
         if cfg is None:  # guarded by the caller
             return
         snap = self.snapshot(s, t, total, finished)
+        est = None
+        if cfg.steal_moves > 0 and not snap.replicas.waiting.any():
+            # the wave's tail: the forecaster's remaining lengths drive work stealing
+            g = self.st.gen[snap.requests.rid]
+            est = self.forecaster.estimates(g, g[snap.requests.running])
         t0 = time.perf_counter()
-        dec = rebalance(snap, cfg, self._bal_mem)
+        dec = rebalance(snap, cfg, self._bal_mem, est)
         self.balancer_ms.append((time.perf_counter() - t0) * 1e3)
         self._bal_mem = dec.memory
         self._apply_migrations(dec.migrations, t)

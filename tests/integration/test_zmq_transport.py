@@ -111,6 +111,67 @@ def test_unit_rejects_frames_that_do_not_match_headers(hub) -> None:
     assert hub.statistics().units[0].samples == 0
 
 
+def test_a_put_is_claimable_the_moment_it_returns(hub) -> None:
+    # The unit hands the commit to the controller, which answers the producer: when put()
+    # returns, the samples are committed (read-your-writes), on every unit.
+    for k in range(6):
+        idx = _put(hub, 1, start=k)
+        meta = hub.claim_nowait("train", 1)
+        assert meta.indices.tolist() == idx.tolist()
+        assert hub.get(meta)["ids"].tolist() == [[k, k + 1, k + 2]]
+        hub.ack(meta)
+
+
+def _reserved_write(hub, bad_commit: dict):
+    from flowrl._client.base import CommitArgs
+    from flowrl._controller.controller import CellWrite
+
+    enc, _, _ = hub.schema.encode_all({"ids": [np.arange(3)], "reward": [1.0]}, None, "t")
+    idx, unit = hub._reserve(1, None)
+    cells = {k: CellWrite(e.nbytes, e.lengths) for k, e in enc.items()}
+    commit = CommitArgs(idx, cells, True, "", None, None, None, "")._replace(**bad_commit)
+    arrays = {k: e.array for k, e in enc.items()}
+    return idx, unit, lambda: hub._write_commit(unit, idx, arrays, {c.name: c for c in hub.schema.columns()}, commit)
+
+
+def test_a_commit_the_controller_refuses_reaches_the_producer(hub) -> None:
+    from flowrl._controller.controller import CellWrite
+
+    cells = {"nope": CellWrite(np.array([8]), None)}
+    idx, unit, write = _reserved_write(hub, {"cells": cells})
+    with pytest.raises(flowrl.errors.UnknownColumnError, match="nope"):
+        write()
+    hub._discard(unit, idx, ("ids", "reward"))
+    hub._abort(idx)
+    stats = hub.statistics()
+    assert stats.live == 0 and stats.units[unit].samples == 0
+    assert _put(hub, 1).size == 1  # and the hub goes on
+
+
+def test_unit_refuses_a_commit_for_other_samples(hub) -> None:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(hub.unit_addresses[0])
+    commit = wire.Commit(indices=np.arange(1, 3, dtype=np.int64).tobytes(), cells={}, new=True)
+    try:
+        header = wire.Write(
+            indices=np.arange(2, dtype=np.int64).tobytes(),
+            columns=[COLUMNS[1]],
+            arrays=[flowrl._transport.frames.ArrayHeader("reward", 2, 1)],
+            commit=commit,
+            controller=hub.address,
+            reply_to=b"someone",
+        )
+        sock.send_multipart([b"r", wire.encode(header), np.zeros(2, np.float32).tobytes()])
+        assert sock.poll(5000)
+        _, reply = sock.recv_multipart()
+        err = wire.decode_reply(reply)
+        assert isinstance(err, wire.Error) and "other samples" in err.message
+    finally:
+        sock.close()
+    assert hub.statistics().units[0].samples == 0
+
+
 CONSUMER = textwrap.dedent(
     """
     import sys, time, flowrl

@@ -154,28 +154,60 @@ class HubClient(abc.ABC):
         arrays = {k: e.array for k, e in encoded.items()}
         types = {c.name: c for c in new_columns}
         types.update((k, self.schema[k]) for k in arrays if k not in types)
-        # Inferred columns are declared only once the bytes are stored, just before the
-        # commit, so a put that fails earlier leaves the schema as it was.
         if target is None:
             idx, unit = self._reserve(n, timeout)
             try:
-                self._write(unit, idx, arrays, types)
-                if new_columns:
-                    self._declare_columns(tuple(new_columns))
-                self._commit(CommitArgs(idx, cells, True, *per_put))
+                commit = CommitArgs(idx, cells, True, *per_put)
+                self._store(unit, idx, arrays, types, new_columns, commit)
             except BaseException:
                 self._discard(unit, idx, tuple(arrays))
                 self._abort(idx)
                 raise
             return idx
         units = self._check_update(target, tuple(arrays))
-        for unit, pos in _split_by_unit(units):
+        commit = CommitArgs(target, cells, False, *per_put)
+        parts = _split_by_unit(units)
+        if len(parts) == 1:
+            self._store(parts[0][0], target, arrays, types, new_columns, commit)
+            return target
+        for unit, pos in parts:
             part = {k: a if pos is None else a.take(pa.array(pos)) for k, a in arrays.items()}
             self._write(unit, _part(target, pos), part, types)
         if new_columns:
             self._declare_columns(tuple(new_columns))
-        self._commit(CommitArgs(target, cells, False, *per_put))
+        self._commit(commit)
         return target
+
+    def _store(
+        self,
+        unit: int,
+        indices: np.ndarray,
+        arrays: dict[str, pa.Array],
+        types: dict[str, Column],
+        new_columns: Sequence[Column],
+        commit: CommitArgs,
+    ) -> None:
+        """Store the bytes on one unit, then commit them. Inferred columns are declared in
+        between: only once the bytes are stored, so a failed put leaves the schema as it
+        was."""
+        if new_columns:
+            self._write(unit, indices, arrays, types)
+            self._declare_columns(tuple(new_columns))
+            self._commit(commit)
+        else:
+            self._write_commit(unit, indices, arrays, types, commit)
+
+    def _write_commit(
+        self,
+        unit: int,
+        indices: np.ndarray,
+        arrays: dict[str, pa.Array],
+        types: dict[str, Column],
+        commit: CommitArgs,
+    ) -> None:
+        """Store and commit; a transport may do both in one round trip."""
+        self._write(unit, indices, arrays, types)
+        self._commit(commit)
 
     # -- consumers --------------------------------------------------------------------------
     def claim(

@@ -136,6 +136,8 @@ class ControllerServer:
         ident, rid = frames[0], frames[1]
         try:
             msg = wire.decode_request(frames[2])
+            if isinstance(msg, wire.CommitFor):  # from a storage unit: answer the producer
+                ident, msg = msg.reply_to, msg.commit
             reply = self._dispatch(ident, rid, msg)
         except FlowRLError as exc:
             reply = wire.error_of(exc)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -119,6 +120,8 @@ class RemoteHub(HubClient):
                 )
             sock = self._zctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if unit is None:  # named, so a storage unit can have the controller answer it
+                sock.setsockopt(zmq.ROUTING_ID, b"f" + secrets.token_bytes(15))
             sock.connect(self.address if unit is None else self.unit_addresses[unit])
             socks[unit] = sock
             with self._sockets_lock:
@@ -139,16 +142,27 @@ class RemoteHub(HubClient):
             raise self._socket_error(exc) from None
         return rid
 
-    def _recv(self, unit: int | None, rid: bytes, wait: float | None) -> tuple[Any, list[Any]]:
-        sock = self._socket(unit)
+    def _recv(
+        self, unit: int | None, rid: bytes, wait: float | None, *, or_controller: bool = False
+    ) -> tuple[Any, list[Any]]:
+        """The reply to request ``rid`` from ``unit`` (None: the controller). With
+        ``or_controller``, from the unit or the controller, whichever answers (a write whose
+        commit the unit handed on: the controller answers, or the unit refused the write)."""
+        socks = [self._socket(unit)]
+        if or_controller:
+            socks.append(self._socket(None))
         forever = wait is None or math.isinf(wait)
         deadline = 0.0 if forever else time.monotonic() + wait  # type: ignore[operator]
         while True:
             # Poll in bounded slices: zmq takes int milliseconds (a huge wait overflows)
             # and a slice ends in time to notice that another thread closed the client.
             left = POLL_SLICE_S if forever else min(POLL_SLICE_S, deadline - time.monotonic())
+            timeout_ms = int(max(0.0, left) * 1000) + 1
             try:
-                ready = sock.poll(int(max(0.0, left) * 1000) + 1)
+                if or_controller:
+                    ready = zmq.select(socks, [], [], timeout_ms / 1000)[0]
+                else:
+                    ready = socks if socks[0].poll(timeout_ms) else []
             except zmq.ZMQError as exc:
                 raise self._socket_error(exc) from None
             if not ready:
@@ -160,21 +174,28 @@ class RemoteHub(HubClient):
                 raise TransportError(
                     f"the hub's {where} did not answer within {wait:.1f}s; is it running?"
                 )
-            # units reply with payload frames (zero-copy); the controller's replies are small
-            try:
-                frames: list[Any] = (
-                    sock.recv_multipart() if unit is None else sock.recv_multipart(copy=False)
-                )
-            except zmq.ZMQError as exc:
-                raise self._socket_error(exc) from None
-            if len(frames) < 2:
-                raise TransportError(f"a reply of {len(frames)} frame(s) from the hub")
-            if _bytes(frames[0]) != rid:
-                continue  # a late reply to a request this thread gave up on
-            reply = wire.decode_reply(frames[1] if unit is None else frames[1].buffer)
-            if isinstance(reply, wire.Error):
-                wire.raise_error(reply)
-            return reply, frames[2:]
+            for sock in ready:
+                reply = self._take_reply(sock, rid, payload=sock is not self._socket(None))
+                if reply is not None:
+                    return reply
+
+    def _take_reply(
+        self, sock: zmq.Socket, rid: bytes, payload: bool
+    ) -> tuple[Any, list[Any]] | None:
+        """Read one reply; None if it answers another request (one this thread gave up on).
+        Units reply with payload frames (zero-copy); the controller's replies are small."""
+        try:
+            frames: list[Any] = sock.recv_multipart(copy=not payload)
+        except zmq.ZMQError as exc:
+            raise self._socket_error(exc) from None
+        if len(frames) < 2:
+            raise TransportError(f"a reply of {len(frames)} frame(s) from the hub")
+        if _bytes(frames[0]) != rid:
+            return None
+        reply = wire.decode_reply(frames[1].buffer if payload else frames[1])
+        if isinstance(reply, wire.Error):
+            wire.raise_error(reply)
+        return reply, frames[2:]
 
     def _socket_error(self, exc: zmq.ZMQError) -> Exception:
         if self._closed:
@@ -217,17 +238,28 @@ class RemoteHub(HubClient):
         arrays: dict[str, pa.Array],
         types: dict[str, Column],
     ) -> None:
-        headers, frames = [], []
-        for name, arr in arrays.items():
-            header, bufs = to_frames(name, types[name], arr)
-            headers.append(header)
-            frames.extend(bufs)
-        msg = wire.Write(
-            indices=indices.tobytes(),
-            columns=[types[name] for name in arrays],
-            arrays=headers,
+        self._call(unit, *_write_request(indices, arrays, types))
+
+    def _write_commit(
+        self,
+        unit: int,
+        indices: np.ndarray,
+        arrays: dict[str, pa.Array],
+        types: dict[str, Column],
+        commit: CommitArgs,
+    ) -> None:
+        # The unit hands the commit on once the bytes are stored; the controller answers
+        # this thread's controller socket (or the unit, if it refused the write).
+        msg, frames = _write_request(
+            indices,
+            arrays,
+            types,
+            commit=_commit_request(commit),
+            controller=self.address,
+            reply_to=self._socket(None).getsockopt(zmq.ROUTING_ID),
         )
-        self._call(unit, msg, frames)
+        rid = self._send(unit, msg, frames)
+        self._recv(unit, rid, self.rpc_timeout, or_controller=True)
 
     def _discard(self, unit: int, indices: np.ndarray, columns: tuple[str, ...]) -> None:
         try:
@@ -236,20 +268,7 @@ class RemoteHub(HubClient):
             log.warning("could not discard uncommitted data on storage unit %d", unit)
 
     def _commit(self, args: CommitArgs) -> None:
-        msg = wire.Commit(
-            indices=args.indices.tobytes(),
-            cells={
-                k: wire.Cell(c.nbytes.tobytes(), None if c.lengths is None else c.lengths.tobytes())
-                for k, c in args.cells.items()
-            },
-            new=args.new,
-            partition=args.partition,
-            groups=None if args.groups is None else args.groups.tobytes(),
-            version=args.version,
-            tokens=None if args.tokens is None else args.tokens.tobytes(),
-            producer=args.producer,
-        )
-        self._call(None, msg)
+        self._call(None, _commit_request(args))
 
     def _claim(self, args: ClaimArgs, timeout: float | None) -> BatchMeta:
         # A parked claim lives only in the controller's memory. Waiting in slices of at
@@ -447,6 +466,43 @@ class RemoteHub(HubClient):
             for s in self._sockets:
                 s.close(linger=0)
             self._sockets.clear()
+
+
+def _write_request(
+    indices: np.ndarray,
+    arrays: dict[str, pa.Array],
+    types: dict[str, Column],
+    **commit: Any,
+) -> tuple[wire.Write, list[Any]]:
+    """A Write and its payload frames (one per Arrow buffer)."""
+    headers, frames = [], []
+    for name, arr in arrays.items():
+        header, bufs = to_frames(name, types[name], arr)
+        headers.append(header)
+        frames.extend(bufs)
+    msg = wire.Write(
+        indices=indices.tobytes(),
+        columns=[types[name] for name in arrays],
+        arrays=headers,
+        **commit,
+    )
+    return msg, frames
+
+
+def _commit_request(args: CommitArgs) -> wire.Commit:
+    return wire.Commit(
+        indices=args.indices.tobytes(),
+        cells={
+            k: wire.Cell(c.nbytes.tobytes(), None if c.lengths is None else c.lengths.tobytes())
+            for k, c in args.cells.items()
+        },
+        new=args.new,
+        partition=args.partition,
+        groups=None if args.groups is None else args.groups.tobytes(),
+        version=args.version,
+        tokens=None if args.tokens is None else args.tokens.tobytes(),
+        producer=args.producer,
+    )
 
 
 def _bytes(frame: Any) -> bytes:

@@ -136,6 +136,14 @@ class Commit(_Msg, frozen=True, tag="commit"):
     producer: str = ""
 
 
+class CommitFor(_Msg, frozen=True, tag="commit_for"):
+    """A commit a storage unit hands on once it stored the bytes, sent under the producer's
+    request id; the controller answers the producer (its routing id ``reply_to``)."""
+
+    commit: Commit
+    reply_to: bytes
+
+
 class Claim(_Msg, frozen=True, tag="claim"):
     task: str
     n: Count
@@ -190,6 +198,11 @@ class Write(_Msg, frozen=True, tag="write"):
     indices: bytes
     columns: list[Column]
     arrays: list[ArrayHeader]
+    # With a commit, the unit stores the bytes, then hands the commit to the controller
+    # at ``controller``, which answers the producer's socket ``reply_to`` (its routing id).
+    commit: Commit | None = None
+    controller: str = ""
+    reply_to: bytes = b""
 
 
 class Read(_Msg, frozen=True, tag="read"):
@@ -240,6 +253,7 @@ Request = (
     | Abort
     | CheckUpdate
     | Commit
+    | CommitFor
     | Claim
     | MetaOf
     | Ack
@@ -374,8 +388,17 @@ def _check_request(msg: Any) -> str:
             return "tokens must be >= 0"
     elif isinstance(msg, Claim) and msg.min_n is not None and msg.min_n > msg.n:
         return f"min_n={msg.min_n} exceeds n={msg.n}"
-    elif isinstance(msg, Write) and len(msg.arrays) != len({h.column for h in msg.arrays}):
-        return "a column appears twice"
+    elif isinstance(msg, Write):
+        if len(msg.arrays) != len({h.column for h in msg.arrays}):
+            return "a column appears twice"
+        if msg.commit is not None:
+            if msg.commit.indices != msg.indices:
+                return "the commit names other samples than the write"
+            if "://" not in msg.controller or not msg.reply_to:
+                return "a commit needs the controller's zmq address and the producer's id"
+            return _check_request(msg.commit)
+    elif isinstance(msg, CommitFor):
+        return _check_request(msg.commit)
     return ""
 
 

@@ -131,7 +131,8 @@ def _reserved_write(hub, bad_commit: dict):
     cells = {k: CellWrite(e.nbytes, e.lengths) for k, e in enc.items()}
     commit = CommitArgs(idx, cells, True, "", None, None, None, "")._replace(**bad_commit)
     arrays = {k: e.array for k, e in enc.items()}
-    return idx, unit, lambda: hub._write_commit(unit, idx, arrays, {c.name: c for c in hub.schema.columns()}, commit)
+    types = {c.name: c for c in hub.schema.columns()}
+    return idx, unit, lambda: hub._write_commit(unit, idx, arrays, types, commit)
 
 
 def test_a_commit_the_controller_refuses_reaches_the_producer(hub) -> None:

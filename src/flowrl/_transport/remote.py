@@ -185,7 +185,9 @@ class RemoteHub(HubClient):
         """Read one reply; None if it answers another request (one this thread gave up on).
         Units reply with payload frames (zero-copy); the controller's replies are small."""
         try:
-            frames: list[Any] = sock.recv_multipart(copy=not payload)
+            frames: list[Any] = (
+                sock.recv_multipart(copy=False) if payload else sock.recv_multipart()
+            )
         except zmq.ZMQError as exc:
             raise self._socket_error(exc) from None
         if len(frames) < 2:

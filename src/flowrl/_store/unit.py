@@ -39,7 +39,7 @@ __all__ = ["StorageUnit"]
 
 
 class _ColumnStore:
-    __slots__ = ("chunk_of", "chunks", "live", "log", "next_chunk", "owner", "row_of")
+    __slots__ = ("chunk_of", "chunks", "live", "log", "nbytes", "next_chunk", "owner", "row_of")
 
     def __init__(self, capacity: int, log: ColumnLog | None = None) -> None:
         self.log = log
@@ -48,6 +48,7 @@ class _ColumnStore:
         self.row_of = np.zeros(capacity, dtype=np.int64)
         self.chunks: dict[int, pa.Array] = {}
         self.live: dict[int, int] = {}
+        self.nbytes = 0  # of the chunks held, kept as they come and go (statistics is O(1))
         self.next_chunk = 0
 
     def _unref(self, chunk_ids: np.ndarray) -> None:
@@ -63,6 +64,7 @@ class _ColumnStore:
             if left:
                 self.live[cid] = left
             else:
+                self.nbytes -= self.chunks[cid].nbytes
                 del self.live[cid], self.chunks[cid]
                 if self.log is not None:
                     self.log.drop(cid)
@@ -81,6 +83,7 @@ class _ColumnStore:
             else:
                 self.log.append(cid, indices, array)
         self.chunks[cid] = array
+        self.nbytes += array.nbytes
         self.live[cid] = int(slots.size)
         self.owner[slots] = indices
         self.chunk_of[slots] = cid
@@ -112,9 +115,6 @@ class _ColumnStore:
         self._unref(self.chunk_of[mine])
         self.owner[mine] = -1
         self.chunk_of[mine] = -1
-
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.chunks.values())
 
 
 class StorageUnit:
@@ -332,5 +332,5 @@ class StorageUnit:
         with self._lock:
             samples = max((int((s.owner >= 0).sum()) for s in self._columns.values()), default=0)
             chunks = sum(len(s.chunks) for s in self._columns.values())
-            nbytes = sum(s.nbytes() for s in self._columns.values())
+            nbytes = sum(s.nbytes for s in self._columns.values())
         return UnitStats(self.unit_id, samples, chunks, nbytes)

@@ -79,7 +79,7 @@ class BalancerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_moves: int = 64
     move_running: bool = True
     steal_moves: int = 8
-    steal_gain: float = 0.05
+    steal_gain: float = 0.02
     model: ModelSpec = msgspec.field(default_factory=ModelSpec)
     hw: HardwareSpec = msgspec.field(default_factory=HardwareSpec)
 
@@ -332,9 +332,9 @@ def _steal_pass(
             k += 1
         return -1, 0.0
 
-    big = np.zeros(n)
-    for j in on_idx:
-        big[j] = top(int(j))[1]
+    big = np.zeros(n)  # largest tail per replica: the first of its run in ``order``
+    has = starts[1:] > starts[:-1]
+    big[has] = hi[order[starts[:-1][has]]]
     for _ in range(config.steal_moves):
         busy = on_idx[batch[on_idx] > 0]
         if not len(busy):

@@ -23,6 +23,16 @@ rounds, the sections alternating so that drift on a shared machine hits them ali
 * ``*_ratio``: ``get_cross_vs_same_node_{zmq,objstore}`` and
   ``objstore_vs_zmq_get_{same,cross}_node`` (above 1: the object store reads faster).
 
+* ``restart_*`` (a journaled hub on the cluster holding --restart-samples samples of
+  --restart-seq-len tokens, on node A's storage unit): the controller actor's process is
+  SIGKILLed, then that storage unit actor's process. ``restart_controller_ray_s`` /
+  ``restart_unit_ray_s``: kill -> Ray reports the actor ALIVE again (a new worker process,
+  the server rebinding its ports and recovering); ``restart_controller_s``: kill -> the
+  driver's client gets a ``statistics()`` answer again (journal replayed);
+  ``restart_unit_s``: kill -> a read of 256 of the unit's samples succeeds (segments
+  memory-mapped back). The client polls with ``rpc_timeout`` 0.25 s, so the client-side
+  figures include up to that much of waiting on a request the dead server never got.
+
 * ``journal`` and ``recovery`` (from ``benchmarks/journal.py``, on the same zmq servers
   the Ray actors host, outside the cluster): put + consume throughput with the journal
   off / on / on with persisted data at the default sync policy, ``loss`` = 1 - on/off
@@ -39,13 +49,17 @@ payload where same-node reads dominate. Quote ratios from one run; absolute numb
 on a shared 2-core machine.
 
 Usage: python benchmarks/ray_hub.py --json [--samples N] [--seq-len L] [--repeat R]
+       [--sections zmq object_store restart] [--restart-samples N]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,6 +87,8 @@ class Bench:
     samples: int
     seq_len: int
     batch: int
+    restart_samples: int = 20_000
+    restart_seq_len: int = 16
 
     @property
     def sample_bytes(self) -> int:
@@ -220,10 +236,67 @@ def object_store(bench: Bench) -> dict[str, Any]:
             ray.kill(c)
 
 
+def restart(bench: Bench) -> dict[str, Any]:
+    """SIGKILL the controller actor, then node A's storage unit actor, of a journaled hub;
+    time until Ray has each back and until the driver's client is served again."""
+    with tempfile.TemporaryDirectory(prefix="flowrl-bench-") as folder:
+        config = flowrl.HubConfig(
+            capacity=bench.restart_samples + bench.batch,
+            journal=flowrl.JournalConfig(path=folder),
+        )
+        hub = flowrl.launch_ray_hub(COLUMNS, tasks=TASKS, config=config)
+        try:
+            rng = np.random.default_rng(0)
+            rows = payload(256, bench.restart_seq_len, rng)
+            puts = [hub.put(rows) for _ in range(bench.restart_samples // 256)]
+            unit = hub.unit_nodes.index(bench.node_a)  # where the driver's puts went
+            meta = hub.meta(puts[0], ["input_ids", "reward"])
+            if set(meta.units.tolist()) != {unit}:
+                raise RuntimeError(f"the driver's samples left its node: units {meta.units}")
+            hub.rpc_timeout = 0.25
+            pids = hub.servers.pids()
+            out = {}
+            for name, server, call in (
+                ("controller", -1, hub.statistics),
+                ("unit", unit, lambda: hub.get(meta)),
+            ):
+                restarts = hub.servers.restarts
+                t0 = time.perf_counter()
+                os.kill(pids[server], signal.SIGKILL)
+                ray_s = served_s = None
+                while ray_s is None or served_s is None:
+                    if (
+                        ray_s is None
+                        and hub.servers.restarts > restarts
+                        and hub.servers.states()[server] == "ALIVE"
+                    ):
+                        ray_s = time.perf_counter() - t0
+                    if served_s is None:
+                        try:
+                            call()
+                            served_s = time.perf_counter() - t0
+                        except flowrl.errors.TransportError:
+                            pass
+                    if time.perf_counter() - t0 > 120:
+                        raise RuntimeError(f"the {name} did not come back in 120 s")
+                out[f"restart_{name}_ray_s"] = ray_s
+                out[f"restart_{name}_s"] = served_s
+            stats = hub.statistics()
+            if stats.live != len(puts) * 256 or hub.servers.restarts != 2:
+                raise RuntimeError(
+                    f"after the restarts: {stats.live} samples, {hub.servers.restarts} restarts"
+                )
+            out["restart_hub_samples"] = stats.live
+            return out
+        finally:
+            hub.close()
+
+
 #: Sections of the report, run in turn each round; each returns a flat dict of figures.
 SECTIONS: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "zmq": zmq_data_plane,
     "object_store": object_store,
+    "restart": restart,
 }
 
 
@@ -266,6 +339,8 @@ def main() -> None:
     ap.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
     ap.add_argument("--no-journal", action="store_true", help="skip journal and recovery")
     ap.add_argument("--recovery-samples", type=int, default=100_000)
+    ap.add_argument("--restart-samples", type=int, default=20_000)
+    ap.add_argument("--restart-seq-len", type=int, default=16)
     args = ap.parse_args()
     cluster = Cluster(
         initialize_head=True,
@@ -277,7 +352,15 @@ def main() -> None:
     try:
         node_a = ray.get_runtime_context().get_node_id()
         node_b = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != node_a)
-        bench = Bench(node_a, node_b, args.samples, args.seq_len, args.batch)
+        bench = Bench(
+            node_a,
+            node_b,
+            args.samples,
+            args.seq_len,
+            args.batch,
+            args.restart_samples,
+            args.restart_seq_len,
+        )
         result: dict[str, Any] = {
             "nodes": 2,
             "samples": args.samples,

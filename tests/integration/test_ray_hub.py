@@ -319,7 +319,7 @@ def test_without_a_journal_a_dead_server_is_a_transport_error(
     TransportError (a claim that waits for ever too), not a hang."""
     monkeypatch.setattr(remote, "CLAIM_SLICE_S", 1.0)
     hub = flowrl.launch_ray_hub(COLS, tasks=KILL_TASKS, nodes=nodes[:1])
-    hub.rpc_timeout = 2.0
+    hub.rpc_timeout = 1.0
     try:
         hub.put(rows(np.arange(8)))
         meta = hub.claim("train", 8, timeout=5)
@@ -352,11 +352,12 @@ def test_without_a_journal_a_dead_server_is_a_transport_error(
         hub.close()
 
 
-def test_a_new_hub_on_an_old_journal_gives_back_the_old_leases(
+def test_a_new_hub_on_an_old_journal_gives_back_the_old_leases_or_refuses_it(
     nodes: list[str], tmp_path: Path
 ) -> None:
     """Not a restart: the clients of the old hub are gone, so their leases end at once,
-    and the samples (bytes included) are there for the new hub's consumers."""
+    and the samples (bytes included) are there for the new hub's consumers. A journal of
+    another shape is refused."""
     hub = journaled(tmp_path, nodes[:1])
     try:
         idx = hub.put(rows(np.arange(8)))
@@ -371,3 +372,7 @@ def test_a_new_hub_on_an_old_journal_gives_back_the_old_leases(
         assert again.servers.restarts == 0
     finally:
         again.close()
+    # A journal of another shape is refused with the server's own error, not a dead actor.
+    other = HubConfig(capacity=2048, journal=JournalConfig(path=str(tmp_path)))
+    with pytest.raises(flowrl.errors.ConfigError, match="capacity"):
+        flowrl.launch_ray_hub(COLS, tasks=KILL_TASKS, config=other, nodes=nodes[:1])

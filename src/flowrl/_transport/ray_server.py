@@ -32,9 +32,10 @@ class ServerHost:
     """The body of the Ray actor that hosts one hub server, serving in a thread.
 
     A first start whose ports are taken (they are drawn at random by the launcher) serves
-    nothing and says so in ``addresses()``: the launcher then draws other ports. A restart
-    (``was_current_actor_reconstructed``) must get its ports back: it waits for them, then
-    fails, which ends the actor.
+    nothing and says so in ``addresses()``: the launcher then draws other ports; one that
+    fails otherwise keeps the error for ``addresses()`` to raise in the launcher. A
+    restart (``was_current_actor_reconstructed``) must get its ports back: it waits for
+    them, then fails, which ends the actor, as any error of a restarted server does.
     """
 
     def __init__(self, spec_json: bytes) -> None:
@@ -45,6 +46,7 @@ class ServerHost:
         if self.restarted:
             spec = as_restarted(spec)  # the controller keeps the live clients' leases
         self.busy: str | None = None
+        self.failed: Exception | None = None
         self.bound: list[str] = []
         wanted = _addresses(spec)
         deadline = time.monotonic() + (BIND_WAIT_S if self.restarted else 0.0)
@@ -64,16 +66,23 @@ class ServerHost:
             else:
                 server = UnitServer(**fields)
                 self.bound = [_bound(server.sock), _bound(server.control)]
-        except zmq.ZMQError as exc:  # taken between the check and the bind
-            if exc.errno != errno.EADDRINUSE or self.restarted:
-                raise
-            self.busy = str(exc)
+        except Exception as exc:
+            if self.restarted:
+                raise  # ends the actor: Ray does not restart a failed constructor
+            if isinstance(exc, zmq.ZMQError) and exc.errno == errno.EADDRINUSE:
+                self.busy = str(exc)  # taken between the check and the bind
+            else:
+                self.failed = exc  # raised by addresses(), in the launcher, as it is
             return
         threading.Thread(target=server.serve, name="flowrl-server", daemon=True).start()
 
     def addresses(self) -> list[str] | str:
         """The bound addresses (controller: its address and its events address; storage
-        unit: its address and its control address), or why it could not bind (a str)."""
+        unit: its address and its control address), or why it could not bind (a str).
+        Raises what made the server fail to start (a ``ConfigError`` for a journal of
+        another shape, ...)."""
+        if self.failed is not None:
+            raise self.failed
         return self.busy if self.busy is not None else self.bound
 
     def pid(self) -> int:

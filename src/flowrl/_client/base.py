@@ -21,6 +21,7 @@ from flowrl._controller.eventlog import EventLog, Subscription
 from flowrl._controller.meta import BatchMeta
 from flowrl._controller.samplers import FifoSampler, Sampler
 from flowrl._schema.columns import Column
+from flowrl._schema.encode import numeric_array
 from flowrl._schema.ragged import RaggedArray
 from flowrl._schema.schema import Schema
 from flowrl._store.batch import Batch, _to_python
@@ -171,7 +172,7 @@ class HubClient(abc.ABC):
             self._store(parts[0][0], target, arrays, types, new_columns, commit)
             return target
         for unit, pos in parts:
-            part = {k: a if pos is None else a.take(pa.array(pos)) for k, a in arrays.items()}
+            part = {k: a if pos is None else a.take(numeric_array(pos)) for k, a in arrays.items()}
             self._write(unit, _part(target, pos), part, types)
         if new_columns:
             self._declare_columns(tuple(new_columns))
@@ -307,7 +308,7 @@ class HubClient(abc.ABC):
         array = encoded[column].array
         lengths = np.empty(len(meta), dtype=np.int64)
         for unit, pos in _split_by_unit(meta.units):
-            part = array if pos is None else array.take(pa.array(pos))
+            part = array if pos is None else array.take(numeric_array(pos))
             lengths[slice(None) if pos is None else pos] = self._append(
                 unit, _part(meta.indices, pos), col, part, version
             )
@@ -557,7 +558,8 @@ def _in_request_order(
     inverse = np.empty_like(order)
     inverse[order] = np.arange(order.size)
     return {
-        c: pa.concat_arrays([r[c] for r in results]).take(pa.array(inverse)) for c in results[0]
+        c: pa.concat_arrays([r[c] for r in results]).take(numeric_array(inverse))
+        for c in results[0]
     }
 
 

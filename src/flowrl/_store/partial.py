@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from flowrl._schema.columns import Column
+from flowrl._schema.encode import numeric_array
 from flowrl._store.persist import PartialLog, load_partial, partial_files
 
 __all__ = ["VERSIONS", "PartialStore"]
@@ -129,7 +130,7 @@ def _ragged(column: Column, lengths: list[int], pieces: list[np.ndarray]) -> pa.
     np.cumsum(lengths, out=offsets[1:])
     flat = np.concatenate(pieces) if pieces else np.empty(0, dtype=column.np_dtype)
     return pa.LargeListArray.from_arrays(
-        pa.array(offsets), pa.array(flat.astype(column.np_dtype, copy=False))
+        numeric_array(offsets), numeric_array(flat.astype(column.np_dtype, copy=False))
     )
 
 

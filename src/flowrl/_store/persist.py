@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from flowrl._schema.columns import Column
+from flowrl._schema.encode import numeric_array
 from flowrl.errors import JournalError
 
 __all__ = [
@@ -38,32 +39,41 @@ __all__ = [
 ]
 
 SEGMENT_BYTES = 64 << 20
+#: Batches larger than this go to the OS in more than one write.
+WRITE_BUFFER_BYTES = 1 << 20
 _SEGMENT = re.compile(r"^(?P<column>\w+)\.(?P<segment>\d+)\.arrows$")
 _EVICTED = "evicted.arrows"
 _INDEX_SCHEMA = pa.schema([("index", pa.int64())])
 
 
 class _Segment:
-    __slots__ = ("chunks", "nbytes", "path", "sink", "writer")
+    __slots__ = ("buffered", "chunks", "nbytes", "path", "sink", "writer")
 
     def __init__(self, path: str, schema: pa.Schema | None) -> None:
         self.path = path
-        self.sink = pa.OSFile(path, mode="w") if schema is not None else None
-        self.writer = pa.ipc.new_stream(self.sink, schema) if schema is not None else None
+        self.sink = self.buffered = self.writer = None
+        if schema is not None:
+            self.sink = pa.OSFile(path, mode="w")
+            # A batch is many small IPC writes (header, each buffer, padding): gather them
+            # and hand the OS one write per batch.
+            self.buffered = pa.BufferedOutputStream(self.sink, WRITE_BUFFER_BYTES)
+            self.writer = pa.ipc.new_stream(self.buffered, schema)
         self.chunks = 0  # live chunks stored in it
         self.nbytes = 0
 
     def write(self, batch: pa.RecordBatch, fsync: bool) -> None:
-        if self.writer is None or self.sink is None:
+        if self.writer is None or self.sink is None or self.buffered is None:
             raise JournalError(f"segment {self.path!r} was loaded; it is never appended to")
         self.writer.write_batch(batch)
+        self.buffered.flush()  # in the OS before the write returns (the "write" policy)
         if fsync:
             os.fsync(self.sink.fileno())
         self.nbytes += batch.nbytes
 
     def close(self) -> None:
-        if self.writer is not None:
+        if self.writer is not None and self.buffered is not None:
             self.writer.close()
+            self.buffered.close()
 
 
 class ColumnLog:
@@ -99,7 +109,8 @@ class ColumnLog:
         if seg is None or seg.nbytes >= SEGMENT_BYTES:
             seg = self._rotate()
         seg.write(
-            pa.RecordBatch.from_arrays([pa.array(indices), array], schema=self._schema), self.fsync
+            pa.RecordBatch.from_arrays([numeric_array(indices), array], schema=self._schema),
+            self.fsync,
         )
         seg.chunks += 1
         self._segment_of[chunk] = seg
@@ -154,7 +165,9 @@ class EvictionLog:
         os.replace(path + ".tmp", path)  # the compacted log replaces the old one atomically
 
     def append(self, indices: np.ndarray) -> None:
-        self._segment.write(pa.RecordBatch.from_arrays([pa.array(indices)], ["index"]), self.fsync)
+        self._segment.write(
+            pa.RecordBatch.from_arrays([numeric_array(indices)], ["index"]), self.fsync
+        )
 
     def close(self) -> None:
         self._segment.close()
@@ -262,7 +275,7 @@ class PartialLog:
 
     def _batch(self, indices: np.ndarray, versions: np.ndarray, values: pa.Array) -> pa.RecordBatch:
         return pa.RecordBatch.from_arrays(
-            [pa.array(indices), pa.array(versions), values], schema=self._schema
+            [numeric_array(indices), numeric_array(versions), values], schema=self._schema
         )
 
 

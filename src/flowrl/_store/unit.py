@@ -25,6 +25,7 @@ import pyarrow as pa
 
 from flowrl._client.config import JournalConfig, UnitStats
 from flowrl._schema.columns import Column
+from flowrl._schema.encode import numeric_array
 from flowrl._store.partial import PartialStore
 from flowrl._store.persist import (
     ColumnLog,
@@ -104,11 +105,11 @@ class _ColumnStore:
             start = int(rows[0])
             if rows[-1] - start == rows.size - 1 and (rows[1:] > rows[:-1]).all():
                 return chunk.slice(start, rows.size)  # strictly increasing span: zero-copy
-            return chunk.take(pa.array(rows))
+            return chunk.take(numeric_array(rows))
         uniq, inverse = np.unique(cids, return_inverse=True)
         arrays = [self.chunks[int(c)] for c in uniq]
         bases = np.cumsum([0] + [len(a) for a in arrays[:-1]])
-        return pa.chunked_array(arrays).take(pa.array(bases[inverse] + rows)).combine_chunks()
+        return pa.chunked_array(arrays).take(numeric_array(bases[inverse] + rows)).combine_chunks()
 
     def evict(self, slots: np.ndarray, indices: np.ndarray) -> None:
         mine = slots[self.owner[slots] == indices]

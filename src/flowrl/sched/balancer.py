@@ -310,7 +310,7 @@ def _steal_pass(
     rep = q.replica.astype(np.int64).copy()
     ctx = q.context.astype(np.float64)
     batch = np.bincount(rep, minlength=n).astype(np.float64)
-    kv = np.bincount(rep, weights=ctx, minlength=n)
+    kv: F64 = np.bincount(rep, weights=ctx, minlength=n).astype(np.float64)
     room = (r.kv_capacity - kv).astype(np.float64)
     recent = [k for k, v in moved_at.items() if tick - v <= cd] if cd > 0 else []
     frozen = np.isin(q.rid, np.array(recent, dtype=np.int64))
@@ -332,7 +332,7 @@ def _steal_pass(
             k += 1
         return -1, 0.0
 
-    big = np.zeros(n)  # largest tail per replica: the first of its run in ``order``
+    big: F64 = np.zeros(n)  # largest tail per replica: the first of its run in ``order``
     has = starts[1:] > starts[:-1]
     big[has] = hi[order[starts[:-1][has]]]
     for _ in range(config.steal_moves):

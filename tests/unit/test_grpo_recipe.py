@@ -24,14 +24,19 @@ def _metrics(out: Path) -> list[dict]:
     return [m for m in lines if "summary" not in m]
 
 
-def test_synchronous_run_is_reproducible_for_a_seed(tmp_path: Path) -> None:
-    a = run(GRPOConfig(**TINY, max_staleness=0, out=str(tmp_path / "a")))
-    b = run(GRPOConfig(**TINY, max_staleness=0, out=str(tmp_path / "b")))
+def test_synchronous_run_is_reproducible_for_a_seed_with_or_without_appends(
+    tmp_path: Path,
+) -> None:
+    # Appending partial rollouts to the hub (every decoding step in ``b``) changes nothing
+    # that is sampled or trained: the two runs are the same run.
+    a = run(GRPOConfig(**TINY, max_staleness=0, append_every=0, out=str(tmp_path / "a")))
+    b = run(GRPOConfig(**TINY, max_staleness=0, append_every=1, out=str(tmp_path / "b")))
     keys = ("reward", "loss", "kl_ref", "clip_fraction", "n_tokens", "version", "lag_max")
     ma, mb = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
     assert [[m[k] for k in keys] for m in ma] == [[m[k] for k in keys] for m in mb]
     assert a["eval_greedy_after"] == b["eval_greedy_after"]
     assert a["lag_max"] == 0  # on-policy: every trained sample came from the current weights
+    assert all(m["token_lag_mean"] == 0.0 for m in ma + mb)  # and so did every token
 
 
 def test_streaming_run_bounds_staleness_and_writes_its_outputs(tmp_path: Path, capsys) -> None:

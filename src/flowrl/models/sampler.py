@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import final
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -198,6 +199,14 @@ def _packed(
     tokens: Tensor, logprobs: Tensor, lengths: Tensor, start: int, end: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Each row's tokens of decoding steps ``[start, end)``, packed row after row."""
-    steps = torch.arange(start, end, device=tokens.device)[None, :]
-    valid = steps < lengths[:, None]
-    return tokens[:, start:end][valid], logprobs[:, start:end][valid], valid.sum(dim=1)
+    if tokens.device.type != "cpu":
+        steps = torch.arange(start, end, device=tokens.device)[None, :]
+        valid_t = steps < lengths[:, None]
+        return tokens[:, start:end][valid_t], logprobs[:, start:end][valid_t], valid_t.sum(1)
+    # numpy is several times faster than torch on these few-element arrays
+    valid = np.arange(start, end)[None, :] < lengths.numpy()[:, None]
+    return (
+        torch.from_numpy(tokens[:, start:end].numpy()[valid]),
+        torch.from_numpy(logprobs[:, start:end].numpy()[valid]),
+        torch.from_numpy(valid.sum(axis=1)),
+    )

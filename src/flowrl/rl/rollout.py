@@ -109,7 +109,7 @@ def generate_resumable(
         np.cumsum(counts.cpu().numpy(), out=cu[1:])
         # Tokens first: a stored log-prob prefix is never longer than its token prefix.
         hub.append(meta, response, RaggedArray(tokens.cpu().numpy(), cu), version=version)
-        hub.append(meta, logprobs, RaggedArray(lps.cpu().numpy(), cu.copy()), version=version)
+        hub.append(meta, logprobs, RaggedArray(lps.cpu().numpy(), cu), version=version)
 
     out = generate(
         model,

@@ -145,7 +145,7 @@ def test_a_commit_the_controller_refuses_reaches_the_producer(hub) -> None:
     hub._discard(unit, idx, ("ids", "reward"))
     hub._abort(idx)
     stats = hub.statistics()
-    assert stats.live == 0 and stats.units[unit].samples == 0
+    assert stats.live == stats.reserved == 0 and stats.units[unit].samples == 0
     assert _put(hub, 1).size == 1  # and the hub goes on
 
 
@@ -171,6 +171,29 @@ def test_unit_refuses_a_commit_for_other_samples(hub) -> None:
     finally:
         sock.close()
     assert hub.statistics().units[0].samples == 0
+
+
+def test_indices_reserved_ahead_are_freed_by_end_of_stream_and_close(hub) -> None:
+    other = flowrl.connect(hub.address)
+    try:
+        _put(other, 1)  # its pool: indices reserved ahead for its next small puts
+        stats = hub.statistics()
+        assert stats.reserved_ahead > 0 and stats.live == 1 and stats.reserved == 0
+        other.close()  # gives its pool back
+        assert hub.statistics().reserved_ahead == 0
+    finally:
+        other.close()
+    _put(hub, 1)
+    assert hub.statistics().reserved_ahead > 0
+    hub.ack(hub.claim("train", 2, timeout=5))  # the other's sample and this one
+    hub.end_stream()
+    t0 = time.monotonic()
+    with pytest.raises(flowrl.errors.EndOfStream):
+        hub.claim("train", 1, timeout=5)  # at once: nobody is writing the pooled indices
+    assert time.monotonic() - t0 < 2.0
+    assert hub.statistics().reserved_ahead == 0
+    with pytest.raises(flowrl.errors.EndOfStream):
+        _put(hub, 1)  # its pooled indices are gone: the put learns the stream ended
 
 
 CONSUMER = textwrap.dedent(

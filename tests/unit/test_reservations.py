@@ -58,3 +58,37 @@ def test_committed_reservations_do_not_expire(ctl: Controller) -> None:
     ctl.commit(idx, _cells(2), new=True)
     ctl.expire(now=time.time() + 60)
     assert ctl.table.live == 2 and ctl.statistics().tasks["t"].ready == 2
+
+
+def test_indices_reserved_ahead_take_only_free_room_and_are_counted_apart() -> None:
+    ctl = Controller(capacity=8, n_units=2, lease_timeout=5.0)
+    ctl.add_columns((Column.scalar("x", "int64"),))
+    ctl.register_task("t", ("x",))
+    with ctl.cond:
+        first, unit = ctl.reserve(1, ahead=16)  # only 7 more fit
+        assert first.size == 8 and ctl.table.free_slots() == 0
+        # spread over the units the way one put after another would have been
+        assert ctl.table.unit[first].tolist() == [0, 1, 0, 1, 0, 1, 0, 1] and unit == 0
+        stats = ctl.statistics()
+        assert (stats.live, stats.reserved, stats.reserved_ahead) == (1, 1, 7)
+        ctl.commit(first[:2], _cells(2), new=True)  # the put, and one from the pool
+        ctl.abort(first[2:3])
+        stats = ctl.statistics()
+        assert (stats.live, stats.reserved, stats.reserved_ahead) == (2, 0, 5)
+        ctl.expire(now=time.time() + 60)  # a producer that died holds nothing for long
+        stats = ctl.statistics()
+        assert (stats.live, stats.reserved_ahead, ctl.table.free_slots()) == (2, 0, 6)
+
+
+def test_end_of_stream_frees_indices_reserved_ahead_but_waits_for_puts(ctl) -> None:
+    put, _ = ctl.reserve(1, ahead=2)
+    ctl.end_stream()
+    assert ctl.statistics().reserved_ahead == 0 and ctl.statistics().reserved == 1
+    with pytest.raises(UnknownIndexError):
+        ctl.commit(put[1:], _cells(2), new=True)  # what the pool held is gone
+    ctl.commit(put[:1], _cells(1), new=True)  # the put in flight still lands
+    meta = ctl.try_claim("t", 1, FifoSampler())
+    assert meta is not None and meta.indices.tolist() == put[:1].tolist()
+    ctl.ack("t", meta.lease)
+    with pytest.raises(EndOfStream):
+        ctl.try_claim("t", 1, FifoSampler())

@@ -274,13 +274,16 @@ def test_get_returns_rows_in_requested_order_across_puts(make_hub) -> None:
 
 def test_round_trip_across_storage_units(make_hub) -> None:
     hub = make_hub(columns=COLUMNS, tasks=TASKS, config=HubConfig(n_units=3))
+    row_of = {}  # sample index -> the row it holds (indices are handles, not put order)
     for start in range(0, 12, 2):
-        hub.put(rows(2, start))
+        for k, i in enumerate(hub.put(rows(2, start)).tolist()):
+            row_of[i] = start + k
     meta = hub.claim("train", 12, timeout=2)
     assert len(set(meta.units.tolist())) > 1
-    check_rows(hub.get(meta, columns=[c.name for c in COLUMNS]), meta.indices.tolist())
-    order = [11, 0, 5, 6, 1]
-    check_rows(hub.get(hub.meta(order, [c.name for c in COLUMNS])), order)
+    got = hub.get(meta, columns=[c.name for c in COLUMNS])
+    check_rows(got, [row_of[i] for i in meta.indices.tolist()])
+    order = [list(row_of)[k] for k in (11, 0, 5, 6, 1)]
+    check_rows(hub.get(hub.meta(order, [c.name for c in COLUMNS])), [row_of[i] for i in order])
 
 
 def test_put_to_existing_samples_adds_and_overwrites_columns(make_hub) -> None:

@@ -156,15 +156,7 @@ class HubClient(abc.ABC):
         types = {c.name: c for c in new_columns}
         types.update((k, self.schema[k]) for k in arrays if k not in types)
         if target is None:
-            idx, unit = self._reserve(n, timeout)
-            try:
-                commit = CommitArgs(idx, cells, True, *per_put)
-                self._store(unit, idx, arrays, types, new_columns, commit)
-            except BaseException:
-                self._discard(unit, idx, tuple(arrays))
-                self._abort(idx)
-                raise
-            return idx
+            return self._put_new(n, arrays, types, new_columns, cells, per_put, timeout)
         units = self._check_update(target, tuple(arrays))
         commit = CommitArgs(target, cells, False, *per_put)
         parts = _split_by_unit(units)
@@ -178,6 +170,26 @@ class HubClient(abc.ABC):
             self._declare_columns(tuple(new_columns))
         self._commit(commit)
         return target
+
+    def _put_new(
+        self,
+        n: int,
+        arrays: dict[str, pa.Array],
+        types: dict[str, Column],
+        new_columns: Sequence[Column],
+        cells: dict[str, CellWrite],
+        per_put: tuple[Any, ...],
+        timeout: float | None,
+    ) -> np.ndarray:
+        idx, unit = self._reserve(n, timeout)
+        try:
+            commit = CommitArgs(idx, cells, True, *per_put)
+            self._store(unit, idx, arrays, types, new_columns, commit)
+        except BaseException:
+            self._discard(unit, idx, tuple(arrays))
+            self._abort(idx)
+            raise
+        return idx
 
     def _store(
         self,

@@ -114,11 +114,14 @@ class HubStats(msgspec.Struct, frozen=True, kw_only=True):
     """A snapshot of the hub's counters (``hub.statistics()``)."""
 
     capacity: int
-    live: int
-    reserved: int
+    live: int  # samples put or being put
+    reserved: int  # of those, being put (reserved, not committed yet)
     tasks: dict[str, TaskStats]
     leases: int
     version: int
     ended: bool
     events: int
     units: list[UnitStats]
+    # indices reserved by remote producers for their next small puts: they hold capacity
+    # but are in neither ``live`` nor ``reserved``
+    reserved_ahead: int = 0

@@ -119,7 +119,11 @@ class Controller:
         self._next_lease = 1
         self._next_unit = 0
         self._reserved = 0
-        self._reservations: collections.deque[tuple[float, np.ndarray]] = collections.deque()
+        self._ahead = np.zeros(capacity, dtype=bool)  # slots reserved ahead, not yet put
+        self._n_ahead = 0
+        # (deadline, indices, pooled): pooled ones were reserved ahead for a producer's
+        # later puts, and end of stream frees them at once (nobody is writing them yet).
+        self._reservations: collections.deque[tuple[float, np.ndarray, bool]] = collections.deque()
         self._watermark = 0  # indices below it may have been handed out (IndexWatermark)
         self._replaying = False  # recover(): apply journaled events without re-emitting them
         self.declared: dict[str, Column] = {}
@@ -177,29 +181,44 @@ class Controller:
         return state
 
     # -- producers --------------------------------------------------------------------------
-    def reserve(self, n: int, *, unit: int | None = None) -> tuple[np.ndarray, int]:
-        """Allocate ``n`` fresh indices on one storage unit; invisible until :meth:`commit`."""
+    def reserve(self, n: int, *, unit: int | None = None, ahead: int = 0) -> tuple[np.ndarray, int]:
+        """Allocate ``n`` fresh indices on one storage unit; invisible until :meth:`commit`.
+
+        ``ahead``: up to that many more, as room allows (never waiting for it), which the
+        producer keeps for its next puts (a remote producer saves a round trip per put).
+        They are spread over the units as the producer's puts would have been (or all on
+        ``unit`` when given); ``table.unit`` says where each one goes.
+        """
         self._check_open()
         if self.ended:
             raise EndOfStream("end_stream() was called; no new samples may be put")
-        if unit is None:
-            unit = self._next_unit
-            self._next_unit = (self._next_unit + 1) % self.n_units
-        elif not 0 <= unit < self.n_units:
+        if unit is not None and not 0 <= unit < self.n_units:
             raise ConfigError(f"storage unit {unit} does not exist (have {self.n_units})")
-        indices = self.table.allocate(n)
-        self._init_slots(indices, unit)
+        ahead = max(0, min(ahead, self.table.free_slots() - n))
+        indices = self.table.allocate(n + ahead)
+        if unit is None:
+            units = (self._next_unit + np.arange(1 + ahead)) % self.n_units
+            self._next_unit = int(units[-1] + 1) % self.n_units
+            unit = int(units[0])
+            self._init_slots(indices[n:], units[1:])
+        else:
+            self._init_slots(indices[n:], unit)
+        self._init_slots(indices[:n], unit)
+        self._ahead[indices[n:] % self.table.capacity] = True
+        self._n_ahead += ahead
         if self.table.next_index > self._watermark:
             self._watermark = self.table.next_index + self.table.capacity
             self._emit(IndexWatermark, next=self._watermark)
         # A producer that dies between reserve and commit must not hold capacity (or hold
         # up end of stream) for ever: uncommitted reservations expire like leases.
         # Not sooner than RESERVATION_MIN_S: a large put may outlast a short lease timeout.
-        ttl = max(self.lease_timeout, RESERVATION_MIN_S)
-        self._reservations.append((time.time() + ttl, indices))
+        deadline = time.time() + max(self.lease_timeout, RESERVATION_MIN_S)
+        self._reservations.append((deadline, indices[:n], False))
+        if ahead:
+            self._reservations.append((deadline, indices[n:], True))
         return indices, unit
 
-    def _init_slots(self, indices: np.ndarray, unit: int) -> None:
+    def _init_slots(self, indices: np.ndarray, unit: int | np.ndarray) -> None:
         slots = indices % self.table.capacity
         self.table.unit[slots] = unit
         for state in self.tasks.values():
@@ -218,7 +237,14 @@ class Controller:
         mine = slots[(self.table.owner[slots] == indices) & ~self.table.committed[slots]]
         self.table.free(mine)
         self._reserved -= int(mine.size)
+        self._settle_ahead(mine)
         return int(mine.size)
+
+    def _settle_ahead(self, slots: np.ndarray) -> None:
+        """Slots reserved ahead that were put or freed no longer count as ahead."""
+        if self._n_ahead:
+            self._n_ahead -= int(self._ahead[slots].sum())
+            self._ahead[slots] = False
 
     def check_update(self, indices: np.ndarray, columns: tuple[str, ...]) -> np.ndarray:
         """Validate a put to existing samples before any byte moves; returns their units."""
@@ -261,6 +287,7 @@ class Controller:
             t.version[slots] = self.version if version is None else version
             t.group[slots] = -1 if groups is None else groups
             self._reserved -= int(slots.size)
+            self._settle_ahead(slots)
         elif version is not None:
             t.version[slots] = version
         if groups is not None and not new:
@@ -653,6 +680,9 @@ class Controller:
                 raise UnknownColumnError(f"unknown column {c!r} in end_stream()")
         self.ended = True
         self.closed_columns.update(columns)
+        for _, indices, pooled in self._reservations:
+            if pooled:
+                self._release_reserved(indices)
         self._emit(StreamEnded, columns=tuple(columns))
         self.cond.notify_all()
 
@@ -807,8 +837,9 @@ class Controller:
         }
         return HubStats(
             capacity=self.table.capacity,
-            live=self.table.live,
-            reserved=self._reserved,
+            live=self.table.live - self._n_ahead,
+            reserved=self._reserved - self._n_ahead,
+            reserved_ahead=self._n_ahead,
             tasks=tasks,
             leases=len(self._leases),
             version=self.version,

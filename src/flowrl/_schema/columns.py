@@ -15,6 +15,7 @@ object     any msgpack-encodable Python value          ``large_binary`` (msgpack
 
 from __future__ import annotations
 
+import functools
 from typing import Literal, final
 
 import msgspec
@@ -109,15 +110,12 @@ class Column(msgspec.Struct, frozen=True):
 
     @property
     def arrow_type(self) -> pa.DataType:
-        if self.kind == "scalar":
-            return pa.from_numpy_dtype(self.np_dtype)
-        if self.kind == "tensor":
-            return pa.fixed_shape_tensor(pa.from_numpy_dtype(self.np_dtype), list(self.shape))
-        if self.kind == "ragged":
-            return pa.large_list(pa.from_numpy_dtype(self.np_dtype))
-        if self.kind == "string":
-            return pa.large_string()
-        return pa.large_binary()
+        return _arrow_type(self.kind, self.dtype, self.shape)
+
+    @property
+    def value_type(self) -> pa.DataType:
+        """The Arrow type of one element: of the values of a ragged or tensor column."""
+        return _arrow_type("scalar", self.dtype, ())
 
     def describe(self) -> str:
         if self.kind == "scalar":
@@ -127,6 +125,17 @@ class Column(msgspec.Struct, frozen=True):
         if self.kind == "ragged":
             return f"ragged {self.dtype} sequences"
         return f"{self.kind} values"
+
+
+@functools.cache
+def _arrow_type(kind: str, dtype: str, shape: tuple[int, ...]) -> pa.DataType:
+    """Built once per distinct column type: the data path asks for it on every message."""
+    if kind in ("string", "object"):
+        return pa.large_string() if kind == "string" else pa.large_binary()
+    value = pa.from_numpy_dtype(np.dtype(dtype))
+    if kind == "tensor":
+        return pa.fixed_shape_tensor(value, list(shape))
+    return pa.large_list(value) if kind == "ragged" else value
 
 
 def _dtype_name(dtype: object) -> str:

@@ -226,10 +226,16 @@ class ControllerServer:
                 raise HubFull(
                     f"put() of {msg.n} samples can never fit capacity {ctl.table.capacity}"
                 )
+            if msg.give_back is not None:  # idempotent: a parked retry aborts nothing twice
+                ctl.abort(wire.ints(msg.give_back))
+                self._seen_seq = -1  # freed room without an event: parked reserves may proceed
             if ctl.table.free_slots() < msg.n and not ctl.ended:
                 return None  # (reserve raises EndOfStream once the stream ended)
-            indices, unit = ctl.reserve(msg.n, unit=msg.unit)
-            return wire.Reserved(indices=indices.tobytes(), unit=unit)
+            indices, unit = ctl.reserve(msg.n, unit=msg.unit, ahead=msg.ahead)
+            units = None
+            if indices.size > msg.n:
+                units = ctl.table.unit[indices % ctl.table.capacity].astype(np.int16).tobytes()
+            return wire.Reserved(indices=indices.tobytes(), unit=unit, units=units)
         meta = ctl.try_claim(
             msg.task,
             msg.n,

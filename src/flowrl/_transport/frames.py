@@ -63,7 +63,7 @@ def from_frames(column: Column, header: ArrayHeader, frames: list[Any]) -> pa.Ar
             return _primitive(column.arrow_type, n, frames[0])
         if kind == "tensor":
             size = int(np.prod(column.shape))
-            child = _primitive(pa.from_numpy_dtype(column.np_dtype), n * size, frames[0])
+            child = _primitive(column.value_type, n * size, frames[0])
             storage = pa.FixedSizeListArray.from_arrays(child, size)
             return pa.ExtensionArray.from_storage(column.arrow_type, storage)
         offsets = pa.py_buffer(frames[0])
@@ -71,7 +71,7 @@ def from_frames(column: Column, header: ArrayHeader, frames: list[Any]) -> pa.Ar
             raise TransportError(f"column {column.name!r}: offsets frame has the wrong size")
         total = _check_offsets(column, np.frombuffer(offsets, dtype=np.int64))
         if kind == "ragged":
-            child = _primitive(pa.from_numpy_dtype(column.np_dtype), total, frames[1])
+            child = _primitive(column.value_type, total, frames[1])
             return pa.Array.from_buffers(column.arrow_type, n, [None, offsets], children=[child])
         data = pa.py_buffer(frames[1])
         if data.size != total:
@@ -86,7 +86,7 @@ def from_frames(column: Column, header: ArrayHeader, frames: list[Any]) -> pa.Ar
 
 def _check_offsets(column: Column, offsets: np.ndarray) -> int:
     """Offsets start at 0 and never decrease (readers trust them); returns the last one."""
-    if offsets[0] != 0 or (offsets.size > 1 and (np.diff(offsets) < 0).any()):
+    if offsets[0] != 0 or (offsets[1:] < offsets[:-1]).any():
         raise TransportError(f"column {column.name!r}: offsets must start at 0 and never decrease")
     return int(offsets[-1])
 

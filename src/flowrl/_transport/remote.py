@@ -7,6 +7,7 @@ controller; bytes go straight to the storage units, several units read in parall
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -22,6 +23,7 @@ import zmq
 
 from flowrl._client.base import ClaimArgs, CommitArgs, HubClient
 from flowrl._client.config import HubConfig, HubStats
+from flowrl._controller.controller import RESERVATION_MIN_S
 from flowrl._controller.eventlog import EventLog
 from flowrl._controller.meta import BatchMeta
 from flowrl._schema.columns import Column
@@ -29,7 +31,14 @@ from flowrl._schema.schema import Schema
 from flowrl._store.partial import VERSIONS
 from flowrl._transport import wire
 from flowrl._transport.frames import ZERO_COPY_MIN_BYTES, from_frames, to_frames
-from flowrl.errors import ConfigError, HubClosed, Timeout, TransportError, UnknownIndexError
+from flowrl.errors import (
+    ConfigError,
+    FlowRLError,
+    HubClosed,
+    Timeout,
+    TransportError,
+    UnknownIndexError,
+)
 from flowrl.events import event_decoder
 
 __all__ = ["RemoteHub"]
@@ -42,6 +51,8 @@ RPC_TIMEOUT_S = 30.0
 CLAIM_SLICE_S = 10.0
 #: Longest single zmq poll while waiting for a reply (then check the deadline and close).
 POLL_SLICE_S = 1.0
+#: Indices a thread reserves ahead for its next small puts (capped at capacity / 64).
+RESERVE_AHEAD = 32
 
 
 @final
@@ -95,6 +106,11 @@ class RemoteHub(HubClient):
         self._sub_thread: threading.Thread | None = None
         self._hello = threading.Condition()
         self._hello_seen = 0
+        # Small puts reserve indices ahead (see _reserve); a pool never holds more than
+        # 1/64 of the capacity, so other producers barely notice it.
+        self._pool_block = min(RESERVE_AHEAD, self.config.capacity // 64)
+        self._pool_ttl = max(self.config.lease_timeout, RESERVATION_MIN_S) / 2
+        self._pools: list[_Pool] = []
         self.unit_nodes: tuple[str, ...] = tuple(unit_nodes)
         self.node = node
         if self.unit_nodes and len(self.unit_nodes) != len(self.unit_addresses):
@@ -199,6 +215,15 @@ class RemoteHub(HubClient):
             wire.raise_error(reply)
         return reply, frames[2:]
 
+    def _give_back_pools(self) -> None:
+        """Free what the threads reserved ahead (a client that dies leaves it to expire)."""
+        with self._sockets_lock:
+            left = [p.rest() for p in self._pools]
+            self._pools.clear()
+        if left:
+            with contextlib.suppress(FlowRLError):
+                self._call(None, wire.Abort(indices=np.concatenate(left).tobytes()), wait=1.0)
+
     def _socket_error(self, exc: zmq.ZMQError) -> Exception:
         if self._closed:
             return HubClosed("this hub client was closed")
@@ -219,10 +244,44 @@ class RemoteHub(HubClient):
         self._call(None, wire.RegisterTask(task=task, columns=list(columns)))
 
     def _reserve(self, n: int, timeout: float | None) -> tuple[np.ndarray, int]:
+        """Fresh indices for a put. Small puts take them from this thread's pool, reserved
+        ahead in one round trip with an earlier put's: a small put then costs the write's
+        round trip alone."""
+        pool: _Pool | None = getattr(self._local, "pool", None)
+        taken = pool.take(n) if pool is not None and time.monotonic() < pool.until else None
+        self._local.pooled = taken is not None
+        if taken is not None:
+            return taken
+        ahead = self._pool_block if n < self._pool_block else 0
+        rest = None if pool is None else pool.rest()
         unit = None if self._local_units is None else next(self._local_units)
-        msg = wire.Reserve(n=n, timeout=_wire_timeout(timeout), unit=unit)
+        msg = wire.Reserve(
+            n=n,
+            timeout=_wire_timeout(timeout),
+            unit=unit,
+            ahead=ahead,
+            give_back=None if rest is None or not rest.size else rest.tobytes(),
+        )
         reply, _ = self._call(None, msg, wait=_grace(timeout))
-        return wire.ints(reply.indices), reply.unit
+        indices = wire.ints(reply.indices)
+        if reply.units is not None and indices.size > n:
+            # used within half the reservation's lifetime, so it never expires under a put
+            units = np.frombuffer(reply.units, dtype=np.int16)[n:]
+            self._local.pool = _Pool(indices[n:], units, time.monotonic() + self._pool_ttl)
+            with self._sockets_lock:
+                self._pools.append(self._local.pool)
+        return indices[:n], reply.unit
+
+    def _put_new(self, *args: Any) -> np.ndarray:
+        try:
+            return super()._put_new(*args)
+        except UnknownIndexError:
+            # Pooled indices the controller no longer holds for us (it restarted from its
+            # journal, or the stream ended): nothing was committed; reserve afresh, once.
+            if not getattr(self._local, "pooled", False):
+                raise
+            self._local.pool = None
+            return super()._put_new(*args)
 
     def _abort(self, indices: np.ndarray) -> None:
         self._call(None, wire.Abort(indices=indices.tobytes()))
@@ -457,6 +516,7 @@ class RemoteHub(HubClient):
     def close(self) -> None:
         if self._closed:
             return
+        self._give_back_pools()
         self._closed = True
         for fn in self._on_close:
             fn()
@@ -468,6 +528,34 @@ class RemoteHub(HubClient):
             for s in self._sockets:
                 s.close(linger=0)
             self._sockets.clear()
+
+
+class _Pool:
+    """Indices a thread reserved ahead for its next small puts, and their storage units."""
+
+    __slots__ = ("free", "indices", "units", "until")
+
+    def __init__(self, indices: np.ndarray, units: np.ndarray, until: float) -> None:
+        self.indices = indices
+        self.units = units
+        self.free = np.ones(indices.size, dtype=bool)
+        self.until = until
+
+    def take(self, n: int) -> tuple[np.ndarray, int] | None:
+        """``n`` indices on one unit (that of the oldest left), or None if there are not."""
+        pos = np.flatnonzero(self.free)
+        if pos.size:
+            pos = pos[self.units[pos] == self.units[pos[0]]][:n]
+        if pos.size < n or not pos.size:
+            return None
+        self.free[pos] = False
+        return self.indices[pos], int(self.units[pos[0]])
+
+    def rest(self) -> np.ndarray:
+        """Every index left (the pool is empty afterwards)."""
+        left = self.indices[self.free]
+        self.free[:] = False
+        return left
 
 
 def _write_request(

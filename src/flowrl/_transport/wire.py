@@ -109,6 +109,8 @@ class Reserve(_Msg, frozen=True, tag="reserve"):
     n: Count
     timeout: Seconds | None = None
     unit: NonNeg | None = None  # the storage unit to put on (the producer's node's); None: any
+    ahead: NonNeg = 0  # reserve up to this many more for the producer's next puts
+    give_back: bytes | None = None  # unused indices reserved ahead earlier: abort them first
 
 
 class Abort(_Msg, frozen=True, tag="abort"):
@@ -294,7 +296,8 @@ class Welcome(_Msg, frozen=True, tag="welcome"):
 
 class Reserved(_Msg, frozen=True, tag="reserved"):
     indices: bytes
-    unit: int
+    unit: int  # of the n indices asked for
+    units: bytes | None = None  # int16 per index, when indices were reserved ahead
 
 
 class Units(_Msg, frozen=True, tag="units"):

@@ -11,9 +11,11 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
 * ``claim_p50_ms`` / ``claim_p99_ms``: claim latency with 100,000 samples live, and
   ``claim_p99_ms_1k`` vs ``claim_p99_ms_131k`` to show it does not grow with the table.
 * ``controller_cell_updates_per_s``: (sample, column) readiness updates per second the
-  controller applies (reserve + commit of metadata only, no payload), batches of --batch.
+  controller applies (reserve + commit of metadata only, no payload), batches of --batch;
+  the median of five runs after a warm-up.
 * zmq only: ``put_to_claimable_p50_ms`` (a put until a consumer blocked in claim returns),
-  ``single_sample_puts_per_s``, ``metadata_round_trips_per_s``, ``startup_s``,
+  ``single_sample_puts_per_s``, ``metadata_round_trips_per_s`` (one client, one request
+  at a time), ``startup_s``,
   ``blocked_claim_put_latency_ratio`` (put latency while another thread waits in claim,
   divided by put latency without it; 1.0 means no interference).
 * ``--peer``: runs the TransferQueue package on the same payload in a subprocess and
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 import subprocess
 import sys
 import threading
@@ -137,7 +140,13 @@ def claim_latency(live: int, batch: int, rounds: int = 2000) -> tuple[float, flo
     return float(np.percentile(lat, 50) * 1e3), float(np.percentile(lat, 99) * 1e3)
 
 
-def controller_cells(batch: int, total: int = 262144) -> float:
+def controller_cells(batch: int, runs: int = 5) -> float:
+    """Median of ``runs`` after a warm-up run (a single short run swings ±30% here)."""
+    _cells_once(batch)
+    return statistics.median(_cells_once(batch) for _ in range(runs))
+
+
+def _cells_once(batch: int, total: int = 262144) -> float:
     ctl = Controller(capacity=65536)
     names = [c.name for c in COLUMNS]
     ctl.add_columns(tuple(COLUMNS))

@@ -85,9 +85,9 @@ def generate_resumable(
 
     ``prompts``: one per sample of ``meta``, in order. ``max_new_tokens`` bounds a whole
     response, prefix included. ``version``: the policy version of ``model``'s weights.
-    ``append_every``: decoding steps between appends (0: no appends; the batch is then
-    not resumable). ``response`` and ``logprobs``: the ragged columns (int64, float32)
-    the stage writes.
+    ``append_every``: decoding steps between appends (0: off, neither appends nor reads
+    prefixes — plain generation, not resumable). ``response`` and ``logprobs``: the
+    ragged columns (int64, float32) the stage writes.
     """
     if not isinstance(append_every, int) or isinstance(append_every, bool) or append_every < 0:
         raise ValueError(f"append_every must be an int >= 0 (0: off), got {append_every!r}")
@@ -96,10 +96,10 @@ def generate_resumable(
             f"generate_resumable got {len(prompts)} prompts for {len(meta)} claimed samples; "
             "pass one prompt per sample of the claim, in its order"
         )
-    stored = hub.partial(meta, response)
-    resumed = int(np.count_nonzero(stored.values.lengths))
+    stored = hub.partial(meta, response) if append_every else None
+    resumed = 0 if stored is None else int(np.count_nonzero(stored.values.lengths))
     old_lp: list[np.ndarray] = []
-    if resumed:
+    if stored is not None and resumed:
         old_lp = _aligned_logprobs(
             hub, meta, model, prompts, stored, version, temperature, logprobs
         )
@@ -118,14 +118,14 @@ def generate_resumable(
         temperature=temperature,
         eos_id=eos_id,
         generator=generator,
-        prefixes=stored.values.tolist() if resumed else None,
+        prefixes=stored.values.tolist() if stored is not None and resumed else None,
         on_chunk=on_chunk if append_every else None,
         chunk_steps=max(append_every, 1),
     )
     tokens = out.token_ids.cpu().numpy()
     lps = out.logprobs.cpu().numpy()
     cu = out.cu_seqlens.cpu().numpy()
-    if not resumed:
+    if stored is None or not resumed:
         versions = np.full(tokens.size, version, dtype=np.int64)
         return ResumableGeneration(
             RaggedArray(tokens, cu),

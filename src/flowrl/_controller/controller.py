@@ -19,7 +19,7 @@ import collections
 import heapq
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -181,29 +181,29 @@ class Controller:
         return state
 
     # -- producers --------------------------------------------------------------------------
-    def reserve(self, n: int, *, unit: int | None = None, ahead: int = 0) -> tuple[np.ndarray, int]:
+    def reserve(
+        self, n: int, *, units: Sequence[int] | None = None, ahead: int = 0
+    ) -> tuple[np.ndarray, int]:
         """Allocate ``n`` fresh indices on one storage unit; invisible until :meth:`commit`.
 
-        ``ahead``: up to that many more, as room allows (never waiting for it), which the
-        producer keeps for its next puts (a remote producer saves a round trip per put).
-        They are spread over the units as the producer's puts would have been (or all on
-        ``unit`` when given); ``table.unit`` says where each one goes.
+        Puts take turns over ``units`` (a producer's own node's units; None: all of them).
+        ``ahead``: up to that many more indices, as room allows (never waiting for it),
+        which the producer keeps for its next puts (a remote producer saves a round trip
+        per put); each goes to the unit whose turn it would have been (``table.unit``).
         """
         self._check_open()
         if self.ended:
             raise EndOfStream("end_stream() was called; no new samples may be put")
-        if unit is not None and not 0 <= unit < self.n_units:
-            raise ConfigError(f"storage unit {unit} does not exist (have {self.n_units})")
+        allowed = np.arange(self.n_units) if units is None else np.asarray(units, np.int64)
+        if allowed.ndim != 1 or not allowed.size or not np.isin(allowed, range(self.n_units)).all():
+            raise ConfigError(f"storage units {units!r} do not all exist (have {self.n_units})")
         ahead = max(0, min(ahead, self.table.free_slots() - n))
         indices = self.table.allocate(n + ahead)
-        if unit is None:
-            units = (self._next_unit + np.arange(1 + ahead)) % self.n_units
-            self._next_unit = int(units[-1] + 1) % self.n_units
-            unit = int(units[0])
-            self._init_slots(indices[n:], units[1:])
-        else:
-            self._init_slots(indices[n:], unit)
+        turns = allowed[(self._next_unit + np.arange(1 + ahead)) % allowed.size]
+        self._next_unit += 1 + ahead
+        unit = int(turns[0])
         self._init_slots(indices[:n], unit)
+        self._init_slots(indices[n:], turns[1:])
         self._ahead[indices[n:] % self.table.capacity] = True
         self._n_ahead += ahead
         if self.table.next_index > self._watermark:

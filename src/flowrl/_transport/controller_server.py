@@ -231,7 +231,7 @@ class ControllerServer:
                 self._seen_seq = -1  # freed room without an event: parked reserves may proceed
             if ctl.table.free_slots() < msg.n and not ctl.ended:
                 return None  # (reserve raises EndOfStream once the stream ended)
-            indices, unit = ctl.reserve(msg.n, unit=msg.unit, ahead=msg.ahead)
+            indices, unit = ctl.reserve(msg.n, units=msg.units, ahead=msg.ahead)
             units = None
             if indices.size > msg.n:
                 units = ctl.table.unit[indices % ctl.table.capacity].astype(np.int16).tobytes()

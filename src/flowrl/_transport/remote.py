@@ -120,7 +120,7 @@ class RemoteHub(HubClient):
                 f"{len(self.unit_addresses)} storage units; pass one node id per unit"
             )
         local = [u for u, n in enumerate(self.unit_nodes) if n == node]
-        self._local_units = itertools.cycle(local) if local else None
+        self._local_units = local or None  # puts go to these units (data locality)
 
     # -- rpc --------------------------------------------------------------------------------
     def _socket(self, unit: int | None) -> zmq.Socket:
@@ -254,11 +254,10 @@ class RemoteHub(HubClient):
             return taken
         ahead = self._pool_block if n < self._pool_block else 0
         rest = None if pool is None else pool.rest()
-        unit = None if self._local_units is None else next(self._local_units)
         msg = wire.Reserve(
             n=n,
             timeout=_wire_timeout(timeout),
-            unit=unit,
+            units=self._local_units,
             ahead=ahead,
             give_back=None if rest is None or not rest.size else rest.tobytes(),
         )

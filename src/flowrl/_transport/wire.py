@@ -108,7 +108,7 @@ class RegisterTask(_Msg, frozen=True, tag="task"):
 class Reserve(_Msg, frozen=True, tag="reserve"):
     n: Count
     timeout: Seconds | None = None
-    unit: NonNeg | None = None  # the storage unit to put on (the producer's node's); None: any
+    units: list[NonNeg] | None = None  # storage units to put on (the producer's node's)
     ahead: NonNeg = 0  # reserve up to this many more for the producer's next puts
     give_back: bytes | None = None  # unused indices reserved ahead earlier: abort them first
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from flowrl import BalancedSampler, Column, GroupSampler, Hub
+from flowrl._pipeline.executors.driver import Restarts
 from flowrl._pipeline.loader import Loader
 from flowrl._pipeline.pipeline import Pipeline
 from flowrl._pipeline.stage import Rows, StageContext, StageSpec, stage
@@ -344,3 +345,32 @@ def test_a_failing_pipeline_raises_in_the_trainer_loop(make_hub: Any) -> None:
     assert isinstance(info.value.__cause__, StageError)
     with pytest.raises(StageError, match="model exploded"):
         run.result(timeout=30)
+
+
+def test_the_restart_policy_replaces_dead_consumers_only_up_to_max_restarts() -> None:
+    @stage(outputs=[Column.scalar("x", "int64")], batch_size=1)
+    def source() -> None:
+        return None
+
+    @stage(inputs=["x"], batch_size=1)
+    def sink(batch: Any) -> None:
+        return None
+
+    stop = threading.Event()
+    policy = Restarts(2)
+    assert policy.replace(sink, "w0", "was killed by SIGKILL", stop) is None
+    assert policy.replace(sink, "w1", "was killed by SIGKILL", stop) is None
+    err = policy.replace(sink, "w0", "was killed by SIGKILL", stop)
+    assert isinstance(err, StageError) and err.stage == "sink"
+    assert "no restart is left (2 dead worker(s) already replaced" in str(err)
+    assert policy.by_stage == {"sink": 2}
+
+    fresh = Restarts(5)
+    err = fresh.replace(source, "w0", "exited with code 1", stop)
+    assert isinstance(err, StageError) and "source worker is not restarted" in str(err)
+    stop.set()
+    err = fresh.replace(sink, "w0", "exited with code 1", stop)
+    assert isinstance(err, StageError) and "while the run was stopping" in str(err)
+    assert fresh.left == 5 and fresh.by_stage == {}
+    with pytest.raises(ConfigError, match="max_restarts"):
+        Restarts(True)  # type: ignore[arg-type]

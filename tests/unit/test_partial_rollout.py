@@ -54,6 +54,10 @@ def test_a_resumed_prefix_decodes_as_if_never_interrupted() -> None:
     lps = torch.split(full.logprobs, full.lengths.tolist())
     for i, lp in enumerate(rest.response_logprobs()):
         torch.testing.assert_close(lp, lps[i][len(prefixes[i]) :], atol=1e-5, rtol=1e-5)
+    # Prefixes that end with EOS or use the whole budget: nothing is decoded.
+    done = generate(model, PROMPTS[:2], 4, eos_id=EOS, prefixes=[[7, EOS], [1, 1, 1, 1]])
+    assert done.token_ids.numel() == 0 and done.lengths.tolist() == [0, 0]
+    assert done.finished.tolist() == [True, False]
 
 
 def test_chunks_are_the_response_in_order_and_do_not_change_what_is_sampled() -> None:

@@ -286,7 +286,8 @@ def test_a_killed_storage_unit_actor_restarts_on_its_node_with_its_bytes(
         while len(tags) < 40:
             time.sleep(0.01)
         # A consumer reads across the kill: part of the samples before, the rest after.
-        meta = hub.claim("train", 16, timeout=5)
+        # (leased long enough to outlive the restart on a loaded machine)
+        meta = hub.claim("train", 16, timeout=5, lease_timeout=60.0)
         assert victim in meta.units.tolist()  # it reads from the unit that dies
         kill(hub, victim)
         wait_restarted(hub, 1)

@@ -21,6 +21,7 @@ import pytest
 import flowrl
 from flowrl import Column, HubConfig, Observer
 from flowrl.errors import (
+    ConfigError,
     EndOfStream,
     FlowRLError,
     HubClosed,
@@ -795,3 +796,43 @@ def test_concurrent_producers_and_consumers_consume_each_sample_once_per_task(ma
 def test_errors_are_flowrl_errors() -> None:
     for cls in (EndOfStream, HubClosed, HubFull, LeaseError, NothingReady, Timeout):
         assert issubclass(cls, FlowRLError)
+
+
+def test_put_with_ack_writes_and_consumes_in_one_step(make_hub) -> None:
+    # "score" reads ids and writes the reward that "train" needs: its put acks its claim.
+    hub = make_hub(columns=COLS, tasks=TWO_TASKS)
+    idx = hub.put({"ids": ids(4)})
+    meta = hub.claim("score", 4, timeout=GUARD)
+    hub.put({"reward": np.arange(4, dtype=np.float32)}, indices=meta, ack=meta)
+    stats = hub.statistics()
+    assert stats.tasks["score"].consumed == 4 and stats.leases == 0
+    with pytest.raises(LeaseError):
+        hub.ack(meta)  # already acked by the put
+    batch = hub.get(hub.claim("train", 4, timeout=GUARD))
+    assert batch["reward"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    with pytest.raises(NothingReady):
+        hub.claim_nowait("score", 1)  # consumed exactly once
+    assert sorted(idx.tolist()) == sorted(meta.indices.tolist())
+
+
+def test_put_with_ack_of_a_claim_that_does_not_hold_the_samples_changes_nothing(
+    make_hub,
+) -> None:
+    hub = make_hub(columns=COLS, tasks=TWO_TASKS)
+    hub.put({"ids": ids(4)})
+    first = hub.claim("score", 2, timeout=GUARD)
+    second = hub.claim("score", 2, timeout=GUARD)
+    reward = {"reward": np.zeros(2, dtype=np.float32)}
+    with pytest.raises(LeaseError, match="does not hold"):
+        hub.put(reward, indices=first, ack=second)
+    with pytest.raises(ConfigError, match="indices="):
+        hub.put(reward, ack=first)  # new samples were never claimed
+    with pytest.raises(ConfigError, match="BatchMeta"):
+        hub.put(reward, indices=first, ack="lease")
+    hub.ack(second)
+    with pytest.raises(LeaseError):
+        hub.put(reward, indices=second, ack=second)  # settled: the put is refused
+    stats = hub.statistics()
+    assert stats.tasks["score"].consumed == 2 and stats.tasks["train"].ready == 0
+    hub.put(reward, indices=first, ack=first)
+    assert hub.statistics().tasks["train"].ready == 2

@@ -59,6 +59,7 @@ class CommitArgs(NamedTuple):
     version: int | None
     tokens: np.ndarray | None
     producer: str
+    ack: tuple[str, int] | None = None  # (task, lease) acked with the commit
 
 
 @final
@@ -111,14 +112,19 @@ class HubClient(abc.ABC):
         tokens: Any = None,
         producer: str = "",
         timeout: float | None = None,
+        ack: BatchMeta | None = None,
     ) -> np.ndarray:
         """Write columns; returns the sample indices.
 
         Without ``indices`` it creates new samples (blocking while the hub is full, up to
         ``timeout`` seconds). With ``indices`` (an array or the ``BatchMeta`` of a claim)
         it adds or overwrites columns of existing samples.
+
+        ``ack``: the claim these samples came from; they are acked in the same step as the
+        columns become visible, so a worker that dies never leaves them written but not
+        consumed (they would be delivered, and processed, again). One round trip fewer.
         """
-        return self._put(data, indices, partition, groups, version, tokens, producer, timeout)
+        return self._put(data, indices, partition, groups, version, tokens, producer, timeout, ack)
 
     def put_nowait(self, data: Mapping[str, Any], **kwargs: Any) -> np.ndarray:
         """Like :meth:`put`, but raises :class:`~flowrl.errors.HubFull` instead of waiting."""
@@ -135,6 +141,7 @@ class HubClient(abc.ABC):
         tokens: Any,
         producer: str,
         timeout: float | None,
+        ack: BatchMeta | None = None,
     ) -> np.ndarray:
         self._raise_policy_error()
         where = f"put() from {producer!r}" if producer else "put()"
@@ -146,6 +153,7 @@ class HubClient(abc.ABC):
         if version is not None:
             _check_version(version, where)
         target = _as_indices(indices, where) if indices is not None else None
+        acked = None if ack is None else _ackable(ack, target, where)
         n_expected = None if target is None else int(target.size)
         encoded, new_columns, n = self.schema.encode_all(data, n_expected, where)
         groups_arr = _per_sample(groups, n, "groups", where)
@@ -158,7 +166,7 @@ class HubClient(abc.ABC):
         if target is None:
             return self._put_new(n, arrays, types, new_columns, cells, per_put, timeout)
         units = self._check_update(target, tuple(arrays))
-        commit = CommitArgs(target, cells, False, *per_put)
+        commit = CommitArgs(target, cells, False, *per_put, acked)
         parts = _split_by_unit(units)
         if len(parts) == 1:
             self._store(parts[0][0], target, arrays, types, new_columns, commit)
@@ -502,6 +510,17 @@ class HubClient(abc.ABC):
 
     @abc.abstractmethod
     def _release(self, task: str, lease: int) -> None: ...
+
+
+def _ackable(meta: Any, target: np.ndarray | None, where: str) -> tuple[str, int]:
+    """(task, lease) of the claim a put acks; its samples must be the put's."""
+    if not isinstance(meta, BatchMeta) or meta.lease == 0:
+        raise ConfigError(f"{where}: ack= expects the BatchMeta a claim returned, got {meta!r}")
+    if target is None:
+        raise ConfigError(f"{where}: ack= needs indices= (new samples were never claimed)")
+    if not np.isin(target, meta.indices).all():
+        raise LeaseError(f"{where}: ack= names a claim that does not hold every sample put")
+    return meta.task, meta.lease
 
 
 def _check_version(version: Any, where: str) -> None:

@@ -95,6 +95,13 @@ class _Round:
             self.by_rank[lease.dp_rank] = lease
 
 
+def _check_ackable(lease: _Lease, indices: np.ndarray) -> None:
+    if not np.isin(indices, lease.indices).all() or np.unique(indices).size != indices.size:
+        raise LeaseError(
+            f"ack of lease {lease.id} names indices that are not in it (or repeats one)"
+        )
+
+
 class Controller:
     def __init__(self, capacity: int, n_units: int = 1, lease_timeout: float = 60.0) -> None:
         if not isinstance(capacity, int) or capacity < 1:
@@ -268,8 +275,19 @@ class Controller:
         version: int | None = None,
         tokens: np.ndarray | None = None,
         producer: str = "",
+        ack: tuple[str, int] | None = None,
     ) -> None:
-        """Mark columns ready on samples (after their bytes were stored)."""
+        """Mark columns ready on samples (after their bytes were stored).
+
+        ``ack``: (task, lease) of a claim holding these samples, acked in the same step,
+        so they are never written without being consumed (a worker that dies between a
+        put and its ack would have them delivered, and processed, again).
+        """
+        lease = None
+        if ack is not None:
+            self.expire()
+            lease = self._live_lease(ack[0], ack[1], "put(ack=...)")
+            _check_ackable(lease, indices)
         t = self.table
         slots = t.slots_of(indices, committed=not new)
         if new and t.committed[slots].any():
@@ -322,6 +340,8 @@ class Controller:
             if cells
             else (),
         )
+        if lease is not None:
+            self._consume(self.tasks[lease.task], lease, indices, drop=False)
         self.cond.notify_all()
 
     @staticmethod
@@ -559,21 +579,20 @@ class Controller:
             done = lease.indices
         else:
             done = np.asarray(indices, dtype=np.int64)
-            if not np.isin(done, lease.indices).all() or np.unique(done).size != done.size:
-                raise LeaseError(
-                    f"ack of lease {lease_id} names indices that are not in it (or repeats one)"
-                )
+            _check_ackable(lease, done)
+        return self._consume(state, lease, done, drop)
+
+    def _consume(self, state: TaskState, lease: _Lease, done: np.ndarray, drop: bool) -> np.ndarray:
+        """Ack ``done`` (samples of ``lease``); returns the indices evicted as a result."""
         if done.size == 0:
             return done  # acking nothing changes nothing (and logs nothing)
+        task, lease_id = lease.task, lease.id
         slots = done % self.table.capacity
         state.status[slots] = CONSUMED
         state.consumed_total += int(done.size)
-        if indices is None:
+        lease.indices = lease.indices[~np.isin(lease.indices, done)]
+        if lease.indices.size == 0:
             del self._leases[lease_id]
-        else:
-            lease.indices = lease.indices[~np.isin(lease.indices, done)]
-            if lease.indices.size == 0:
-                del self._leases[lease_id]
         self._emit(Acked, task=task, lease=lease_id, indices=tuple(done.tolist()), dropped=drop)
         if drop:
             self._drop_for_other_tasks(task, slots)

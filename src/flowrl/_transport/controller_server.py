@@ -288,6 +288,7 @@ class ControllerServer:
             version=msg.version,
             tokens=None if msg.tokens is None else wire.ints(msg.tokens),
             producer=msg.producer,
+            ack=None if msg.ack_task is None else (msg.ack_task, msg.ack_lease),
         )
 
     def _evict(self, indices: np.ndarray, units: np.ndarray) -> None:

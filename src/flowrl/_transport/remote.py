@@ -591,6 +591,8 @@ def _commit_request(args: CommitArgs) -> wire.Commit:
         version=args.version,
         tokens=None if args.tokens is None else args.tokens.tobytes(),
         producer=args.producer,
+        ack_task=None if args.ack is None else args.ack[0],
+        ack_lease=0 if args.ack is None else args.ack[1],
     )
 
 

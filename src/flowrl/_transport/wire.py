@@ -136,6 +136,8 @@ class Commit(_Msg, frozen=True, tag="commit"):
     version: NonNeg | None = None
     tokens: bytes | None = None
     producer: str = ""
+    ack_task: str | None = None  # with ack_lease: the claim acked with the commit
+    ack_lease: Int64 = 0
 
 
 class CommitFor(_Msg, frozen=True, tag="commit_for"):

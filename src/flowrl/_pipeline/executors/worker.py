@@ -176,23 +176,24 @@ def _process(
         return
     rows = _as_rows(spec, out)
     keep = None if rows.keep is None else _keep_mask(spec, rows.keep, len(meta))
-    if spec.outputs:
-        indices = meta.indices if keep is None else meta.indices[keep]
-        if indices.size:
-            hub.put(
-                rows.data,
-                indices=indices,
-                groups=rows.groups,
-                version=rows.version,
-                tokens=rows.tokens,
-                producer=spec.name,
-            )
+    kept = meta.indices
     if keep is not None and not keep.all():
         hub.drop(meta, meta.indices[~keep])  # discarded for every later stage: evicted
-        if keep.any():
-            hub.ack(meta, meta.indices[keep])
-    else:
-        hub.ack(meta)
+        kept = meta.indices[keep]
+    if spec.outputs and kept.size:
+        # Written and acked in one step: a worker that dies never leaves its outputs
+        # written but its claim unacked (the samples would be processed again).
+        hub.put(
+            rows.data,
+            indices=kept,
+            groups=rows.groups,
+            version=rows.version,
+            tokens=rows.tokens,
+            producer=spec.name,
+            ack=meta,
+        )
+    elif kept.size:
+        hub.ack(meta, None if keep is None else kept)
     counters.batches += 1
     counters.samples += len(meta)
 

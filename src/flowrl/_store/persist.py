@@ -39,8 +39,9 @@ __all__ = [
 ]
 
 SEGMENT_BYTES = 64 << 20
-#: Batches larger than this go to the OS in more than one write.
-WRITE_BUFFER_BYTES = 1 << 20
+#: IPC pieces smaller than this are gathered into one OS write; larger ones (a batch's
+#: payload buffers) go straight through, uncopied.
+WRITE_BUFFER_BYTES = 64 << 10
 _SEGMENT = re.compile(r"^(?P<column>\w+)\.(?P<segment>\d+)\.arrows$")
 _EVICTED = "evicted.arrows"
 _INDEX_SCHEMA = pa.schema([("index", pa.int64())])

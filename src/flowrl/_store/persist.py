@@ -55,8 +55,8 @@ class _Segment:
         self.sink = self.buffered = self.writer = None
         if schema is not None:
             self.sink = pa.OSFile(path, mode="w")
-            # A batch is many small IPC writes (header, each buffer, padding): gather them
-            # and hand the OS one write per batch.
+            # A batch is many IPC writes (header, each buffer, padding): the small ones are
+            # gathered, so a small batch reaches the OS in one write.
             self.buffered = pa.BufferedOutputStream(self.sink, WRITE_BUFFER_BYTES)
             self.writer = pa.ipc.new_stream(self.buffered, schema)
         self.chunks = 0  # live chunks stored in it

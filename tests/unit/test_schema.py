@@ -12,6 +12,7 @@ happened.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -998,6 +999,9 @@ def _evict_first(hub: Any) -> tuple[Any, Any]:
     m_score = hub.claim("score", 2, timeout=2)
     hub.ack(m_train, indices=[0])
     hub.ack(m_score, indices=[0])
+    deadline = time.monotonic() + 5  # evictions reach remote storage units asynchronously
+    while sum(u.samples for u in hub.statistics().units) > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     return m_train, m_score
 
 

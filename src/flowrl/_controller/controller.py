@@ -201,18 +201,26 @@ class Controller:
         self._check_open()
         if self.ended:
             raise EndOfStream("end_stream() was called; no new samples may be put")
-        allowed = np.arange(self.n_units) if units is None else np.asarray(units, np.int64)
-        if allowed.ndim != 1 or not allowed.size or not np.isin(allowed, range(self.n_units)).all():
+        allowed = None if units is None else np.asarray(units, dtype=np.int64)
+        if allowed is not None and (
+            allowed.ndim != 1
+            or not allowed.size
+            or allowed.min() < 0
+            or allowed.max() >= self.n_units
+        ):
             raise ConfigError(f"storage units {units!r} do not all exist (have {self.n_units})")
         ahead = max(0, min(ahead, self.table.free_slots() - n))
         indices = self.table.allocate(n + ahead)
-        turns = allowed[(self._next_unit + np.arange(1 + ahead)) % allowed.size]
+        turn = self._next_unit
         self._next_unit += 1 + ahead
-        unit = int(turns[0])
-        self._init_slots(indices[:n], unit)
-        self._init_slots(indices[n:], turns[1:])
-        self._ahead[indices[n:] % self.table.capacity] = True
-        self._n_ahead += ahead
+        span = self.n_units if allowed is None else allowed.size
+        unit = turn % span if allowed is None else int(allowed[turn % span])
+        self._init_slots(indices[:n] if ahead else indices, unit)
+        if ahead:  # each index reserved ahead goes where its put's turn would have gone
+            turns = (turn + 1 + np.arange(ahead)) % span
+            self._init_slots(indices[n:], turns if allowed is None else allowed[turns])
+            self._ahead[indices[n:] % self.table.capacity] = True
+            self._n_ahead += ahead
         if self.table.next_index > self._watermark:
             self._watermark = self.table.next_index + self.table.capacity
             self._emit(IndexWatermark, next=self._watermark)
@@ -580,18 +588,22 @@ class Controller:
         else:
             done = np.asarray(indices, dtype=np.int64)
             _check_ackable(lease, done)
-        return self._consume(state, lease, done, drop)
+        return self._consume(state, lease, done, drop, whole=indices is None)
 
-    def _consume(self, state: TaskState, lease: _Lease, done: np.ndarray, drop: bool) -> np.ndarray:
-        """Ack ``done`` (samples of ``lease``); returns the indices evicted as a result."""
+    def _consume(
+        self, state: TaskState, lease: _Lease, done: np.ndarray, drop: bool, whole: bool = False
+    ) -> np.ndarray:
+        """Ack ``done`` (samples of ``lease``; ``whole``: all of them); returns the indices
+        evicted as a result."""
         if done.size == 0:
             return done  # acking nothing changes nothing (and logs nothing)
         task, lease_id = lease.task, lease.id
         slots = done % self.table.capacity
         state.status[slots] = CONSUMED
         state.consumed_total += int(done.size)
-        lease.indices = lease.indices[~np.isin(lease.indices, done)]
-        if lease.indices.size == 0:
+        if not whole:
+            lease.indices = lease.indices[~np.isin(lease.indices, done)]
+        if whole or lease.indices.size == 0:
             del self._leases[lease_id]
         self._emit(Acked, task=task, lease=lease_id, indices=tuple(done.tolist()), dropped=drop)
         if drop:

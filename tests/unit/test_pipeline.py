@@ -374,3 +374,24 @@ def test_the_restart_policy_replaces_dead_consumers_only_up_to_max_restarts() ->
     assert fresh.left == 5 and fresh.by_stage == {}
     with pytest.raises(ConfigError, match="max_restarts"):
         Restarts(True)  # type: ignore[arg-type]
+
+
+def test_a_batch_whose_lease_expires_mid_stage_is_dropped_and_done_again() -> None:
+    slow_once = threading.Event()
+    written: collections.Counter[int] = collections.Counter()
+
+    @stage(inputs=["x"], outputs=[Y], batch_size=4, lease_timeout=0.2)
+    def double(batch):
+        if not slow_once.is_set():
+            slow_once.set()
+            threading.Event().wait(0.6)  # outlives the lease: the samples go back
+        return {"y": 2 * batch["x"]}
+
+    @stage(inputs=["y"], batch_size=4)
+    def sink(batch):
+        written.update(batch["y"].tolist())
+
+    result = Pipeline([counter_source(8), double, sink]).run(timeout=30)
+    assert result.completed
+    assert result.stages["double"].expired == 1 and result.stages["double"].samples == 8
+    assert written == collections.Counter(2 * i for i in range(8))  # each exactly once

@@ -18,6 +18,8 @@ class StageStats(msgspec.Struct, frozen=True, kw_only=True):
     inside the stage function, all workers together. ``busy_fraction``: ``busy_s`` over
     the run's wall time times ``workers`` — near 1 means the stage is the bottleneck.
     ``restarts``: dead workers of the stage that were replaced (process and Ray executors).
+    ``expired``: batches whose lease expired while the stage function ran; their samples
+    went to another worker and the result was dropped (raise the stage's ``lease_timeout``).
     """
 
     name: str
@@ -27,6 +29,7 @@ class StageStats(msgspec.Struct, frozen=True, kw_only=True):
     busy_s: float
     busy_fraction: float
     restarts: int = 0
+    expired: int = 0
 
 
 @final

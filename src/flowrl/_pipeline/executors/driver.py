@@ -192,6 +192,7 @@ def finish(
             busy_s=busy,
             busy_fraction=busy / (wall * spec.workers) if wall > 0 else 0.0,
             restarts=0 if restarts is None else restarts.by_stage.get(spec.name, 0),
+            expired=sum(r.expired for r in mine),
         )
     completed = len(outcome.reports) == n_workers and all(r.ended for r in outcome.reports)
     return RunResult(wall_s=wall, stages=stages, completed=completed)

@@ -18,6 +18,7 @@ lost), then surfaces as :class:`~flowrl.errors.StageError` chained to the cause.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -34,6 +35,8 @@ from flowrl._pipeline.stage import Rows, StageContext, StageSpec
 from flowrl.errors import EndOfStream, LeaseError, SchemaError, StageError, Timeout
 
 __all__ = ["Quota", "Stop", "WorkerReport", "run_worker"]
+
+log = logging.getLogger("flowrl.pipeline")
 
 
 class Stop(Protocol):
@@ -63,13 +66,14 @@ class WorkerReport(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     samples: int
     busy_s: float
     ended: bool
+    expired: int = 0  # batches whose lease expired while the stage ran: result dropped
 
 
 class _Counters:
-    __slots__ = ("batches", "busy_s", "samples")
+    __slots__ = ("batches", "busy_s", "expired", "samples")
 
     def __init__(self) -> None:
-        self.batches = self.samples = 0
+        self.batches = self.samples = self.expired = 0
         self.busy_s = 0.0
 
 
@@ -96,6 +100,7 @@ def run_worker(
         samples=counters.samples,
         busy_s=counters.busy_s,
         ended=ended,
+        expired=counters.expired,
     )
 
 
@@ -180,20 +185,31 @@ def _process(
     if keep is not None and not keep.all():
         hub.drop(meta, meta.indices[~keep])  # discarded for every later stage: evicted
         kept = meta.indices[keep]
-    if spec.outputs and kept.size:
-        # Written and acked in one step: a worker that dies never leaves its outputs
-        # written but its claim unacked (the samples would be processed again).
-        hub.put(
-            rows.data,
-            indices=kept,
-            groups=rows.groups,
-            version=rows.version,
-            tokens=rows.tokens,
-            producer=spec.name,
-            ack=meta,
+    try:
+        if spec.outputs and kept.size:
+            # Written and acked in one step: a worker that dies never leaves its outputs
+            # written but its claim unacked (the samples would be processed again).
+            hub.put(
+                rows.data,
+                indices=kept,
+                groups=rows.groups,
+                version=rows.version,
+                tokens=rows.tokens,
+                producer=spec.name,
+                ack=meta,
+            )
+        elif kept.size:
+            hub.ack(meta, None if keep is None else kept)
+    except LeaseError:
+        # The lease ran out while the stage computed: the samples went back to the hub and
+        # another worker has them. Nothing of this batch was written; drop the result.
+        log.warning(
+            "stage %r: a batch's lease expired while it ran; its samples were handed out "
+            "again and this result is dropped (raise the stage's lease_timeout)",
+            spec.name,
         )
-    elif kept.size:
-        hub.ack(meta, None if keep is None else kept)
+        counters.expired += 1
+        return
     counters.batches += 1
     counters.samples += len(meta)
 

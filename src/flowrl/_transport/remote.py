@@ -110,7 +110,7 @@ class RemoteHub(HubClient):
         # 1/64 of the capacity, so other producers barely notice it.
         self._pool_block = min(RESERVE_AHEAD, self.config.capacity // 64)
         self._pool_ttl = max(self.config.lease_timeout, RESERVATION_MIN_S) / 2
-        self._pools: list[_Pool] = []
+        self._pools: dict[int, _Pool] = {}  # each thread's current pool, for close()
         self.unit_nodes: tuple[str, ...] = tuple(unit_nodes)
         self.node = node
         if self.unit_nodes and len(self.unit_nodes) != len(self.unit_addresses):
@@ -167,6 +167,7 @@ class RemoteHub(HubClient):
         socks = [self._socket(unit)]
         if or_controller:
             socks.append(self._socket(None))
+        controller = self._socket(None) if unit is None or or_controller else None
         forever = wait is None or math.isinf(wait)
         deadline = 0.0 if forever else time.monotonic() + wait  # type: ignore[operator]
         while True:
@@ -191,7 +192,7 @@ class RemoteHub(HubClient):
                     f"the hub's {where} did not answer within {wait:.1f}s; is it running?"
                 )
             for sock in ready:
-                reply = self._take_reply(sock, rid, payload=sock is not self._socket(None))
+                reply = self._take_reply(sock, rid, payload=sock is not controller)
                 if reply is not None:
                     return reply
 
@@ -218,7 +219,7 @@ class RemoteHub(HubClient):
     def _give_back_pools(self) -> None:
         """Free what the threads reserved ahead (a client that dies leaves it to expire)."""
         with self._sockets_lock:
-            left = [p.rest() for p in self._pools]
+            left = [p.rest() for p in self._pools.values()]
             self._pools.clear()
         if left:
             with contextlib.suppress(FlowRLError):
@@ -267,8 +268,8 @@ class RemoteHub(HubClient):
             # used within half the reservation's lifetime, so it never expires under a put
             units = np.frombuffer(reply.units, dtype=np.int16)[n:]
             self._local.pool = _Pool(indices[n:], units, time.monotonic() + self._pool_ttl)
-            with self._sockets_lock:
-                self._pools.append(self._local.pool)
+            with self._sockets_lock:  # replaces the thread's spent pool: no growth
+                self._pools[threading.get_ident()] = self._local.pool
         return indices[:n], reply.unit
 
     def _put_new(self, *args: Any) -> np.ndarray:

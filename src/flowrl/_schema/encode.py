@@ -8,6 +8,7 @@ expected, what was got and where, and suggest a fix.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import msgspec
@@ -104,7 +105,7 @@ def _encode_dense(column: Column, values: Any, n: int | None, where: str) -> Enc
             flat_arr = pa.Array.from_buffers(flat_type, flat.size, [None, pa.py_buffer(flat)])
         storage = pa.FixedSizeListArray.from_arrays(flat_arr, int(np.prod(shape)))
         array = pa.ExtensionArray.from_storage(column.arrow_type, storage)
-    per_sample = int(owned.itemsize * int(np.prod(shape, dtype=np.int64)))
+    per_sample = owned.itemsize * math.prod(shape)
     return Encoded(array, np.full(count, per_sample, dtype=np.int64), None)
 
 
@@ -200,14 +201,13 @@ def _encode_ragged(column: Column, values: Any, n: int | None, where: str) -> En
     _check_count(column, len(ragged), n, where)
     vals = np.array(ragged.values, dtype=column.np_dtype, copy=True)
     offsets = np.array(ragged.cu_seqlens, dtype=np.int64, copy=True)
-    vtype = pa.from_numpy_dtype(vals.dtype)
     if vals.dtype == np.bool_:
         child = pa.array(vals, type=pa.bool_())
     else:
-        child = pa.Array.from_buffers(vtype, vals.size, [None, pa.py_buffer(vals)])
+        child = pa.Array.from_buffers(column.value_type, vals.size, [None, pa.py_buffer(vals)])
     off_arr = pa.Array.from_buffers(pa.int64(), offsets.size, [None, pa.py_buffer(offsets)])
     array = pa.LargeListArray.from_arrays(off_arr, child)
-    lengths = np.diff(offsets)
+    lengths = offsets[1:] - offsets[:-1]  # np.diff costs ~8x more on a few samples
     return Encoded(array, lengths * vals.itemsize, lengths)
 
 

@@ -144,6 +144,13 @@ class RemoteHub(HubClient):
                 self._sockets.append(sock)
         return sock
 
+    def _routing_id(self) -> bytes:
+        """This thread's id on its controller socket (where handed-on commits answer)."""
+        rid = getattr(self._local, "routing_id", None)
+        if rid is None:
+            rid = self._local.routing_id = self._socket(None).getsockopt(zmq.ROUTING_ID)
+        return rid
+
     def _send(self, unit: int | None, msg: Any, frames: Sequence[Any] = ()) -> bytes:
         if self._closed:
             raise HubClosed("this hub client was closed")
@@ -317,7 +324,7 @@ class RemoteHub(HubClient):
             types,
             commit=_commit_request(commit),
             controller=self.address,
-            reply_to=self._socket(None).getsockopt(zmq.ROUTING_ID),
+            reply_to=self._routing_id(),
         )
         rid = self._send(unit, msg, frames)
         self._recv(unit, rid, self.rpc_timeout, or_controller=True)
@@ -533,23 +540,32 @@ class RemoteHub(HubClient):
 class _Pool:
     """Indices a thread reserved ahead for its next small puts, and their storage units."""
 
-    __slots__ = ("free", "indices", "units", "until")
+    __slots__ = ("first", "free", "indices", "units", "until")
 
     def __init__(self, indices: np.ndarray, units: np.ndarray, until: float) -> None:
         self.indices = indices
         self.units = units
         self.free = np.ones(indices.size, dtype=bool)
+        self.first = 0  # every index before it is taken (takes go mostly in order)
         self.until = until
 
     def take(self, n: int) -> tuple[np.ndarray, int] | None:
         """``n`` indices on one unit (that of the oldest left), or None if there are not."""
-        pos = np.flatnonzero(self.free)
-        if pos.size:
-            pos = pos[self.units[pos] == self.units[pos[0]]][:n]
-        if pos.size < n or not pos.size:
+        free, first = self.free, self.first
+        while first < free.size and not free[first]:
+            first += 1
+        self.first = first
+        if first == free.size:
             return None
-        self.free[pos] = False
-        return self.indices[pos], int(self.units[pos[0]])
+        if n == 1:  # the usual case: a single-sample put, the oldest index left
+            free[first] = False
+            return self.indices[first : first + 1], int(self.units[first])
+        pos = first + np.flatnonzero(free[first:])
+        pos = pos[self.units[pos] == self.units[first]][:n]
+        if pos.size < n:
+            return None
+        free[pos] = False
+        return self.indices[pos], int(self.units[first])
 
     def rest(self) -> np.ndarray:
         """Every index left (the pool is empty afterwards)."""

@@ -22,11 +22,21 @@ from typing import Any
 
 import numpy as np
 import pytest
+from kill_scenarios import (
+    COLS,
+    TASKS,
+    Producer,
+    assert_each_once,
+    controller_kill_scenario,
+    drain,
+    retry,
+    rows,
+)
 
 import flowrl
 from flowrl import Column, HubConfig, JournalConfig
 from flowrl._transport import remote
-from flowrl.errors import EndOfStream, FlowRLError, Timeout, TransportError
+from flowrl.errors import TransportError
 
 pytestmark = [pytest.mark.integration, pytest.mark.ray]
 
@@ -138,31 +148,12 @@ def test_close_stops_every_actor_of_the_hub(nodes: list[str]) -> None:
 
 # -- crashes of the server actors ----------------------------------------------------------
 
-COLS = [Column.ragged("ids", "int64"), Column.scalar("tag", "int64")]
-KILL_TASKS = {"train": ["ids", "tag"], "score": ["tag"]}
-
-
-def rows(tags: np.ndarray) -> dict[str, Any]:
-    return {"ids": [np.arange(t % 7 + 1) + t for t in tags.tolist()], "tag": tags}
-
 
 def journaled(path: Path, nodes: list[str]) -> flowrl.RemoteHub:
     config = HubConfig(capacity=1024, lease_timeout=2.0, journal=JournalConfig(path=str(path)))
-    hub = flowrl.launch_ray_hub(COLS, tasks=KILL_TASKS, config=config, nodes=nodes)
+    hub = flowrl.launch_ray_hub(COLS, tasks=TASKS, config=config, nodes=nodes)
     hub.rpc_timeout = 3.0  # notice a dead server in seconds, not the default 30
     return hub
-
-
-def retry(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Call through a server restart: typed transport errors are retried, nothing else."""
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            return fn(*args, **kwargs)
-        except TransportError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
 
 
 def kill(hub: flowrl.RemoteHub, server: int) -> None:
@@ -177,19 +168,6 @@ def wait_restarted(hub: flowrl.RemoteHub, restarts: int) -> None:
         time.sleep(0.05)
 
 
-def drain(hub: flowrl.RemoteHub, task: str, acked: Counter[int], tags: dict[int, int]) -> None:
-    """Claim, check and ack until end of stream."""
-    while True:
-        try:
-            meta = retry(hub.claim, task, 16, min_n=1, timeout=10)
-        except EndOfStream:
-            return
-        batch = retry(hub.get, meta)
-        assert batch["tag"].tolist() == [tags[i] for i in meta.indices.tolist()]
-        retry(hub.ack, meta)
-        acked.update(meta.indices.tolist())
-
-
 def test_a_killed_controller_actor_restarts_with_its_leases(
     nodes: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -198,59 +176,17 @@ def test_a_killed_controller_actor_restarts_with_its_leases(
     lease, the parked claim is re-sent, and every sample is consumed once per task."""
     monkeypatch.setattr(remote, "CLAIM_SLICE_S", 1.0)  # notice the restart quickly
     hub = journaled(tmp_path, nodes[:2])
-    try:
-        tags_arr = np.arange(64)
-        idx = hub.put(rows(tags_arr))
-        tags = dict(zip(idx.tolist(), tags_arr.tolist(), strict=True))
-        acked = {"train": Counter[int](), "score": Counter[int]()}
-        first = hub.claim("train", 16, timeout=5)
-        hub.ack(first)
-        acked["train"].update(first.indices.tolist())
-        held = hub.claim("train", 16, timeout=5, lease_timeout=60)  # in flight across the kill
-        scored = hub.claim("score", 32, timeout=5)
-        hub.ack(scored)
-        acked["score"].update(scored.indices.tolist())
-        before = hub.statistics()
-        pids = hub.servers.pids()
+    pids = hub.servers.pids()
 
-        blocked: list[Any] = []  # a claim parked in the controller when it dies
-
-        def wait_for_more() -> None:
-            try:
-                blocked.append(hub.claim("score", 64, min_n=33, timeout=20))  # 32 are ready
-            except FlowRLError as exc:
-                blocked.append(exc)
-
-        waiter = threading.Thread(target=wait_for_more)
-        waiter.start()
-        time.sleep(0.3)
+    def kill_controller() -> None:
         kill(hub, -1)
         wait_restarted(hub, 1)
         assert hub.servers.restarts == 1
         new_pids = hub.servers.pids()
         assert new_pids[:-1] == pids[:-1] and new_pids[-1] != pids[-1]  # the controller only
 
-        after = retry(hub.statistics)
-        assert after.live == before.live
-        assert after.tasks == before.tasks  # ready, leased and consumed per task
-        retry(hub.ack, held)  # the lease survived: its holder can still ack it
-        acked["train"].update(held.indices.tolist())
-        more = retry(hub.put, rows(np.arange(64, 80)))  # lets the parked claim through
-        tags.update(zip(more.tolist(), range(64, 80), strict=True))
-        waiter.join(timeout=60)
-        assert not waiter.is_alive()
-        (outcome,) = blocked
-        if isinstance(outcome, flowrl.BatchMeta):  # re-sent after the restart and served
-            hub.ack(outcome)
-            acked["score"].update(outcome.indices.tolist())
-        else:
-            assert isinstance(outcome, Timeout | TransportError)
-        hub.end_stream()
-        for task, counts in acked.items():
-            drain(hub, task, counts, tags)
-            assert sorted(counts) == sorted(tags), task
-            assert set(counts.values()) == {1}, task
-        assert hub.statistics().live == 0
+    try:
+        controller_kill_scenario(hub, kill_controller)
     finally:
         hub.close()
 
@@ -264,27 +200,12 @@ def test_a_killed_storage_unit_actor_restarts_on_its_node_with_its_bytes(
     here = ray.get_runtime_context().get_node_id()
     others = [n for n in nodes if n != here]
     hub = journaled(tmp_path, others)  # units on the other two nodes; samples go to both
-    tags: dict[int, int] = {}
-    train: Counter[int] = Counter()
-    errors: list[BaseException] = []
-
-    def produce() -> None:
-        try:
-            for k in range(30):
-                batch = np.arange(4 * k, 4 * k + 4)
-                idx = retry(hub.put, rows(batch))  # a failed put committed nothing: re-put
-                tags.update(zip(idx.tolist(), batch.tolist(), strict=True))
-                time.sleep(0.01)
-        except BaseException as exc:  # surfaced by the main thread
-            errors.append(exc)
-
-    producer = threading.Thread(target=produce)
+    producer = Producer(hub)
     try:
         victim = 0
         pids = hub.servers.pids()
-        producer.start()
-        while len(tags) < 40:
-            time.sleep(0.01)
+        producer.start_and_wait_for(40)
+        tags = producer.tags
         # A consumer reads across the kill: part of the samples before, the rest after.
         # (leased long enough to outlive the restart on a loaded machine)
         meta = hub.claim("train", 16, timeout=5, lease_timeout=60.0)
@@ -296,20 +217,16 @@ def test_a_killed_storage_unit_actor_restarts_on_its_node_with_its_bytes(
         batch = retry(hub.get, meta)  # the bytes are back
         assert batch["tag"].tolist() == [tags[i] for i in meta.indices.tolist()]
         hub.ack(meta)
-        train.update(meta.indices.tolist())
-        producer.join(timeout=120)
-        assert not producer.is_alive() and not errors, errors
+        acked = {"train": Counter[int](meta.indices.tolist()), "score": Counter[int]()}
+        producer.join()
         hub.end_stream()
-        score: Counter[int] = Counter()
-        drain(hub, "train", train, tags)
-        drain(hub, "score", score, tags)
+        for task, counts in acked.items():
+            drain(hub, task, counts, tags)
         assert len(tags) == 120
-        for counts in (train, score):
-            assert sorted(counts) == sorted(tags)
-            assert set(counts.values()) == {1}
+        assert_each_once(acked, tags)
         assert hub.servers.restarts == 1
     finally:
-        producer.join(timeout=120)
+        producer.join()
         hub.close()
 
 
@@ -319,7 +236,7 @@ def test_without_a_journal_a_dead_server_is_a_transport_error(
     """Nothing would come back: Ray does not restart the actors, and clients get a
     TransportError (a claim that waits for ever too), not a hang."""
     monkeypatch.setattr(remote, "CLAIM_SLICE_S", 1.0)
-    hub = flowrl.launch_ray_hub(COLS, tasks=KILL_TASKS, nodes=nodes[:1])
+    hub = flowrl.launch_ray_hub(COLS, tasks=TASKS, nodes=nodes[:1])
     hub.rpc_timeout = 1.0
     try:
         hub.put(rows(np.arange(8)))
@@ -376,4 +293,4 @@ def test_a_new_hub_on_an_old_journal_gives_back_the_old_leases_or_refuses_it(
     # A journal of another shape is refused with the server's own error, not a dead actor.
     other = HubConfig(capacity=2048, journal=JournalConfig(path=str(tmp_path)))
     with pytest.raises(flowrl.errors.ConfigError, match="capacity"):
-        flowrl.launch_ray_hub(COLS, tasks=KILL_TASKS, config=other, nodes=nodes[:1])
+        flowrl.launch_ray_hub(COLS, tasks=TASKS, config=other, nodes=nodes[:1])

@@ -146,9 +146,9 @@ class RemoteHub(HubClient):
 
     def _routing_id(self) -> bytes:
         """This thread's id on its controller socket (where handed-on commits answer)."""
-        rid = getattr(self._local, "routing_id", None)
+        rid: bytes | None = getattr(self._local, "routing_id", None)
         if rid is None:
-            rid = self._local.routing_id = self._socket(None).getsockopt(zmq.ROUTING_ID)
+            rid = self._local.routing_id = bytes(self._socket(None).getsockopt(zmq.ROUTING_ID))
         return rid
 
     def _send(self, unit: int | None, msg: Any, frames: Sequence[Any] = ()) -> bytes:

@@ -44,8 +44,11 @@ class _EventBase(msgspec.Struct, frozen=True, tag_field="kind", kw_only=True):
 class Put(_EventBase, frozen=True, tag="put"):
     """Columns became ready on samples; ``new`` says the samples were created by it.
 
-    ``groups`` (empty when the put gave none) and ``nbytes`` (per column, then per sample)
-    complete the record so that a journal of events can rebuild the table exactly.
+    ``version``: the samples' policy version (the oldest one when the put gave one per
+    sample, -1 when an update left versions unchanged); ``versions``: one per sample when
+    the put gave them so, else empty. ``groups`` (empty when the put gave none) and
+    ``nbytes`` (per column, then per sample) complete the record so that a journal of
+    events can rebuild the table exactly.
     """
 
     indices: tuple[int, ...]
@@ -58,6 +61,7 @@ class Put(_EventBase, frozen=True, tag="put"):
     producer: str = ""
     groups: tuple[int, ...] = ()
     nbytes: tuple[int, ...] = ()
+    versions: tuple[int, ...] = ()
 
 
 class Claimed(_EventBase, frozen=True, tag="claim"):

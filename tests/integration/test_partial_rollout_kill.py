@@ -109,7 +109,7 @@ class Rollout:
                 "sample_logprobs": out.logprobs,
                 "response_versions": out.versions,
             },
-            version=out.min_version(version),
+            version=out.sample_versions(version),
         )
 
 

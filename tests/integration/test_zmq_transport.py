@@ -76,7 +76,16 @@ def test_malformed_requests_get_errors_and_the_server_stays_up(hub) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(hub.address)
     try:
-        for body in [b"", b"\xff\xfe garbage", wire.encode({"op": "claim", "task": 3})]:
+        one = np.zeros(1, np.int64).tobytes()
+        cells = {"reward": wire.Cell(np.full(2, 4, np.int64).tobytes())}
+        bad_commits = [  # per-sample versions: wrong length, negative, or with a version
+            wire.Commit(
+                indices=np.arange(2).tobytes(), cells=cells, new=True, versions=v, version=w
+            )
+            for v, w in [(one, None), (np.array([0, -1]).tobytes(), None), (one * 2, 3)]
+        ]
+        malformed = [b"", b"\xff\xfe garbage", wire.encode({"op": "claim", "task": 3})]
+        for body in malformed + [wire.encode(c) for c in bad_commits]:
             sock.send_multipart([b"rid00001", body])
             assert sock.poll(5000), "server did not answer a malformed request"
             rid, reply = sock.recv_multipart()

@@ -660,6 +660,47 @@ def test_publish_version_stamps_new_samples(make_hub) -> None:
     assert meta.versions.tolist() == [0, 2, 1]
 
 
+def test_a_put_can_give_each_sample_its_own_version(make_hub) -> None:
+    """A batch mixing resumed and fresh rollouts: one version per sample, kept per sample
+    on new samples and on updates; the Put event names the oldest and lists them all."""
+    hub = make_hub(columns=COLS, tasks=TWO_TASKS)
+    rec = Recorder()
+    hub.subscribe(rec)
+    hub.publish_version(3)
+    idx = hub.put(sample(3), version=[2, 0, 3])
+    hub.put(sample(2, 3), version=np.array([1, 1]))  # all the same: one version
+    meta = hub.claim("train", 5, timeout=GUARD)
+    assert meta.versions.tolist() == [2, 0, 3, 1, 1]
+    hub.put({"reward": np.zeros(3, np.float32)}, indices=idx, version=[3, 3, 2])  # re-stamps
+    assert hub.claim("score", 3, timeout=GUARD).versions.tolist() == [3, 3, 2]
+    flush(hub)
+    puts = [e for e in rec.events if isinstance(e, Put)]
+    assert (puts[0].version, puts[0].versions) == (0, (2, 0, 3))
+    assert (puts[1].version, puts[1].versions) == (1, ())
+    assert (puts[2].version, puts[2].versions) == (2, (3, 3, 2))
+
+
+@pytest.mark.parametrize(
+    ("version", "match"),
+    [
+        ([1, 2], "version in put.* 3 ints"),
+        ([1, -1, 2], "version in put.* 3 ints"),
+        ([0.5, 1.0, 2.0], "version in put.* 3 ints"),
+        ([True, False, True], "version in put.* 3 ints"),
+        (-1, "policy version must be an int"),
+        (True, "version in put.* 3 ints"),
+        ("1", "version in put.* 3 ints"),
+    ],
+)
+def test_bad_versions_are_refused_and_change_nothing(make_hub, version: Any, match: str) -> None:
+    hub = make_hub(columns=COLS, tasks=TWO_TASKS)
+    before = hub.statistics()
+    with pytest.raises(FlowRLError, match=match):
+        hub.put(sample(3), version=version)
+    after = hub.statistics()
+    assert (after.live, after.reserved, after.tasks) == (before.live, before.reserved, before.tasks)
+
+
 def test_groups_and_tokens_are_carried_on_the_handle(make_hub) -> None:
     hub = make_hub(columns=COLS, tasks=TWO_TASKS)
     hub.put(sample(3), groups=[7, 7, 8], tokens=[10, 20, 30])

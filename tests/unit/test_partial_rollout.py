@@ -160,18 +160,20 @@ def test_a_preempted_batch_resumes_from_its_prefix_with_mixed_versions() -> None
         assert len(response) <= MAX_NEW and len(out.logprobs[k]) == len(response)
         mixed += 0 < len(prefix) < len(response)
     assert mixed >= 1
-    assert out.min_version(default=1) == 0
+    versions = out.sample_versions(default=1)  # each sample as old as its oldest token
+    assert versions.tolist() == [0 if cut.appended["response"][j] else 1 for j in order]
 
     hub.put(
         {"response": out.responses, "sample_logprobs": out.logprobs,
          "response_versions": out.versions},
-        indices=second, version=out.min_version(default=1),
+        indices=second, version=versions,
     )  # fmt: skip
     assert all(not r for r in hub.partial(second, "response").values.tolist())  # dropped
     hub.ack(second)
     batch = hub.get(hub.claim("train", len(PROMPTS), timeout=5))
     assert sorted(batch.indices.tolist()) == sorted(first.indices.tolist())
-    assert (batch.meta.versions == 0).all()  # as old as its oldest token
+    version_of = dict(zip(second.indices.tolist(), versions.tolist(), strict=True))
+    assert batch.meta.versions.tolist() == [version_of[i] for i in batch.indices.tolist()]
     stats = hub.statistics()
     assert stats.tasks["generate"].consumed == len(PROMPTS)
     assert stats.tasks["generate"].ready == stats.tasks["generate"].leased == 0

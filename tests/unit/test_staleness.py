@@ -166,3 +166,18 @@ def test_metrics_count_tokens_and_versions_of_the_trained_task_only() -> None:
     assert (step.max_lag, step.mean_lag) == (2, pytest.approx(4 / 3))
     assert step.stale_tokens == 8 and step.stale_token_fraction == pytest.approx(8 / 12)
     hub.close()
+
+
+def test_metrics_take_each_samples_own_version() -> None:
+    hub = Hub([IDS], tasks={"train": ["ids"]})
+    metrics = StalenessMetrics("train")
+    hub.subscribe(metrics)
+    hub.publish_version(3)
+    # a resumed rollout (begun under version 1) and a fresh one, put together
+    hub.put({"ids": [np.arange(5), np.arange(3)]}, version=[1, 3])
+    hub.ack(hub.claim("train", 2, timeout=1))
+    hub.flush_events()
+    (step,) = metrics.steps()
+    assert (step.samples, step.tokens, step.max_lag) == (2, 8, 2)
+    assert step.mean_lag == pytest.approx(1.0) and step.stale_tokens == 5
+    hub.close()

@@ -140,10 +140,16 @@ class ControllerMachine(RuleBasedStateMachine):
         columns=st.just(list(COLUMNS))
         | st.lists(st.sampled_from(COLUMNS), max_size=3, unique=True),
         groups=st.lists(st.integers(-1, 3), min_size=4, max_size=4),
-        version_lag=st.none() | st.integers(0, 2),
+        version_lag=st.none()
+        | st.integers(0, 2)
+        | st.lists(st.integers(0, 2), min_size=4, max_size=4),  # one per sample
     )
     def put_new(self, n: int, columns: list[str], groups: list[int], version_lag: Any) -> None:
-        version = None if version_lag is None else max(self.version - version_lag, 0)
+        version: Any = None
+        if isinstance(version_lag, int):
+            version = max(self.version - version_lag, 0)
+        elif version_lag is not None:
+            version = np.maximum(self.version - np.array(version_lag[:n], dtype=np.int64), 0)
         with self.ctl.cond:
             if self.ended:
                 with pytest.raises(EndOfStream):
@@ -170,7 +176,10 @@ class ControllerMachine(RuleBasedStateMachine):
         for pos, i in enumerate(got):
             self.cols[i] = set(columns)
             self.group[i] = groups[pos]
-            self.version_of[i] = self.version if version is None else version
+            if version is None:
+                self.version_of[i] = self.version
+            else:
+                self.version_of[i] = int(version if isinstance(version, int) else version[pos])
         self.push_ready(got, before)
 
     @rule(n=st.integers(1, 3))

@@ -56,7 +56,7 @@ class CommitArgs(NamedTuple):
     new: bool
     partition: str
     groups: np.ndarray | None
-    version: int | None
+    version: int | np.ndarray | None  # one for the put, or one per sample
     tokens: np.ndarray | None
     producer: str
     ack: tuple[str, int] | None = None  # (task, lease) acked with the commit
@@ -108,7 +108,7 @@ class HubClient(abc.ABC):
         indices: BatchMeta | np.ndarray | Sequence[int] | None = None,
         partition: str = "",
         groups: Any = None,
-        version: int | None = None,
+        version: Any = None,
         tokens: Any = None,
         producer: str = "",
         timeout: float | None = None,
@@ -119,6 +119,10 @@ class HubClient(abc.ABC):
         Without ``indices`` it creates new samples (blocking while the hub is full, up to
         ``timeout`` seconds). With ``indices`` (an array or the ``BatchMeta`` of a claim)
         it adds or overwrites columns of existing samples.
+
+        ``version``: the policy version that produced the data, one int or one per sample
+        (a batch mixing resumed and fresh rollouts); new samples default to the hub's
+        current version, and an update without it keeps the samples' versions.
 
         ``ack``: the claim these samples came from; they are acked in the same step as the
         columns become visible, so a worker that dies never leaves them written but not
@@ -137,7 +141,7 @@ class HubClient(abc.ABC):
         indices: Any,
         partition: str,
         groups: Any,
-        version: int | None,
+        version: Any,
         tokens: Any,
         producer: str,
         timeout: float | None,
@@ -150,16 +154,15 @@ class HubClient(abc.ABC):
         if not isinstance(producer, str):
             raise ConfigError(f"producer must be a str, got {producer!r} in put()")
         _check_seconds(timeout, "put() timeout", allow_zero=True)
-        if version is not None:
-            _check_version(version, where)
         target = _as_indices(indices, where) if indices is not None else None
         acked = None if ack is None else _ackable(ack, target, where)
         n_expected = None if target is None else int(target.size)
         encoded, new_columns, n = self.schema.encode_all(data, n_expected, where)
         groups_arr = _per_sample(groups, n, "groups", where)
         tokens_arr = _per_sample(tokens, n, "tokens", where)
+        versions = _versions(version, n, where)
         cells = {k: CellWrite(e.nbytes, e.lengths) for k, e in encoded.items()}
-        per_put = (partition, groups_arr, version, tokens_arr, producer)
+        per_put = (partition, groups_arr, versions, tokens_arr, producer)
         arrays = {k: e.array for k, e in encoded.items()}
         types = {c.name: c for c in new_columns}
         types.update((k, self.schema[k]) for k in arrays if k not in types)
@@ -554,8 +557,22 @@ def _as_indices(indices: Any, where: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+def _versions(version: Any, n: int, where: str) -> int | np.ndarray | None:
+    """A put's policy version: None (the hub's current one), one int, or one per sample
+    (kept as one int when they are all the same)."""
+    if version is None:
+        return None
+    if isinstance(version, int) and not isinstance(version, bool):
+        _check_version(version, where)
+        return version
+    per_sample = _per_sample(version, n, "version", where)
+    assert per_sample is not None
+    return int(per_sample[0]) if (per_sample == per_sample[0]).all() else per_sample
+
+
 def _per_sample(value: Any, n: int, name: str, where: str) -> np.ndarray | None:
-    """One int64 per sample (``tokens`` must be >= 0); a single int is broadcast."""
+    """One int64 per sample (``tokens`` and ``version`` must be >= 0); a single int is
+    broadcast."""
     if value is None:
         return None
     if isinstance(value, int) and not isinstance(value, bool):
@@ -564,7 +581,7 @@ def _per_sample(value: Any, n: int, name: str, where: str) -> np.ndarray | None:
         arr = np.asarray(value.detach().cpu().numpy() if hasattr(value, "detach") else value)
     except ValueError:  # ragged nesting numpy cannot shape
         arr = np.empty(0, dtype=object)
-    low = 0 if name == "tokens" else -(2**63)
+    low = 0 if name in ("tokens", "version") else -(2**63)
     if arr.dtype == object and not all(type(x) is int for x in arr.ravel()):
         arr = np.empty(0, dtype=object)  # None, str or other objects: not ints
     if (

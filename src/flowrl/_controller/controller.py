@@ -280,12 +280,15 @@ class Controller:
         new: bool,
         partition: str = "",
         groups: np.ndarray | None = None,
-        version: int | None = None,
+        version: int | np.ndarray | None = None,
         tokens: np.ndarray | None = None,
         producer: str = "",
         ack: tuple[str, int] | None = None,
     ) -> None:
         """Mark columns ready on samples (after their bytes were stored).
+
+        ``version``: one for the put or one per sample (validated by the client); None
+        gives new samples the current version and leaves updated ones as they are.
 
         ``ack``: (task, lease) of a claim holding these samples, acked in the same step,
         so they are never written without being consumed (a worker that dies between a
@@ -339,7 +342,8 @@ class Controller:
             columns=tuple(cells),
             new=new,
             partition=partition,
-            version=int(t.version[slots[0]]) if new or version is not None else -1,
+            version=int(t.version[slots].min()) if new or version is not None else -1,
+            versions=tuple(version.tolist()) if isinstance(version, np.ndarray) else (),
             tokens=tuple(t.tokens[slots].tolist()),
             unit=int(t.unit[slots[0]]),
             producer=producer,
@@ -794,7 +798,9 @@ class Controller:
                 new=event.new,
                 partition=event.partition,
                 groups=np.array(event.groups, dtype=np.int64) if event.groups else None,
-                version=None if event.version < 0 else event.version,
+                version=np.array(event.versions, dtype=np.int64)
+                if event.versions
+                else (None if event.version < 0 else event.version),
                 tokens=np.array(event.tokens, dtype=np.int64),
                 producer=event.producer,
             )

@@ -103,7 +103,8 @@ class Rows(msgspec.Struct, frozen=True):
 
     ``data``: output column name to values. ``groups`` (GRPO group ids: one int, or one
     per sample), ``partition`` (sources only), ``version`` (the policy version that produced
-    the data) and ``tokens`` (per-sample token counts) are passed on to ``hub.put``.
+    the data: one int, or one per sample) and ``tokens`` (per-sample token counts) are
+    passed on to ``hub.put``.
     ``keep`` (consuming stages only) is a boolean mask over the batch: ``data`` then holds
     values for the kept samples only, and the dropped samples never reach the stages that
     consume this stage's outputs.
@@ -112,7 +113,7 @@ class Rows(msgspec.Struct, frozen=True):
     data: Mapping[str, Any]
     groups: Any = None
     partition: str = ""
-    version: int | None = None
+    version: Any = None
     tokens: Any = None
     keep: Any = None
 

@@ -61,9 +61,9 @@ class StalenessMetrics(Observer):
         self._done: list[StalenessStep] = []
 
     def on_put(self, event: Put) -> None:
+        versions = event.versions or (event.version,) * len(event.indices)
         with self._lock:
-            for i, tok in zip(event.indices, event.tokens, strict=True):
-                version = event.version
+            for i, tok, version in zip(event.indices, event.tokens, versions, strict=True):
                 old = self._samples.get(i)
                 if old is not None and not event.new and version < 0:  # version unchanged
                     version = old[0]

@@ -285,7 +285,7 @@ class ControllerServer:
             new=msg.new,
             partition=msg.partition,
             groups=None if msg.groups is None else wire.ints(msg.groups),
-            version=msg.version,
+            version=msg.version if msg.versions is None else wire.ints(msg.versions),
             tokens=None if msg.tokens is None else wire.ints(msg.tokens),
             producer=msg.producer,
             ack=None if msg.ack_task is None else (msg.ack_task, msg.ack_lease),

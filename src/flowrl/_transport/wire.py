@@ -138,6 +138,7 @@ class Commit(_Msg, frozen=True, tag="commit"):
     producer: str = ""
     ack_task: str | None = None  # with ack_lease: the claim acked with the commit
     ack_lease: Int64 = 0
+    versions: bytes | None = None  # int64 per sample, instead of one ``version``
 
 
 class CommitFor(_Msg, frozen=True, tag="commit_for"):
@@ -382,15 +383,19 @@ def _check_request(msg: Any) -> str:
     if isinstance(msg, Commit):
         if n == 0:
             return "a commit names no sample"
-        arrays = {"groups": msg.groups, "tokens": msg.tokens}
+        arrays = {"groups": msg.groups, "tokens": msg.tokens, "versions": msg.versions}
         for name, cell in msg.cells.items():
             arrays[f"cells[{name!r}].nbytes"] = cell.nbytes
             arrays[f"cells[{name!r}].lengths"] = cell.lengths
         for what, data in arrays.items():
             if data is not None and _int64s(data) != n:
                 return f"{what} does not hold one int64 for each of the {n} indices"
-        if msg.tokens is not None and n and ints(msg.tokens).min() < 0:
-            return "tokens must be >= 0"
+        for what in ("tokens", "versions"):
+            data = getattr(msg, what)
+            if data is not None and ints(data).min() < 0:
+                return f"{what} must be >= 0"
+        if msg.versions is not None and msg.version is not None:
+            return "a commit gives one version or one per sample, not both"
     elif isinstance(msg, Claim) and msg.min_n is not None and msg.min_n > msg.n:
         return f"min_n={msg.min_n} exceeds n={msg.n}"
     elif isinstance(msg, Write):

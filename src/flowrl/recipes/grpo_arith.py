@@ -211,9 +211,9 @@ def build_pipeline(
                     "sample_logprobs": out.logprobs,
                     "response_versions": out.versions,
                 },
-                # A resumed response mixes versions: the sample counts as old as its oldest
-                # token, so the staleness bound holds for every token.
-                version=out.min_version(self.version),
+                # A resumed response mixes versions: each sample counts as old as its
+                # oldest token, so the staleness bound holds for every token.
+                version=out.sample_versions(self.version),
                 tokens=out.responses.lengths,  # response lengths, for the forecaster
             )
 

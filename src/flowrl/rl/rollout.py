@@ -60,10 +60,15 @@ class ResumableGeneration(NamedTuple):
     versions: RaggedArray
     resumed: int
 
-    def min_version(self, default: int) -> int:
-        """The oldest policy version of any token (``default`` when there is no token)."""
-        values = self.versions.values
-        return int(values.min()) if values.size else default
+    def sample_versions(self, default: int) -> np.ndarray:
+        """Each sample's oldest token version (``default`` for a sample without tokens):
+        the ``version=`` to put it with, so every sample-level lag bounds its tokens'."""
+        cu = self.versions.cu_seqlens
+        out = np.full(cu.size - 1, default, dtype=np.int64)
+        filled = cu[1:] > cu[:-1]
+        if filled.any():
+            out[filled] = np.minimum.reduceat(self.versions.values, cu[:-1][filled])
+        return out
 
 
 def generate_resumable(

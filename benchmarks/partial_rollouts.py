@@ -16,8 +16,8 @@ medians, too) and ``overhead`` = ms_per_batch(setting) / ms_per_batch(off) - 1, 
 a busy machine is still noisy (several %); the direct
 figure is ``append_ms_per_batch``, the CPU time spent inside ``hub.append`` per
 micro-batch, and ``append_share`` = that over the micro-batch without appends.
-``appends_per_batch`` is how many ``hub.append`` calls (two per chunk: tokens, then
-log-probs) a micro-batch made on average. The rollout stage
+``appends_per_batch`` is how many ``hub.append`` calls (one per chunk: tokens and
+log-probs together) a micro-batch made on average. The rollout stage
 is one of the job's two busiest stages, so its overhead bounds the job's wall-time cost.
 
     python benchmarks/partial_rollouts.py --json
@@ -115,7 +115,7 @@ def measure(rounds: int, batches: int, batch: int) -> dict[str, Any]:
                         "response_versions": out.versions,
                     },
                     indices=meta,
-                    version=out.min_version(0),
+                    version=out.sample_versions(0),
                 )
                 hub.ack(meta)
                 tokens += out.responses.values.size

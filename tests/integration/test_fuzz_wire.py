@@ -532,16 +532,24 @@ def broken_appends(draw: st.DrawFn) -> tuple[bytes, list[bytes]]:
     idx = ints(*(LIVE[:n] if live else range(200, 200 + n)))
     frames = good_buffers(column, n)
     header = ArrayHeader(column.name, n, len(frames))
-    broken = draw(st.sampled_from(["none", "frames", "length", "truncated", "indices"]))
-    if broken == "frames":
+    columns, headers = [column], [header]
+    broken = draw(
+        st.sampled_from(["none", "frames", "length", "truncated", "indices", "names", "twice"])
+    )
+    if broken == "names":  # the header of another column than the one named
+        headers = [ArrayHeader("other", n, len(frames))]
+    elif broken == "twice":  # one column appended twice in one request
+        columns, headers, frames = [column] * 2, [header] * 2, frames * 2
+    elif broken == "frames":
         frames = frames[:-1]
     elif broken == "length":
-        header = ArrayHeader(column.name, n + 1, len(frames))
+        headers = [ArrayHeader(column.name, n + 1, len(frames))]
     elif broken == "truncated":
         frames[-1] = frames[-1][:-1]
     elif broken == "indices":
         idx = draw(st.one_of(not_int64s, st.just(ints(-1))))
-    msg = wire.Append(indices=idx, column=column, version=draw(st.integers(0, 9)), array=header)
+    version = draw(st.integers(0, 9))
+    msg = wire.Append(indices=idx, columns=columns, version=version, arrays=headers)
     return wire.encode(msg), frames
 
 

@@ -87,6 +87,30 @@ def test_bad_appends_change_nothing(make_hub) -> None:
     assert lists(hub.partial(idx, "response").values) == [[], [6]]
 
 
+def test_several_columns_append_together_or_not_at_all(make_hub) -> None:
+    hub = make_hub(columns=COLS, tasks=TASKS)
+    idx = hub.put({"prompt": [[1], [2], [3]]})
+    chunk = {"response": [[10, 11], [20], []], "versions": [[0, 0], [0], []]}
+    lengths = hub.append(idx, chunk, version=0)
+    assert {k: v.tolist() for k, v in lengths.items()} == {
+        "response": [2, 1, 0],
+        "versions": [2, 1, 0],
+    }
+    assert lists(hub.partial(idx, "versions").values) == [[0, 0], [0], []]
+    hub.put({"versions": [[0, 0]]}, indices=idx[:1])  # one column of sample 0 completed
+    with pytest.raises(SchemaError, match="already complete"):
+        hub.append(idx[:1], {"response": [[12]], "versions": [[1]]}, version=1)
+    with pytest.raises(ConfigError, match="not both"):
+        hub.append(idx, {"response": [[1], [2], [3]]}, [[1], [2], [3]], version=1)
+    with pytest.raises(ConfigError, match="no column"):
+        hub.append(idx, {}, version=1)
+    with pytest.raises(SchemaError, match="ragged"):
+        hub.append(idx, {"response": [[1], [2], [3]], "reward": [1.0, 2.0, 3.0]}, version=1)
+    with pytest.raises(SchemaError):  # one column's values do not match the samples
+        hub.append(idx, {"response": [[1], [2], [3]], "versions": [[1]]}, version=1)
+    assert lists(hub.partial(idx, "response").values) == [[10, 11], [20], []]  # unchanged
+
+
 def test_evicted_samples_lose_their_prefix(make_hub) -> None:
     hub = make_hub(columns=COLS, tasks={"generate": ["prompt"]})
     idx = hub.put({"prompt": [[1]]})

@@ -108,11 +108,13 @@ class _PreemptedAfter:
     def partial(self, *args: Any, **kwargs: Any) -> Any:
         return self.hub.partial(*args, **kwargs)
 
-    def append(self, meta: Any, column: str, values: Any, *, version: int) -> Any:
+    def append(self, meta: Any, column: Any, values: Any = None, *, version: int) -> Any:
         lengths = self.hub.append(meta, column, values, version=version)
-        rows = self.appended.setdefault(column, [[] for _ in range(len(meta))])
-        for i, v in enumerate(values):
-            rows[i].extend(np.asarray(v).tolist())
+        data = column if isinstance(column, dict) else {column: values}
+        for name, vals in data.items():
+            rows = self.appended.setdefault(name, [[] for _ in range(len(meta))])
+            for i, v in enumerate(vals):
+                rows[i].extend(np.asarray(v).tolist())
         self.n -= 1
         if self.n == 0:
             raise Preempted
@@ -130,7 +132,7 @@ def test_a_preempted_batch_resumes_from_its_prefix_with_mixed_versions() -> None
     model = _model(2)
     hub.put({"prompt": PROMPTS})
     first = _claim(hub, len(PROMPTS), lease_timeout=0.2)
-    cut = _PreemptedAfter(hub, 2)  # the tokens and log-probs of the first chunk, then gone
+    cut = _PreemptedAfter(hub, 1)  # the tokens and log-probs of the first chunk, then gone
     with pytest.raises(Preempted):
         generate_resumable(
             model, cut, first, PROMPTS, MAX_NEW, version=0, eos_id=EOS, append_every=3,
@@ -180,12 +182,13 @@ def test_a_preempted_batch_resumes_from_its_prefix_with_mixed_versions() -> None
     hub.close()
 
 
-def test_a_death_between_the_two_appends_is_repaired() -> None:
+def test_fewer_stored_logprobs_than_tokens_are_repaired() -> None:
     hub = flowrl.Hub(COLS, tasks=TASKS)
     model = _model(3)
     idx = hub.put({"prompt": PROMPTS[:2]})
     meta = hub.claim("generate", 2, min_n=2, timeout=5)
-    # The first worker appended tokens, then died before it appended their log-probs.
+    # Tokens stored without all their log-probs (appended alone, or a persistent unit that
+    # died between logging the two columns).
     hub.append(meta, "response", [[4, 5], []], version=0)
     hub.append(meta, "sample_logprobs", [[-0.5], []], version=0)
     out = generate_resumable(

@@ -310,11 +310,11 @@ class HubClient(abc.ABC):
     def append(
         self,
         indices: BatchMeta | np.ndarray | Sequence[int],
-        column: str,
-        values: Any,
+        column: str | Mapping[str, Any],
+        values: Any = None,
         *,
         version: int,
-    ) -> np.ndarray:
+    ) -> Any:
         """Append tokens to the in-progress ragged ``column`` of samples (partial rollouts).
 
         ``values`` holds one 1-D sequence per sample: the tokens generated since the last
@@ -322,20 +322,42 @@ class HubClient(abc.ABC):
         too when the hub is journaled); a worker resuming a preempted request reads it with
         :meth:`partial`. A later ``put`` of the column completes it. Returns the prefix
         length of each sample.
+
+        ``column`` may instead map several ragged columns to their values (e.g. the tokens
+        and their log-probs): they are appended together, one request per storage unit,
+        each unit taking all of them or none. Returns ``{column: prefix lengths}`` then.
         """
         self._raise_policy_error()
-        col = self._ragged(column, "append()")
+        if isinstance(column, Mapping):
+            if values is not None:
+                raise ConfigError(
+                    "append() takes a mapping of columns to values, or a column and its "
+                    "values, not both"
+                )
+            data = column
+        else:
+            data = {column: values}
+        if not data:
+            raise ConfigError("append() got no column to append to")
+        cols = [self._ragged(name, "append()") for name in data]
         _check_version(version, "append()")
         meta = self._locate(indices, "append()")
-        encoded, _, _ = self.schema.encode_all({column: values}, len(meta), "append()")
-        array = encoded[column].array
-        lengths = np.empty(len(meta), dtype=np.int64)
+        encoded, _, _ = self.schema.encode_all(data, len(meta), "append()")
+        lengths = {c.name: np.empty(len(meta), dtype=np.int64) for c in cols}
         for unit, pos in _split_by_unit(meta.units):
-            part = array if pos is None else array.take(numeric_array(pos))
-            lengths[slice(None) if pos is None else pos] = self._append(
-                unit, _part(meta.indices, pos), col, part, version
-            )
-        return lengths
+            parts = [
+                (
+                    c,
+                    encoded[c.name].array
+                    if pos is None
+                    else encoded[c.name].array.take(numeric_array(pos)),
+                )
+                for c in cols
+            ]
+            got = self._append(unit, _part(meta.indices, pos), parts, version)
+            for c, n in zip(cols, got, strict=True):
+                lengths[c.name][slice(None) if pos is None else pos] = n
+        return lengths if isinstance(column, Mapping) else lengths[cols[0].name]
 
     def partial(self, indices: BatchMeta | np.ndarray | Sequence[int], column: str) -> Partial:
         """What :meth:`append` stored so far for each sample (empty when nothing)."""
@@ -500,8 +522,8 @@ class HubClient(abc.ABC):
 
     @abc.abstractmethod
     def _append(
-        self, unit: int, indices: np.ndarray, column: Column, values: pa.Array, version: int
-    ) -> np.ndarray: ...
+        self, unit: int, indices: np.ndarray, values: list[tuple[Column, pa.Array]], version: int
+    ) -> list[np.ndarray]: ...
 
     @abc.abstractmethod
     def _read_partial(

@@ -155,9 +155,9 @@ class Hub(HubClient):
             return self.controller.meta(indices, columns)
 
     def _append(
-        self, unit: int, indices: np.ndarray, column: Column, values: pa.Array, version: int
-    ) -> np.ndarray:
-        return self.units[unit].append(indices, column, values, version)
+        self, unit: int, indices: np.ndarray, values: list[tuple[Column, pa.Array]], version: int
+    ) -> list[np.ndarray]:
+        return self.units[unit].append(indices, values, version)
 
     def _read_partial(
         self, unit: int, indices: np.ndarray, column: Column

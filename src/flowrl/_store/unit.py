@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -246,12 +246,14 @@ class StorageUnit:
 
     # -- partial rollouts -------------------------------------------------------------------
     def append(
-        self, indices: np.ndarray, column: Column, values: pa.Array, version: int
-    ) -> np.ndarray:
-        """Append tokens to in-progress values of a ragged column; returns prefix lengths."""
+        self, indices: np.ndarray, values: Sequence[tuple[Column, pa.Array]], version: int
+    ) -> list[np.ndarray]:
+        """Append tokens to in-progress values of ragged columns, all of them or (on a bad
+        request) none; returns each column's prefix lengths."""
         with self._lock:
-            self._check_in_progress(indices, column)
-            return self._partials.append(indices, column, values, version)
+            for column, _ in values:
+                self._check_in_progress(indices, column)
+            return [self._partials.append(indices, c, v, version) for c, v in values]
 
     def read_partial(self, indices: np.ndarray, column: Column) -> tuple[pa.Array, pa.Array]:
         """The prefixes appended so far (values, per-token versions); empty when none."""

@@ -397,12 +397,24 @@ class RemoteHub(HubClient):
         return out
 
     def _append(
-        self, unit: int, indices: np.ndarray, column: Column, values: pa.Array, version: int
-    ) -> np.ndarray:
-        header, frames = to_frames(column.name, column, values)
-        msg = wire.Append(indices=indices.tobytes(), column=column, version=version, array=header)
+        self, unit: int, indices: np.ndarray, values: list[tuple[Column, pa.Array]], version: int
+    ) -> list[np.ndarray]:
+        headers, frames = [], []
+        for column, array in values:
+            header, bufs = to_frames(column.name, column, array)
+            headers.append(header)
+            frames.extend(bufs)
+        msg = wire.Append(
+            indices=indices.tobytes(),
+            columns=[c for c, _ in values],
+            version=version,
+            arrays=headers,
+        )
         reply, _ = self._call(unit, msg, frames)
-        return wire.ints(reply.lengths)
+        lengths = wire.ints(reply.lengths)
+        if lengths.size != len(values) * indices.size:
+            raise TransportError(f"storage unit {unit} answered an append malformed")
+        return list(lengths.reshape(len(values), indices.size))
 
     def _read_partial(
         self, unit: int, indices: np.ndarray, column: Column

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import zmq
 
 from flowrl._client.config import JournalConfig
@@ -161,12 +162,21 @@ class UnitServer:
             return wire.Arrays(arrays=headers)
         if isinstance(msg, wire.Append):
             indices = wire.ints(msg.indices)
-            header = msg.array
-            if header.frames != len(payload) or header.length != indices.size:
-                raise TransportError("append request: frames do not match its header")
-            values = from_frames(msg.column, header, [f.buffer for f in payload])
-            lengths = self.unit.append(indices, msg.column, values, msg.version)
-            return wire.Lengths(lengths=lengths.tobytes())
+            if [h.column for h in msg.arrays] != [c.name for c in msg.columns] or any(
+                h.length != indices.size for h in msg.arrays
+            ):
+                raise TransportError("append request: headers do not match its columns")
+            if sum(h.frames for h in msg.arrays) != len(payload):
+                raise TransportError("append request: frame count does not match its headers")
+            values, pos = [], 0
+            for column, header in zip(msg.columns, msg.arrays, strict=True):
+                if column.kind != "ragged":
+                    raise SchemaError(f"append() extends ragged columns only, not {column.name!r}")
+                bufs = [f.buffer for f in payload[pos : pos + header.frames]]
+                values.append((column, from_frames(column, header, bufs)))
+                pos += header.frames
+            lengths = self.unit.append(indices, values, msg.version)
+            return wire.Lengths(lengths=np.concatenate(lengths).tobytes())
         if isinstance(msg, wire.ReadPartial):
             prefixes = self.unit.read_partial(wire.ints(msg.indices), msg.column)
             headers = []

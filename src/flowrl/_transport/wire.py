@@ -220,12 +220,14 @@ class Evict(_Msg, frozen=True, tag="evict"):
 
 
 class Append(_Msg, frozen=True, tag="append"):
-    """Tokens for in-progress values of a ragged column; one ArrayHeader's frames follow."""
+    """Tokens for in-progress values of ragged columns, appended together; the frames of
+    each column's ArrayHeader follow in order. Answered with the prefix lengths, column
+    after column."""
 
     indices: bytes
-    column: Column
+    columns: list[Column]
     version: NonNeg
-    array: ArrayHeader
+    arrays: list[ArrayHeader]
 
 
 class ReadPartial(_Msg, frozen=True, tag="read_partial"):
@@ -398,9 +400,11 @@ def _check_request(msg: Any) -> str:
             return "a commit gives one version or one per sample, not both"
     elif isinstance(msg, Claim) and msg.min_n is not None and msg.min_n > msg.n:
         return f"min_n={msg.min_n} exceeds n={msg.n}"
-    elif isinstance(msg, Write):
+    elif isinstance(msg, Write | Append):
         if len(msg.arrays) != len({h.column for h in msg.arrays}):
             return "a column appears twice"
+        if isinstance(msg, Append):
+            return "" if msg.arrays else "an append names no column"
         if msg.commit is not None:
             if msg.commit.indices != msg.indices:
                 return "the commit names other samples than the write"

@@ -8,18 +8,19 @@
 2. decodes, feeding each prompt *and its prefix* to the model, so an interrupted request
    resumes where it stopped instead of starting over (starting over would bias training
    towards short responses);
-3. every ``append_every`` decoding steps appends the tokens sampled since the last append,
-   and their sampler log-probs, tagged with the policy ``version`` generating them
-   (``hub.append``);
+3. every ``append_every`` decoding steps appends the tokens sampled since the last append
+   and their sampler log-probs, tagged with the policy ``version`` generating them, in one
+   ``hub.append`` (one request per storage unit, which takes both or neither);
 4. returns each sample's whole response (prefix + new tokens), log-probs, and the policy
    version of every token, for the stage to ``put``: that put completes the columns and
    drops the prefixes.
 
-Invariants. The response is appended before its log-probs, so a sample's stored log-prob
-prefix is never longer than its token prefix; if a worker died between the two appends,
-the resuming worker fills the gap with log-probs recomputed under its own weights (and
-appends them, tagged with its version, so the two prefixes line up again). A returned
-response always starts with the prefix that was stored, with that prefix's versions.
+Invariants. A sample's stored log-prob prefix is never longer than its token prefix. It
+can be shorter only where tokens were appended alone, or where a persistent storage unit
+died between logging the two columns: the resuming worker then fills the gap with
+log-probs recomputed under its own weights (and appends them, tagged with its version, so
+the two prefixes line up again). A returned response always starts with the prefix that
+was stored, with that prefix's versions.
 """
 
 from __future__ import annotations
@@ -112,9 +113,11 @@ def generate_resumable(
     def on_chunk(tokens: torch.Tensor, lps: torch.Tensor, counts: torch.Tensor) -> None:
         cu = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(counts.cpu().numpy(), out=cu[1:])
-        # Tokens first: a stored log-prob prefix is never longer than its token prefix.
-        hub.append(meta, response, RaggedArray(tokens.cpu().numpy(), cu), version=version)
-        hub.append(meta, logprobs, RaggedArray(lps.cpu().numpy(), cu), version=version)
+        chunk = {
+            response: RaggedArray(tokens.cpu().numpy(), cu),
+            logprobs: RaggedArray(lps.cpu().numpy(), cu),
+        }
+        hub.append(meta, chunk, version=version)
 
     out = generate(
         model,
@@ -167,8 +170,9 @@ def _aligned_logprobs(
 ) -> list[np.ndarray]:
     """The stored log-prob prefix of each sample, as long as its token prefix.
 
-    A worker that died between its two appends left fewer log-probs than tokens: the
-    missing ones are recomputed with ``model`` and appended, tagged with ``version``.
+    Where fewer log-probs than tokens were stored (tokens appended alone, or a persistent
+    unit that died between logging the two columns), the missing ones are recomputed with
+    ``model`` and appended, tagged with ``version``.
     """
     lps = hub.partial(meta, column).values
     have = lps.lengths
@@ -177,8 +181,8 @@ def _aligned_logprobs(
         bad = int(np.argmax(have > want))
         raise ValueError(
             f"sample {int(meta.indices[bad])} has {int(have[bad])} stored {column!r} values "
-            f"but only {int(want[bad])} stored tokens; generate_resumable appends tokens "
-            f"first, so another writer appended to {column!r}: let one stage write both"
+            f"but only {int(want[bad])} stored tokens; generate_resumable appends both "
+            f"together, so another writer appended to {column!r}: let one stage write both"
         )
     short = np.flatnonzero(have < want).tolist()
     if not short:

@@ -1,0 +1,64 @@
+"""Benchmarks at a tiny size: they run and report every figure (timings are the
+benchmarks' business, not these tests'). Benchmarks use private APIs, so a refactor that
+breaks one shows here rather than at the next measurement."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def run(name: str, *args: str) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / name), "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    report: dict[str, Any] = json.loads(out.stdout)
+    return report
+
+
+def test_partial_rollouts_benchmark_reports_every_setting() -> None:
+    report = run("partial_rollouts.py", "--rounds", "1", "--batches", "2")
+    settings = report["settings"]
+    assert set(settings) == {"0", "1", "2", "4"}
+    assert settings["0"]["appends_per_batch"] == 0
+    assert settings["1"]["appends_per_batch"] > 0  # one append per decoding step
+    assert all(s["ms_per_batch"] > 0 for s in settings.values())
+
+
+@pytest.mark.parametrize("transport", ["inproc", "zmq"])
+def test_hub_throughput_benchmark_reports_the_issue_figures(transport: str) -> None:
+    report = run("hub_throughput.py", "--transport", transport, "--samples", "256")
+    figures = [
+        "put_samples_per_s",
+        "get_samples_per_s",
+        "put_gib_per_s",
+        "get_gib_per_s",
+        "claim_p50_ms",
+        "claim_p99_ms",
+        "claim_p99_ms_1k",
+        "claim_p99_ms_131k",
+        "controller_cell_updates_per_s",
+    ]
+    if transport == "zmq":
+        figures += [
+            "put_to_claimable_p50_ms",
+            "single_sample_puts_per_s",
+            "metadata_round_trips_per_s",
+            "startup_s",
+            "blocked_claim_put_latency_ratio",
+        ]
+    assert all(report[f] > 0 for f in figures), {f: report.get(f) for f in figures}
+    assert report["transport"] == transport and report["samples"] == 256

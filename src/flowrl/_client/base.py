@@ -300,11 +300,11 @@ class HubClient(abc.ABC):
         cols = meta.columns if columns is None else self.schema.check_names(columns, "get()")
         if len(meta) == 0:
             empty = {c: pa.array([], type=self.schema[c].arrow_type) for c in cols}
-            return Batch(meta, empty, {c: self.schema[c] for c in cols})
+            return Batch(meta, empty, self.schema.by_name)
         parts = list(_split_by_unit(meta.units))
         results = self._read_many([(unit, _part(meta.indices, pos)) for unit, pos in parts], cols)
         arrays = _in_request_order(parts, results)
-        return Batch(meta, arrays, {c: self.schema[c] for c in cols})
+        return Batch(meta, arrays, self.schema.by_name)
 
     # -- partial rollouts -------------------------------------------------------------------
     def append(
@@ -335,8 +335,13 @@ class HubClient(abc.ABC):
                     "values, not both"
                 )
             data = column
-        else:
+        elif isinstance(column, str):
             data = {column: values}
+        else:
+            raise ConfigError(
+                "append() column must be a column name or a mapping of column names to "
+                f"values, got {column!r}"
+            )
         if not data:
             raise ConfigError("append() got no column to append to")
         cols = [self._ragged(name, "append()") for name in data]
@@ -584,9 +589,9 @@ def _versions(version: Any, n: int, where: str) -> int | np.ndarray | None:
     (kept as one int when they are all the same)."""
     if version is None:
         return None
-    if isinstance(version, int) and not isinstance(version, bool):
-        _check_version(version, where)
-        return version
+    if not isinstance(version, list | tuple | np.ndarray) and not hasattr(version, "detach"):
+        _check_version(version, where)  # one int (anything else is refused here)
+        return int(version)
     per_sample = _per_sample(version, n, "version", where)
     assert per_sample is not None
     return int(per_sample[0]) if (per_sample == per_sample[0]).all() else per_sample

@@ -39,6 +39,11 @@ class Schema:
     def columns(self) -> tuple[Column, ...]:
         return tuple(self._columns.values())
 
+    @property
+    def by_name(self) -> Mapping[str, Column]:
+        """Every declared column by name (live: it grows as columns are declared)."""
+        return self._columns
+
     def declare(self, *columns: Column) -> None:
         """Declare columns all-or-nothing: a conflict on any leaves the schema unchanged."""
         with self._lock:

@@ -8,6 +8,7 @@ share memory with the hub's storage and are read-only: copy before modifying in 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any, final
 
 import msgspec
@@ -31,7 +32,7 @@ class Batch:
     __slots__ = ("_arrays", "_cache", "_columns", "meta")
 
     def __init__(
-        self, meta: BatchMeta, arrays: dict[str, pa.Array], columns: dict[str, Column]
+        self, meta: BatchMeta, arrays: dict[str, pa.Array], columns: Mapping[str, Column]
     ) -> None:
         self.meta = meta
         self._arrays = arrays
@@ -125,15 +126,22 @@ def _to_python(column: Column, arr: pa.Array) -> Any:
         flat = _primitive_view(arr.storage.flatten(), column.np_dtype)
         return flat.reshape((len(arr), *column.shape))
     if kind == "ragged":
-        offsets = np.frombuffer(arr.buffers()[1], dtype=np.int64)[
-            arr.offset : arr.offset + len(arr) + 1
-        ]
-        offsets.flags.writeable = False
-        start = int(offsets[0])
-        values = _primitive_view(arr.values.slice(start, int(offsets[-1]) - start), column.np_dtype)
+        n = len(arr)
+        buffers = arr.buffers()  # validity, offsets, values' validity, values' data
+        offsets = np.frombuffer(buffers[1], dtype=np.int64, count=n + 1, offset=arr.offset * 8)
+        start, end = int(offsets[0]), int(offsets[-1])
+        dtype = column.np_dtype
+        if dtype == np.bool_ or buffers[3] is None:  # bit-packed, or no values at all
+            values = _primitive_view(arr.values.slice(start, end - start), dtype)
+        else:
+            first = arr.values.offset + start
+            values = np.frombuffer(
+                buffers[3], dtype=dtype, count=end - start, offset=first * dtype.itemsize
+            )
+            values.flags.writeable = False  # shared with the hub's storage
         if start:
             offsets = offsets - start
-            offsets.flags.writeable = False
+        offsets.flags.writeable = False
         return RaggedArray._trusted(values, offsets)
     if kind == "string":
         return arr.to_pylist()

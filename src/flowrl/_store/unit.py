@@ -91,7 +91,8 @@ class _ColumnStore:
         self.row_of[slots] = np.arange(slots.size)
 
     def read(self, name: str, slots: np.ndarray, indices: np.ndarray) -> pa.Array:
-        bad = (self.owner[slots] != indices) | (indices < 0)  # a free slot's owner is -1
+        """Rows of ``indices`` (all >= 0: the caller checks, as a free slot's owner is -1)."""
+        bad = self.owner[slots] != indices
         if bad.any():
             raise UnknownIndexError(
                 f"column {name!r} holds no data for sample {int(indices[np.argmax(bad)])} "
@@ -220,6 +221,8 @@ class StorageUnit:
                 self._partials.clear(name, indices)  # the column is complete now
 
     def read(self, indices: np.ndarray, columns: tuple[str, ...]) -> dict[str, pa.Array]:
+        if indices.min() < 0:
+            raise UnknownIndexError(f"sample index {int(indices.min())} does not exist")
         slots = indices % self.capacity
         out: dict[str, pa.Array] = {}
         with self._lock:

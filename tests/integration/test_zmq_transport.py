@@ -280,8 +280,9 @@ def test_close_stops_servers_and_later_calls_fail_cleanly() -> None:
 def test_servers_exit_when_the_launching_process_dies() -> None:
     code = textwrap.dedent(
         """
-        import os, flowrl
-        hub = flowrl.launch_hub([flowrl.Column.scalar("x", "int64")])
+        import os, numpy as np, flowrl
+        hub = flowrl.launch_hub([flowrl.Column.ragged("x", "int64")])
+        hub.put({"x": [np.arange(100_000)]})  # large enough for the unit's shared memory
         print(hub.address, flush=True)
         os._exit(0)   # dies without closing the hub
         """
@@ -295,11 +296,17 @@ def test_servers_exit_when_the_launching_process_dies() -> None:
         check=True,
     )
     address = out.stdout.strip()
+    name = address.removeprefix("ipc://").rsplit("/", 2)[-2].removeprefix("flowrl-")
+    arena = f"/dev/shm/flowrl-{name}-unit0"
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
             flowrl._transport.remote.RemoteHub(address, rpc_timeout=0.3).close()
         except TransportError:
-            return  # the controller is gone
+            break  # the controller is gone
         time.sleep(0.2)
-    pytest.fail("the hub's servers outlived the process that launched them")
+    else:
+        pytest.fail("the hub's servers outlived the process that launched them")
+    while os.path.exists(arena):  # the unit took its shared memory with it
+        assert time.monotonic() < deadline + 5, f"{arena} outlived its storage unit"
+        time.sleep(0.1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import shutil
@@ -16,6 +17,7 @@ import msgspec
 
 from flowrl._client.config import HubConfig
 from flowrl._schema.columns import Column
+from flowrl._store.shm import SHM_PREFIX, shm_folder
 from flowrl._transport import wire
 from flowrl._transport.remote import RPC_TIMEOUT_S, RemoteHub
 from flowrl._transport.specs import ControllerSpec, ServerSpec, UnitSpec
@@ -44,8 +46,10 @@ def launch_hub(
     addr = f"ipc://{folder}/controller"
     units = [f"ipc://{folder}/unit{u}" for u in range(config.n_units)]
     controls = [f"ipc://{folder}/unit{u}-ctl" for u in range(config.n_units)]
+    name = os.path.basename(folder).removeprefix("flowrl-")
+    arenas = [shm_folder(f"{name}-unit{u}") for u in range(config.n_units)]
     specs: list[ControllerSpec | UnitSpec] = [
-        UnitSpec(u, config.capacity, units[u], controls[u], config.journal)
+        UnitSpec(u, config.capacity, units[u], controls[u], config.journal, arenas[u])
         for u in range(config.n_units)
     ]
     specs.append(
@@ -180,6 +184,9 @@ def _stop(servers: _Servers, folder: str, addresses: list[str]) -> None:
             p.kill()
             p.wait()
     shutil.rmtree(folder, ignore_errors=True)
+    name = os.path.basename(folder).removeprefix("flowrl-")
+    for arena in glob.glob(f"{SHM_PREFIX}{name}-unit*"):
+        shutil.rmtree(arena, ignore_errors=True)  # a unit killed before it could
 
 
 def request_shutdown(addresses: Sequence[str]) -> None:

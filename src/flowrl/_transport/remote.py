@@ -29,6 +29,7 @@ from flowrl._controller.meta import BatchMeta
 from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
 from flowrl._store.partial import VERSIONS
+from flowrl._store.shm import ShmMaps, ShmUnavailable
 from flowrl._transport import wire
 from flowrl._transport.frames import ZERO_COPY_MIN_BYTES, from_frames, to_frames
 from flowrl.errors import (
@@ -96,6 +97,9 @@ class RemoteHub(HubClient):
         )
         self.schema = Schema(welcome.columns, infer=infer)
         self.unit_addresses: list[str] = list(welcome.units)
+        # Units on this machine (ipc) let reads map their shared memory instead of copying.
+        self._shm = [a.startswith("ipc://") for a in self.unit_addresses]
+        self._shm_maps = ShmMaps()
         self.events_address: str = welcome.events
         # Every storage unit answers before the client is handed out: a unit process may
         # still be starting (launch_hub waits for the controller only), and a first write
@@ -380,15 +384,28 @@ class RemoteHub(HubClient):
                 raise UnknownIndexError(f"sample index {int(idx.min())} does not exist")
         # Send every unit's request first, then collect: units serve in parallel.
         rids = [
-            self._send(unit, wire.Read(indices=idx.tobytes(), columns=list(columns)))
+            self._send(
+                unit,
+                wire.Read(indices=idx.tobytes(), columns=list(columns), shm=self._shm[unit]),
+            )
             for unit, idx in parts
         ]
         out = []
         for (unit, idx), rid in zip(parts, rids, strict=True):
             reply, frames = self._recv(unit, rid, self.rpc_timeout)
+            try:
+                buffers = (
+                    [f.buffer for f in frames]
+                    if reply.refs is None
+                    else self._shm_maps.buffers(reply.refs, frames, unit)
+                )
+            except ShmUnavailable:  # another machine's (or container's) /dev/shm: frames
+                log.info("storage unit %d's shared memory is not visible here", unit)
+                self._shm[unit] = False
+                return self._read_many(parts, columns)
             arrays, pos = {}, 0
             for header in reply.arrays:
-                bufs = [f.buffer for f in frames[pos : pos + header.frames]]
+                bufs = buffers[pos : pos + header.frames]
                 pos += header.frames
                 if header.length != idx.size:
                     raise TransportError(f"storage unit {unit} returned the wrong row count")
@@ -547,6 +564,7 @@ class RemoteHub(HubClient):
             for s in self._sockets:
                 s.close(linger=0)
             self._sockets.clear()
+        self._shm_maps.clear()
 
 
 class _Pool:

@@ -7,6 +7,7 @@ Runs the controller or one storage unit until a Shutdown request arrives. Starte
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import threading
 import time
@@ -16,22 +17,25 @@ import msgspec
 from flowrl._transport.specs import ControllerSpec, ServerSpec
 
 
-def _exit_with_parent(parent: int, interval: float = 1.0) -> None:
+def _exit_with_parent(parent: int, leftovers: str | None, interval: float = 1.0) -> None:
     """Servers must not outlive the process that launched them (e.g. one killed by a
-    signal before it could close the hub): exit once it is gone. ``parent`` comes from the
-    launcher, so a launcher that died before this process started is noticed too."""
+    signal before it could close the hub): exit once it is gone, removing ``leftovers``
+    (a unit's shared memory). ``parent`` comes from the launcher, so a launcher that died
+    before this process started is noticed too."""
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(interval)
+        if leftovers is not None:
+            shutil.rmtree(leftovers, ignore_errors=True)
         os._exit(0)
 
     threading.Thread(target=watch, name="flowrl-parent-watch", daemon=True).start()
 
 
 def main(argv: list[str]) -> None:
-    _exit_with_parent(int(argv[1]))
     spec = msgspec.json.decode(argv[0], type=ServerSpec)
+    _exit_with_parent(int(argv[1]), getattr(spec, "shm_folder", None))
     fields = {f: getattr(spec, f) for f in spec.__struct_fields__}
     if isinstance(spec, ControllerSpec):
         from flowrl._transport.controller_server import serve_controller

@@ -27,6 +27,7 @@ class UnitSpec(msgspec.Struct, frozen=True, tag="unit"):
     address: str
     control_address: str
     journal: JournalConfig | None = None
+    shm_folder: str | None = None  # the unit's shared-memory arena (same-machine readers)
 
 
 ServerSpec = ControllerSpec | UnitSpec

@@ -16,11 +16,13 @@ import logging
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import zmq
 
 from flowrl._client.config import JournalConfig
 from flowrl._schema.columns import Column
 from flowrl._store.partial import VERSIONS
+from flowrl._store.shm import SHM_MIN_BYTES, ShmArena
 from flowrl._store.unit import StorageUnit
 from flowrl._transport import wire
 from flowrl._transport.frames import ZERO_COPY_MIN_BYTES, from_frames, to_frames
@@ -45,8 +47,10 @@ class UnitServer:
         address: str,
         control_address: str,
         journal: JournalConfig | None = None,
+        shm_folder: str | None = None,
     ) -> None:
         self.unit = StorageUnit.open(unit_id, capacity, journal)
+        self.arena = None if shm_folder is None else ShmArena(shm_folder)
         self.columns: dict[str, Column] = dict(self.unit.declared)
         self.zctx: zmq.Context = zmq.Context.instance()
         self.sock = self.zctx.socket(zmq.ROUTER)
@@ -71,6 +75,8 @@ class UnitServer:
         for sock in [self.sock, self.control, *self.controllers.values()]:
             sock.close()
         self.unit.close()
+        if self.arena is not None:
+            self.arena.close()
 
     def _control(self, frame: Any) -> None:
         try:
@@ -126,6 +132,22 @@ class UnitServer:
             self.controllers[address] = sock
         return sock
 
+    # -- shared memory ------------------------------------------------------------------------
+    def _keep(self, buf: Any) -> Any:
+        """A stored payload buffer: copied into the arena when large enough (and room)."""
+        if self.arena is None or memoryview(buf).nbytes < SHM_MIN_BYTES:
+            return buf
+        kept = self.arena.copy_in(buf)
+        return buf if kept is None else kept
+
+    def _ref(self, buf: Any) -> wire.ShmRef | None:
+        """Where a buffer to send lies in the arena; None: send it as a frame."""
+        if not isinstance(buf, pa.Buffer) or buf.size < SHM_MIN_BYTES:
+            return None
+        assert self.arena is not None
+        where = self.arena.locate(buf.address, buf.size)
+        return None if where is None else wire.ShmRef(where[0], where[1], buf.size)
+
     def _dispatch(self, msg: Any, payload: list[Any], out: list[Any]) -> Any:
         if isinstance(msg, wire.Write):
             indices = wire.ints(msg.indices)
@@ -145,7 +167,7 @@ class UnitServer:
                     raise SchemaError(f"write names column {header.column!r} without its type")
                 if header.length != indices.size:
                     raise TransportError(f"column {header.column!r}: length != number of indices")
-                bufs = [f.buffer for f in payload[pos : pos + header.frames]]
+                bufs = [self._keep(f.buffer) for f in payload[pos : pos + header.frames]]
                 arrays[header.column] = from_frames(known, header, bufs)
                 pos += header.frames
             self.unit.write(indices, arrays, types)
@@ -154,12 +176,17 @@ class UnitServer:
         if isinstance(msg, wire.Read):
             indices = wire.ints(msg.indices)
             arrays = self.unit.read(indices, tuple(msg.columns))
-            headers = []
+            headers, bufs = [], []
             for name, arr in arrays.items():
-                header, bufs = to_frames(name, self.columns[name], arr)
+                header, frames = to_frames(name, self.columns[name], arr)
                 headers.append(header)
+                bufs.extend(frames)
+            if not msg.shm or self.arena is None:
                 out.extend(bufs)
-            return wire.Arrays(arrays=headers)
+                return wire.Arrays(arrays=headers)
+            refs = [self._ref(buf) for buf in bufs]
+            out.extend(buf for buf, ref in zip(bufs, refs, strict=True) if ref is None)
+            return wire.Arrays(arrays=headers, refs=refs)
         if isinstance(msg, wire.Append):
             indices = wire.ints(msg.indices)
             if [h.column for h in msg.arrays] != [c.name for c in msg.columns] or any(

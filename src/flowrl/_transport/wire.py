@@ -213,6 +213,7 @@ class Write(_Msg, frozen=True, tag="write"):
 class Read(_Msg, frozen=True, tag="read"):
     indices: bytes
     columns: list[str]
+    shm: bool = False  # the reader maps the unit's shared memory (same machine)
 
 
 class Evict(_Msg, frozen=True, tag="evict"):
@@ -321,8 +322,19 @@ class UnitStatsReply(_Msg, frozen=True, tag="unit_stats_reply"):
     stats: UnitStats
 
 
+class ShmRef(msgspec.Struct, frozen=True, array_like=True):
+    """Where a buffer lies in a storage unit's shared memory (``flowrl._store.shm``)."""
+
+    path: str
+    offset: NonNeg
+    size: NonNeg
+
+
 class Arrays(_Msg, frozen=True, tag="arrays"):
     arrays: list[ArrayHeader]
+    # For a shm read: one entry per buffer of the arrays, in order; a ShmRef for a buffer
+    # read in place, None for one sent as the next frame.
+    refs: list[ShmRef | None] | None = None
 
 
 class Lengths(_Msg, frozen=True, tag="lengths"):

@@ -1,0 +1,222 @@
+"""A storage unit's shared-memory arena: clients on the same machine read bytes in place.
+
+A unit launched by ``flowrl.launch_hub`` copies each payload buffer it stores (of at least
+``SHM_MIN_BYTES``) into the current *segment*: a file in the unit's folder under
+``/dev/shm``, mapped in memory and bump-allocated. A read then answers with where the
+bytes are (:class:`ShmRef`: segment, offset, size) instead of the bytes, and the client
+maps the segment read-only and builds its arrays over it: no copy on either side and
+nothing on the socket but the offsets, so a read costs about one small round trip.
+
+Lifetime without reference counting: the arena keeps only the segment it fills; a full
+segment is kept alive by the arrays built over it, and when the last of them is gone its
+memory is unmapped and its file unlinked (``weakref.finalize``). Segment names carry a
+random token of the unit's incarnation and a segment's bytes are never rewritten, so a
+name always means the same bytes: a client that still maps an unlinked segment reads the
+same samples' old bytes, never another sample's. Without ``/dev/shm``, or without room in
+it, buffers stay in the process heap and reads send them over the socket as before.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import mmap
+import os
+import secrets
+import shutil
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+from flowrl.errors import TransportError, UnknownIndexError
+
+__all__ = [
+    "SHM_MIN_BYTES",
+    "SHM_PREFIX",
+    "ShmArena",
+    "ShmMaps",
+    "ShmUnavailable",
+    "shm_folder",
+]
+
+#: Buffers below this travel as zmq frames anyway (a frame is cheaper than a mapping).
+SHM_MIN_BYTES = 64 * 1024
+#: Every arena lives under this prefix; clients map nothing else.
+SHM_PREFIX = "/dev/shm/flowrl-"
+#: Segments grow from FIRST_SEGMENT_BYTES by doubling up to SEGMENT_BYTES (a small hub
+#: does not reserve 64 MiB of shared memory for its first few reads).
+FIRST_SEGMENT_BYTES = 4 << 20
+SEGMENT_BYTES = 64 << 20
+_ALIGN = 64  # cache-line aligned buffers
+
+
+def shm_folder(name: str) -> str | None:
+    """The arena folder for ``name``, or None where this machine has no ``/dev/shm``."""
+    return f"{SHM_PREFIX}{name}" if os.path.isdir("/dev/shm") else None
+
+
+class _Segment:
+    __slots__ = ("base", "map", "path", "size", "used")
+
+    def __init__(self, path: str, size: int) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)  # ENOSPC now, not SIGBUS on a later write
+            self.map = mmap.mmap(fd, size)
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        self.path = path
+        self.size = size
+        self.used = 0
+        self.base = int(np.frombuffer(self.map, dtype=np.uint8, count=1).ctypes.data)
+
+
+class ShmArena:
+    """Bump-allocated segments in ``folder`` (created, and emptied of a dead incarnation's
+    segments). One thread copies in; a segment may be forgotten from any thread (the one
+    that drops its last array, e.g. zmq's, after a zero-copy send), hence the lock."""
+
+    def __init__(
+        self,
+        folder: str,
+        segment_bytes: int = SEGMENT_BYTES,
+        first_segment_bytes: int = FIRST_SEGMENT_BYTES,
+    ) -> None:
+        if not folder.startswith(SHM_PREFIX):
+            raise ValueError(f"an arena folder must start with {SHM_PREFIX!r}, got {folder!r}")
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder, mode=0o700)
+        self.folder = folder
+        self.segment_bytes = segment_bytes
+        self._next_size = min(first_segment_bytes, segment_bytes)
+        self._token = secrets.token_hex(6)
+        self._count = 0
+        self._current: _Segment | None = None
+        self._lock = threading.Lock()
+        self._bases: list[int] = []  # sorted start addresses of the live segments
+        self._live: dict[int, tuple[str, int]] = {}  # base -> (path, size)
+
+    def copy_in(self, data: Any) -> memoryview | None:
+        """A copy of ``data`` in shared memory, or None if there is no room for it."""
+        with memoryview(data) as src:
+            size = src.nbytes
+            seg = self._current
+            if seg is None or seg.size - seg.used < size:
+                seg = self._new_segment(size)
+                if seg is None:
+                    return None
+            start = seg.used
+            view = memoryview(seg.map)[start : start + size]
+            view[:] = src.cast("B")
+        seg.used = -(-(start + size) // _ALIGN) * _ALIGN
+        return view
+
+    def locate(self, address: int, size: int) -> tuple[str, int] | None:
+        """(segment path, offset) of ``size`` bytes at ``address`` if the arena holds them."""
+        with self._lock:
+            i = bisect.bisect_right(self._bases, address) - 1
+            if i < 0:
+                return None
+            base = self._bases[i]
+            path, seg_size = self._live[base]
+        offset = address - base
+        return (path, offset) if offset + size <= seg_size else None
+
+    def close(self) -> None:
+        self._current = None
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _new_segment(self, size: int) -> _Segment | None:
+        self._count += 1
+        path = f"{self.folder}/{self._token}-{self._count}"
+        try:
+            seg = _Segment(path, max(self._next_size, -(-size // _ALIGN) * _ALIGN))
+        except OSError:  # no room in /dev/shm (or it went away): keep bytes in the heap
+            return None
+        self._next_size = min(2 * self._next_size, self.segment_bytes)
+        with self._lock:
+            bisect.insort(self._bases, seg.base)
+            self._live[seg.base] = (seg.path, seg.size)
+        weakref.finalize(seg.map, self._forget, seg.base, seg.path)
+        self._current = seg  # the arena holds only this one; arrays hold the others
+        return seg
+
+    def _forget(self, base: int, path: str) -> None:
+        """The segment's memory is gone (no array uses it any more): drop its file."""
+        with self._lock, contextlib.suppress(ValueError):
+            self._bases.remove(base)
+            self._live.pop(base, None)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+class ShmUnavailable(Exception):
+    """The unit's shared memory is not visible here (another container's /dev/shm)."""
+
+
+class ShmMaps:
+    """A client's read-only mappings of storage units' segments, by path."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, mmap.mmap] = {}
+        self._lock = threading.Lock()
+
+    def buffers(self, refs: list[Any], frames: list[Any], unit: int) -> list[Any]:
+        """The buffers a shm read answered: in place where ``refs`` names one, else the
+        next frame's."""
+        out: list[Any] = []
+        rest = iter(frames)
+        for ref in refs:
+            if ref is not None:
+                out.append(self._view(ref, unit))
+                continue
+            frame = next(rest, None)
+            if frame is None:
+                raise TransportError(f"storage unit {unit} sent fewer frames than it named")
+            out.append(frame.buffer)
+        if next(rest, None) is not None:
+            raise TransportError(f"storage unit {unit} sent more frames than it named")
+        return out
+
+    def clear(self) -> None:
+        with self._lock:
+            self._maps.clear()  # arrays still built over a segment keep it mapped
+
+    def _view(self, ref: Any, unit: int) -> memoryview:
+        seg = self._maps.get(ref.path)
+        if seg is None:
+            seg = self._open(ref.path, unit)
+        if ref.offset + ref.size > len(seg):
+            raise TransportError(f"storage unit {unit} named bytes past the end of {ref.path}")
+        return memoryview(seg)[ref.offset : ref.offset + ref.size]
+
+    def _open(self, path: str, unit: int) -> mmap.mmap:
+        if not path.startswith(SHM_PREFIX) or os.path.normpath(path) != path:
+            raise TransportError(f"storage unit {unit} named {path!r}, not one of its segments")
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            if not os.path.isdir(os.path.dirname(path)):
+                raise ShmUnavailable(path) from None  # not this machine's /dev/shm
+            raise UnknownIndexError(
+                f"samples read from storage unit {unit} were evicted while being read"
+            ) from None
+        except OSError as exc:
+            raise TransportError(f"cannot open storage unit {unit}'s {path}: {exc}") from None
+        try:
+            seg = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as exc:
+            raise TransportError(f"cannot map storage unit {unit}'s {path}: {exc}") from None
+        finally:
+            os.close(fd)
+        with self._lock:
+            # Forget segments unlinked since (no stored sample uses them any more).
+            for gone in [p for p in self._maps if not os.path.exists(p)]:
+                del self._maps[gone]
+            self._maps[path] = seg
+        return seg

@@ -1,0 +1,118 @@
+"""The storage units' shared-memory arena and the client's mappings of it."""
+
+from __future__ import annotations
+
+import gc
+import os
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import flowrl
+from flowrl import Column, HubConfig
+from flowrl._store import shm
+from flowrl._store.shm import SHM_PREFIX, ShmArena, ShmMaps, ShmUnavailable
+from flowrl._transport import wire
+from flowrl.errors import TransportError, UnknownIndexError
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm here")
+
+
+@pytest.fixture
+def arena() -> Iterator[ShmArena]:
+    a = ShmArena(f"{SHM_PREFIX}test-{secrets.token_hex(4)}", 1 << 20, 1 << 20)
+    yield a
+    a.close()
+    assert not os.path.exists(a.folder)
+
+
+def stored(arena: ShmArena, value: int, size: int = 300_000) -> pa.Buffer:
+    view = arena.copy_in(np.full(size, value, dtype=np.uint8))
+    assert view is not None
+    return pa.py_buffer(view)
+
+
+def test_a_segment_lives_as_long_as_arrays_use_it(arena: ShmArena) -> None:
+    bufs = [stored(arena, i) for i in range(5)]  # three fit in a 1 MiB segment
+    segments = sorted(os.listdir(arena.folder))
+    assert len(segments) == 2
+    where = [arena.locate(b.address, b.size) for b in bufs]
+    assert [w[0] for w in where if w] == [f"{arena.folder}/{s}" for s in segments[:1]] * 3 + [
+        f"{arena.folder}/{segments[1]}"
+    ] * 2
+    assert where[1] is not None and where[1][1] % 64 == 0  # aligned
+    assert arena.locate(pa.py_buffer(b"x" * 10).address, 10) is None  # not in the arena
+    del bufs[:3]
+    gc.collect()
+    assert os.listdir(arena.folder) == segments[1:]  # the full one went with its arrays
+    assert np.frombuffer(bufs[0], dtype=np.uint8)[:2].tolist() == [3, 3]
+
+
+def test_without_room_bytes_stay_where_they_are(
+    arena: ShmArena, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", full)
+    assert arena.copy_in(np.zeros(1000, dtype=np.uint8)) is None
+    assert os.listdir(arena.folder) == []
+
+
+def test_a_client_reads_in_place_and_refuses_what_is_not_a_segment(arena: ShmArena) -> None:
+    buf = stored(arena, 7)
+    path, offset = arena.locate(buf.address, buf.size) or ("", 0)
+    maps = ShmMaps()
+    got = maps.buffers([wire.ShmRef(path, offset, buf.size), None], [_Frame(b"abc")], unit=0)
+    assert np.frombuffer(got[0], dtype=np.uint8)[[0, -1]].tolist() == [7, 7]
+    assert bytes(got[1]) == b"abc"
+    for bad in [
+        wire.ShmRef("/etc/passwd", 0, 1),
+        wire.ShmRef(f"{SHM_PREFIX}x/../../etc/passwd", 0, 1),
+        wire.ShmRef(path, offset, 1 << 30),  # past the end of the segment
+    ]:
+        with pytest.raises(TransportError):
+            maps.buffers([bad], [], unit=0)
+    with pytest.raises(TransportError, match="fewer frames"):
+        maps.buffers([None], [], unit=0)
+    with pytest.raises(TransportError, match="more frames"):
+        maps.buffers([], [_Frame(b"x")], unit=0)
+    with pytest.raises(UnknownIndexError, match="evicted"):  # the segment is gone
+        maps.buffers([wire.ShmRef(f"{arena.folder}/gone", 0, 1)], [], unit=0)
+    with pytest.raises(ShmUnavailable):  # not this machine's /dev/shm: read over zmq
+        maps.buffers([wire.ShmRef(f"{SHM_PREFIX}elsewhere/seg", 0, 1)], [], unit=0)
+
+
+def test_a_multi_process_hub_reads_in_place_and_leaves_no_shared_memory() -> None:
+    cols = [Column.ragged("ids", "int64"), Column.scalar("r", "float32")]
+    hub = flowrl.launch_hub(cols, tasks={"t": ["ids", "r"]}, config=HubConfig(n_units=2))
+    try:
+        name = os.path.basename(hub.address.removeprefix("ipc://").rsplit("/", 1)[0])
+        arenas = [f"{SHM_PREFIX}{name.removeprefix('flowrl-')}-unit{u}" for u in range(2)]
+        ids = [np.arange(20_000) + i for i in range(8)]  # 160 KB a sample: read in place
+        hub.put({"ids": ids, "r": np.arange(8, dtype=np.float32)})
+        assert any(os.listdir(a) for a in arenas)
+        in_place: list[int] = []
+        read = hub._shm_maps.buffers
+
+        def counted(refs: list[Any], *args: Any) -> list[Any]:
+            in_place.append(sum(r is not None for r in refs))
+            return read(refs, *args)
+
+        hub._shm_maps.buffers = counted  # type: ignore[method-assign]
+        batch = hub.get(hub.claim("t", 8, timeout=5))
+        assert in_place == [1]  # the ids' values; their offsets and "r" came as frames
+        assert [s.tolist() for s in batch.ragged("ids")] == [s.tolist() for s in ids]
+        assert batch["r"].tolist() == list(range(8))
+    finally:
+        hub.close()
+    assert not any(os.path.exists(a) for a in arenas)
+
+
+class _Frame:
+    def __init__(self, data: bytes) -> None:
+        self.buffer = memoryview(data)

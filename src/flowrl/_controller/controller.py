@@ -20,14 +20,14 @@ import heapq
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from flowrl._client.config import HubStats, TaskStats
 from flowrl._controller.eventlog import EventLog
 from flowrl._controller.meta import BatchMeta
-from flowrl._controller.samplers import BalancedSampler, CandidateView, Sampler
+from flowrl._controller.samplers import BalancedSampler, CandidateView, FifoSampler, Sampler
 from flowrl._controller.table import SampleTable
 from flowrl._controller.tasks import CONSUMED, LEASED, PENDING, READY, TaskState
 from flowrl._schema.columns import Column
@@ -422,17 +422,9 @@ class Controller:
         need = min(want, sampler.quota(n)) * fanout
         if len(view) < need and not final:
             return None
-        positions = np.sort(np.asarray(sampler.select(view, n), dtype=np.int64))
-        if positions.size and (
-            positions[0] < 0
-            or positions[-1] >= len(view)
-            or positions.size > n * fanout
-            or (positions.size > 1 and not (np.diff(positions) > 0).all())
-        ):
-            raise ConfigError(
-                f"sampler {sampler!r} returned invalid positions (must be distinct, within the "
-                f"{len(view)} candidates, at most n)"
-            )
+        positions = sampler.select(view, n)
+        if type(sampler) is not FifoSampler:  # FIFO's arange needs no sorting or checks
+            positions = _checked_positions(sampler, positions, n * fanout, len(view))
         if positions.size == 0 or (positions.size < need and not final):
             if final and not self._outstanding(state, consumer):
                 raise EndOfStream(self._end_message(task, len(view)))
@@ -694,9 +686,12 @@ class Controller:
         return lease
 
     def _evict_if_done(self, slots: np.ndarray) -> np.ndarray:
-        done = np.ones(slots.size, dtype=bool)
+        done: np.ndarray | None = None
         for state in self.tasks.values():
-            done &= state.status[slots] == CONSUMED
+            mine = state.status[slots] == CONSUMED
+            done = mine if done is None else done & mine
+        if done is None:  # no task is registered: nothing is owed to anyone
+            done = np.ones(slots.size, dtype=bool)
         gone = slots[done]
         if gone.size == 0:
             return np.empty(0, dtype=np.int64)
@@ -888,3 +883,19 @@ class Controller:
     def _emit(self, cls: type, **fields: object) -> None:
         if not self._replaying:
             self.log.append(cls(seq=self.log.next_seq(), t=time.time(), **fields))
+
+
+def _checked_positions(sampler: Sampler, selected: Any, most: int, candidates: int) -> np.ndarray:
+    """A sampler's positions, sorted; ConfigError unless distinct, in range and few enough."""
+    positions = np.sort(np.asarray(selected, dtype=np.int64))
+    if positions.size and (
+        positions[0] < 0
+        or positions[-1] >= candidates
+        or positions.size > most
+        or (positions.size > 1 and not (np.diff(positions) > 0).all())
+    ):
+        raise ConfigError(
+            f"sampler {sampler!r} returned invalid positions (must be distinct, within the "
+            f"{candidates} candidates, at most n)"
+        )
+    return positions

@@ -55,11 +55,16 @@ class SampleTable:
             )
         cap = self.capacity
         start = self.next_index
-        # Fast path: the next n slots in ring order are free (the usual case: FIFO eviction).
+        s0 = start % cap
+        if s0 + n <= cap and (self.owner[s0 : s0 + n] == -1).all():
+            # Fastest path (the usual case: FIFO eviction): the next n slots, unwrapped.
+            indices = np.arange(start, start + n, dtype=np.int64)
+            self._place(indices, slice(s0, s0 + n))
+            return indices
+        # Fast path: the next n slots in ring order are free.
         slots = (start + np.arange(n, dtype=np.int64)) % cap
         if not (self.owner[slots] == -1).all():
             free = np.flatnonzero(self.owner == -1)
-            s0 = start % cap
             # Walk the ring from the cursor: free slots at/after it first, then wrapped ones.
             ordered = np.concatenate([free[free >= s0], free[free < s0]])[:n]
             slots = ordered
@@ -70,7 +75,9 @@ class SampleTable:
 
     def place(self, indices: np.ndarray) -> None:
         """Occupy the slots of given fresh indices (allocation, or a journal's replay)."""
-        slots = indices % self.capacity
+        self._place(indices, indices % self.capacity)
+
+    def _place(self, indices: np.ndarray, slots: np.ndarray | slice) -> None:
         self.owner[slots] = indices
         self.committed[slots] = False
         for arr in self.ready.values():

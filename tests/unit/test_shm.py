@@ -87,6 +87,20 @@ def test_a_client_reads_in_place_and_refuses_what_is_not_a_segment(arena: ShmAre
         maps.buffers([wire.ShmRef(f"{SHM_PREFIX}elsewhere/seg", 0, 1)], [], unit=0)
 
 
+def test_another_users_segments_are_read_over_zmq(
+    arena: ShmArena, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    buf = stored(arena, 1)
+    path, offset = arena.locate(buf.address, buf.size) or ("", 0)
+
+    def denied(*args: Any) -> int:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(shm.os, "open", denied)
+    with pytest.raises(ShmUnavailable):
+        ShmMaps().buffers([wire.ShmRef(path, offset, buf.size)], [], unit=0)
+
+
 def test_a_multi_process_hub_reads_in_place_and_leaves_no_shared_memory() -> None:
     cols = [Column.ragged("ids", "int64"), Column.scalar("r", "float32")]
     hub = flowrl.launch_hub(cols, tasks={"t": ["ids", "r"]}, config=HubConfig(n_units=2))
@@ -116,3 +130,20 @@ def test_a_multi_process_hub_reads_in_place_and_leaves_no_shared_memory() -> Non
 class _Frame:
     def __init__(self, data: bytes) -> None:
         self.buffer = memoryview(data)
+
+
+def test_a_client_that_cannot_map_a_units_segments_reads_over_zmq() -> None:
+    hub = flowrl.launch_hub([Column.ragged("ids", "int64")], tasks={"t": ["ids"]})
+    try:
+        ids = [np.arange(20_000) + i for i in range(4)]
+        hub.put({"ids": ids})
+
+        def unavailable(path: str, unit: int) -> Any:
+            raise ShmUnavailable(path)
+
+        hub._shm_maps._open = unavailable  # type: ignore[method-assign]
+        batch = hub.get(hub.claim("t", 4, timeout=5))
+        assert [s.tolist() for s in batch.ragged("ids")] == [s.tolist() for s in ids]
+        assert hub._shm == [False]  # that unit's reads go over zmq from now on
+    finally:
+        hub.close()

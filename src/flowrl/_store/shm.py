@@ -156,7 +156,8 @@ class ShmArena:
 
 
 class ShmUnavailable(Exception):
-    """The unit's shared memory is not visible here (another container's /dev/shm)."""
+    """The unit's shared memory cannot be mapped here (another container's /dev/shm, or
+    another user's unit): read over zmq instead."""
 
 
 class ShmMaps:
@@ -200,6 +201,8 @@ class ShmMaps:
             raise TransportError(f"storage unit {unit} named {path!r}, not one of its segments")
         try:
             fd = os.open(path, os.O_RDONLY)
+        except PermissionError:  # another user's unit (its segments are private)
+            raise ShmUnavailable(path) from None
         except FileNotFoundError:
             if not os.path.isdir(os.path.dirname(path)):
                 raise ShmUnavailable(path) from None  # not this machine's /dev/shm

@@ -50,6 +50,7 @@ SHM_PREFIX = "/dev/shm/flowrl-"
 FIRST_SEGMENT_BYTES = 4 << 20
 SEGMENT_BYTES = 64 << 20
 _ALIGN = 64  # cache-line aligned buffers
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 def shm_folder(name: str) -> str | None:
@@ -64,7 +65,7 @@ class _Segment:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)  # ENOSPC now, not SIGBUS on a later write
-            self.map = mmap.mmap(fd, size)
+            self.map = mmap.mmap(fd, size, flags=_MAP_FLAGS)  # pages mapped now, not per write
         except BaseException:
             os.unlink(path)
             raise

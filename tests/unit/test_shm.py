@@ -52,6 +52,19 @@ def test_a_segment_lives_as_long_as_arrays_use_it(arena: ShmArena) -> None:
     assert np.frombuffer(bufs[0], dtype=np.uint8)[:2].tolist() == [3, 3]
 
 
+def test_a_new_segment_at_a_dead_ones_address_keeps_its_entry(arena: ShmArena) -> None:
+    """CPython unmaps a segment before its finalizer runs: a new segment mapped at the
+    same address meanwhile must not lose its entry to the late finalizer."""
+    buf = stored(arena, 1)
+    path, _ = arena.locate(buf.address, buf.size) or ("", 0)
+    base = next(iter(arena._live))
+    arena._live[base] = ("newer", 1 << 20)  # as if a new segment took the address over
+    arena._forget(base, path)  # the dead one's late finalizer
+    assert arena._live[base] == ("newer", 1 << 20) and arena._bases == [base]
+    arena._forget(base, "newer")
+    assert arena._live == {} and arena._bases == []
+
+
 def test_without_room_bytes_stay_where_they_are(
     arena: ShmArena, monkeypatch: pytest.MonkeyPatch
 ) -> None:

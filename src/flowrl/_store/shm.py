@@ -141,7 +141,10 @@ class ShmArena:
             return None
         self._next_size = min(2 * self._next_size, self.segment_bytes)
         with self._lock:
-            bisect.insort(self._bases, seg.base)
+            # A dead segment may have been unmapped at this address before its finalizer
+            # ran (CPython unmaps first): the new one takes its entry over.
+            if seg.base not in self._live:
+                bisect.insort(self._bases, seg.base)
             self._live[seg.base] = (seg.path, seg.size)
         weakref.finalize(seg.map, self._forget, seg.base, seg.path)
         self._current = seg  # the arena holds only this one; arrays hold the others
@@ -149,9 +152,10 @@ class ShmArena:
 
     def _forget(self, base: int, path: str) -> None:
         """The segment's memory is gone (no array uses it any more): drop its file."""
-        with self._lock, contextlib.suppress(ValueError):
-            self._bases.remove(base)
-            self._live.pop(base, None)
+        with self._lock:
+            if self._live.get(base, ("",))[0] == path:  # not taken over by a newer one
+                del self._live[base]
+                self._bases.remove(base)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 

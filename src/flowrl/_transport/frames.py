@@ -8,6 +8,7 @@ only the bytes of their slice. flowrl never stores nulls, so no validity bitmaps
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Annotated, Any
 
 import msgspec
@@ -17,7 +18,14 @@ import pyarrow as pa
 from flowrl._schema.columns import Column
 from flowrl.errors import TransportError
 
-__all__ = ["ZERO_COPY_MIN_BYTES", "ArrayHeader", "from_frames", "to_frames"]
+__all__ = [
+    "ZERO_COPY_MIN_BYTES",
+    "ArrayHeader",
+    "from_frames",
+    "split_frames",
+    "to_frames",
+    "to_frames_all",
+]
 
 
 _Size = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
@@ -52,6 +60,28 @@ def to_frames(name: str, column: Column, arr: pa.Array) -> tuple[ArrayHeader, li
     data = arr.buffers()[2]
     start, end = _bounds(arr)
     return ArrayHeader(name, n, 2), [offsets, data.slice(start, end - start) if data else b""]
+
+
+def to_frames_all(arrays: Iterable[tuple[Column, pa.Array]]) -> tuple[list[ArrayHeader], list[Any]]:
+    """Headers and buffers of several arrays, each array's buffers after the previous'."""
+    headers: list[ArrayHeader] = []
+    frames: list[Any] = []
+    for column, arr in arrays:
+        header, bufs = to_frames(column.name, column, arr)
+        headers.append(header)
+        frames.extend(bufs)
+    return headers, frames
+
+
+def split_frames(headers: Sequence[ArrayHeader], frames: Sequence[Any], what: str) -> list[Any]:
+    """Each header's own frames, in order; TransportError unless the counts add up."""
+    if sum(h.frames for h in headers) != len(frames):
+        raise TransportError(f"{what}: frame count does not match its headers")
+    out, pos = [], 0
+    for header in headers:
+        out.append(frames[pos : pos + header.frames])
+        pos += header.frames
+    return out
 
 
 def from_frames(column: Column, header: ArrayHeader, frames: list[Any]) -> pa.Array:

@@ -46,8 +46,7 @@ def launch_hub(
     addr = f"ipc://{folder}/controller"
     units = [f"ipc://{folder}/unit{u}" for u in range(config.n_units)]
     controls = [f"ipc://{folder}/unit{u}-ctl" for u in range(config.n_units)]
-    name = os.path.basename(folder).removeprefix("flowrl-")
-    arenas = [shm_folder(f"{name}-unit{u}") for u in range(config.n_units)]
+    arenas = [shm_folder(_arena_name(folder, str(u))) for u in range(config.n_units)]
     specs: list[ControllerSpec | UnitSpec] = [
         UnitSpec(u, config.capacity, units[u], controls[u], config.journal, arenas[u])
         for u in range(config.n_units)
@@ -184,9 +183,13 @@ def _stop(servers: _Servers, folder: str, addresses: list[str]) -> None:
             p.kill()
             p.wait()
     shutil.rmtree(folder, ignore_errors=True)
-    name = os.path.basename(folder).removeprefix("flowrl-")
-    for arena in glob.glob(f"{SHM_PREFIX}{name}-unit*"):
+    for arena in glob.glob(SHM_PREFIX + _arena_name(folder, "*")):
         shutil.rmtree(arena, ignore_errors=True)  # a unit killed before it could
+
+
+def _arena_name(folder: str, unit: str) -> str:
+    """The shared-memory arena of storage unit ``unit`` of the hub in ``folder``."""
+    return f"{os.path.basename(folder).removeprefix('flowrl-')}-unit{unit}"
 
 
 def request_shutdown(addresses: Sequence[str]) -> None:

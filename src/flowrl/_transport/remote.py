@@ -31,7 +31,12 @@ from flowrl._schema.schema import Schema
 from flowrl._store.partial import VERSIONS
 from flowrl._store.shm import ShmMaps, ShmUnavailable
 from flowrl._transport import wire
-from flowrl._transport.frames import ZERO_COPY_MIN_BYTES, from_frames, to_frames
+from flowrl._transport.frames import (
+    ZERO_COPY_MIN_BYTES,
+    from_frames,
+    split_frames,
+    to_frames_all,
+)
 from flowrl.errors import (
     ConfigError,
     FlowRLError,
@@ -403,10 +408,11 @@ class RemoteHub(HubClient):
                 log.info("storage unit %d's shared memory is not visible here", unit)
                 self._shm[unit] = False
                 return self._read_many(parts, columns)
-            arrays, pos = {}, 0
-            for header in reply.arrays:
-                bufs = buffers[pos : pos + header.frames]
-                pos += header.frames
+            arrays = {}
+            reply_of = f"storage unit {unit}'s reply"
+            for header, bufs in zip(
+                reply.arrays, split_frames(reply.arrays, buffers, reply_of), strict=True
+            ):
                 if header.length != idx.size:
                     raise TransportError(f"storage unit {unit} returned the wrong row count")
                 arrays[header.column] = from_frames(self.schema[header.column], header, bufs)
@@ -416,11 +422,7 @@ class RemoteHub(HubClient):
     def _append(
         self, unit: int, indices: np.ndarray, values: list[tuple[Column, pa.Array]], version: int
     ) -> list[np.ndarray]:
-        headers, frames = [], []
-        for column, array in values:
-            header, bufs = to_frames(column.name, column, array)
-            headers.append(header)
-            frames.extend(bufs)
+        headers, frames = to_frames_all(values)
         msg = wire.Append(
             indices=indices.tobytes(),
             columns=[c for c, _ in values],
@@ -611,11 +613,7 @@ def _write_request(
     **commit: Any,
 ) -> tuple[wire.Write, list[Any]]:
     """A Write and its payload frames (one per Arrow buffer)."""
-    headers, frames = [], []
-    for name, arr in arrays.items():
-        header, bufs = to_frames(name, types[name], arr)
-        headers.append(header)
-        frames.extend(bufs)
+    headers, frames = to_frames_all((types[name], arr) for name, arr in arrays.items())
     msg = wire.Write(
         indices=indices.tobytes(),
         columns=[types[name] for name in arrays],

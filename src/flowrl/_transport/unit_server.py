@@ -25,7 +25,12 @@ from flowrl._store.partial import VERSIONS
 from flowrl._store.shm import SHM_MIN_BYTES, ShmArena
 from flowrl._store.unit import StorageUnit
 from flowrl._transport import wire
-from flowrl._transport.frames import ZERO_COPY_MIN_BYTES, from_frames, to_frames
+from flowrl._transport.frames import (
+    ZERO_COPY_MIN_BYTES,
+    from_frames,
+    split_frames,
+    to_frames_all,
+)
 from flowrl.errors import FlowRLError, SchemaError, TransportError
 
 __all__ = ["serve_unit"]
@@ -158,29 +163,23 @@ class UnitServer:
                         f"write declares column {col.name!r} as {col.describe()}, but this "
                         f"unit holds it as {types[col.name].describe()}"
                     )
-            if sum(h.frames for h in msg.arrays) != len(payload):
-                raise TransportError("write request: frame count does not match its headers")
-            arrays, pos = {}, 0
-            for header in msg.arrays:
+            arrays = {}
+            parts = split_frames(msg.arrays, payload, "write request")
+            for header, frames in zip(msg.arrays, parts, strict=True):
                 known = types.get(header.column)
                 if known is None:
                     raise SchemaError(f"write names column {header.column!r} without its type")
                 if header.length != indices.size:
                     raise TransportError(f"column {header.column!r}: length != number of indices")
-                bufs = [self._keep(f.buffer) for f in payload[pos : pos + header.frames]]
+                bufs = [self._keep(f.buffer) for f in frames]
                 arrays[header.column] = from_frames(known, header, bufs)
-                pos += header.frames
             self.unit.write(indices, arrays, types)
             self.columns = types  # learnt only from a write that succeeded
             return STORED
         if isinstance(msg, wire.Read):
             indices = wire.ints(msg.indices)
             arrays = self.unit.read(indices, tuple(msg.columns))
-            headers, bufs = [], []
-            for name, arr in arrays.items():
-                header, frames = to_frames(name, self.columns[name], arr)
-                headers.append(header)
-                bufs.extend(frames)
+            headers, bufs = to_frames_all((self.columns[name], a) for name, a in arrays.items())
             if not msg.shm or self.arena is None:
                 out.extend(bufs)
                 return wire.Arrays(arrays=headers)
@@ -193,24 +192,18 @@ class UnitServer:
                 h.length != indices.size for h in msg.arrays
             ):
                 raise TransportError("append request: headers do not match its columns")
-            if sum(h.frames for h in msg.arrays) != len(payload):
-                raise TransportError("append request: frame count does not match its headers")
-            values, pos = [], 0
-            for column, header in zip(msg.columns, msg.arrays, strict=True):
+            parts = split_frames(msg.arrays, payload, "append request")
+            values = []
+            for column, header, frames in zip(msg.columns, msg.arrays, parts, strict=True):
                 if column.kind != "ragged":
                     raise SchemaError(f"append() extends ragged columns only, not {column.name!r}")
-                bufs = [f.buffer for f in payload[pos : pos + header.frames]]
-                values.append((column, from_frames(column, header, bufs)))
-                pos += header.frames
+                values.append((column, from_frames(column, header, [f.buffer for f in frames])))
             lengths = self.unit.append(indices, values, msg.version)
             return wire.Lengths(lengths=np.concatenate(lengths).tobytes())
         if isinstance(msg, wire.ReadPartial):
             prefixes = self.unit.read_partial(wire.ints(msg.indices), msg.column)
-            headers = []
-            for col, arr in zip((msg.column, VERSIONS), prefixes, strict=True):
-                header, bufs = to_frames(col.name, col, arr)
-                headers.append(header)
-                out.extend(bufs)
+            headers, bufs = to_frames_all(zip((msg.column, VERSIONS), prefixes, strict=True))
+            out.extend(bufs)
             return wire.Arrays(arrays=headers)
         if isinstance(msg, wire.Discard):
             self.unit.discard(wire.ints(msg.indices), tuple(msg.columns))

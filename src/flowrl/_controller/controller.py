@@ -686,12 +686,9 @@ class Controller:
         return lease
 
     def _evict_if_done(self, slots: np.ndarray) -> np.ndarray:
-        done: np.ndarray | None = None
+        done = np.ones(slots.size, dtype=bool)
         for state in self.tasks.values():
-            mine = state.status[slots] == CONSUMED
-            done = mine if done is None else done & mine
-        if done is None:  # no task is registered: nothing is owed to anyone
-            done = np.ones(slots.size, dtype=bool)
+            done &= state.status[slots] == CONSUMED
         gone = slots[done]
         if gone.size == 0:
             return np.empty(0, dtype=np.int64)

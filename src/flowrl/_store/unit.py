@@ -221,7 +221,7 @@ class StorageUnit:
                 self._partials.clear(name, indices)  # the column is complete now
 
     def read(self, indices: np.ndarray, columns: tuple[str, ...]) -> dict[str, pa.Array]:
-        if indices.min() < 0:
+        if indices.size and indices.min() < 0:
             raise UnknownIndexError(f"sample index {int(indices.min())} does not exist")
         slots = indices % self.capacity
         out: dict[str, pa.Array] = {}

@@ -686,8 +686,10 @@ class Controller:
         return lease
 
     def _evict_if_done(self, slots: np.ndarray) -> np.ndarray:
-        done = np.ones(slots.size, dtype=bool)
-        for state in self.tasks.values():
+        states = iter(self.tasks.values())
+        first = next(states, None)  # its mask to start from: no all-True array to build
+        done = np.ones(slots.size, dtype=bool) if first is None else first.status[slots] == CONSUMED
+        for state in states:
             done &= state.status[slots] == CONSUMED
         gone = slots[done]
         if gone.size == 0:

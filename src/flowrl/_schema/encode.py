@@ -8,6 +8,7 @@ expected, what was got and where, and suggest a fix.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, NamedTuple
 
@@ -162,25 +163,24 @@ def _lossless(arr: np.ndarray, want: np.dtype) -> bool:
 
 # -- ragged --------------------------------------------------------------------------------
 def _encode_ragged(column: Column, values: Any, n: int | None, where: str) -> Encoded:
+    want = column.np_dtype
     if isinstance(values, RaggedArray):
-        ragged = values
+        if values.values.dtype != want and values.values.size:
+            raise SchemaError(
+                f"column {column.name!r} expects {column.describe()}, got "
+                f"{values.values.dtype} sequences in {where}; cast with "
+                f".astype({column.dtype!r}) or declare the column as {values.values.dtype}"
+            )
+        _check_count(column, len(values), n, where)
+        vals = np.array(values.values, dtype=want, copy=True)
+        offsets = np.array(values.cu_seqlens, dtype=np.int64, copy=True)
     elif isinstance(values, list | tuple):
-        seqs = []
-        for i, item in enumerate(values):
-            if isinstance(item, list | tuple | np.ndarray) or _is_tensor(item):
-                seq = _checked_array(column, item, where)
-            else:
-                raise SchemaError(
-                    f"column {column.name!r} expects {column.describe()}; item {i} in {where} is "
-                    f"a {type(item).__name__}, expected a 1-D array, tensor or list"
-                )
-            if seq.ndim != 1:
-                raise SchemaError(
-                    f"column {column.name!r} expects {column.describe()}; item {i} in {where} "
-                    f"has shape {seq.shape}, expected a 1-D sequence"
-                )
-            seqs.append(seq)
-        ragged = RaggedArray.from_list(seqs, dtype=column.np_dtype)
+        _check_count(column, len(values), n, where)
+        seqs = [_checked_sequence(column, item, i, want, where) for i, item in enumerate(values)]
+        sizes = itertools.accumulate([s.size for s in seqs], initial=0)
+        offsets = np.fromiter(sizes, dtype=np.int64, count=len(seqs) + 1)
+        # concatenate makes the one owned copy (also of a single sequence)
+        vals = np.concatenate(seqs) if seqs else np.empty(0, dtype=want)
     elif isinstance(values, np.ndarray) or _is_tensor(values):
         raise SchemaError(
             f"column {column.name!r} expects {column.describe()}, got a dense array of shape "
@@ -192,15 +192,6 @@ def _encode_ragged(column: Column, values: Any, n: int | None, where: str) -> En
             f"column {column.name!r} expects {column.describe()} (a list of 1-D arrays or a "
             f"RaggedArray), got {type(values).__name__} in {where}"
         )
-    if ragged.values.dtype != column.np_dtype and ragged.values.size:
-        raise SchemaError(
-            f"column {column.name!r} expects {column.describe()}, got {ragged.values.dtype} "
-            f"sequences in {where}; cast with .astype({column.dtype!r}) or declare the column "
-            f"as {ragged.values.dtype}"
-        )
-    _check_count(column, len(ragged), n, where)
-    vals = np.array(ragged.values, dtype=column.np_dtype, copy=True)
-    offsets = np.array(ragged.cu_seqlens, dtype=np.int64, copy=True)
     if vals.dtype == np.bool_:
         child = pa.array(vals, type=pa.bool_())
     else:
@@ -209,6 +200,25 @@ def _encode_ragged(column: Column, values: Any, n: int | None, where: str) -> En
     array = pa.LargeListArray.from_arrays(off_arr, child)
     lengths = offsets[1:] - offsets[:-1]  # np.diff costs ~8x more on a few samples
     return Encoded(array, lengths * vals.itemsize, lengths)
+
+
+def _checked_sequence(column: Column, item: Any, i: int, want: np.dtype, where: str) -> np.ndarray:
+    """Item ``i`` of a ragged column's list as a 1-D array of the column's dtype."""
+    if type(item) is np.ndarray and item.dtype == want and item.ndim == 1:
+        return item  # the common case, without the general checks
+    if isinstance(item, list | tuple | np.ndarray) or _is_tensor(item):
+        seq = _checked_array(column, item, where)
+    else:
+        raise SchemaError(
+            f"column {column.name!r} expects {column.describe()}; item {i} in {where} is "
+            f"a {type(item).__name__}, expected a 1-D array, tensor or list"
+        )
+    if seq.ndim != 1:
+        raise SchemaError(
+            f"column {column.name!r} expects {column.describe()}; item {i} in {where} "
+            f"has shape {seq.shape}, expected a 1-D sequence"
+        )
+    return seq
 
 
 # -- strings and objects -------------------------------------------------------------------

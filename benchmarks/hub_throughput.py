@@ -16,8 +16,10 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
   controller applies (reserve + commit of metadata only, no payload), batches of --batch;
   the median of five runs after a warm-up.
 * zmq only: ``put_to_claimable_p50_ms`` (a put until a consumer blocked in claim returns),
-  ``single_sample_puts_per_s``, ``metadata_round_trips_per_s`` (one client, one request
-  at a time), ``startup_s``,
+  ``single_sample_puts_per_s`` (one producer thread streaming single-sample puts with
+  ``put_async``, each its own request and commit, then ``flush``) and
+  ``single_sample_sync_puts_per_s`` (``put``: a round trip each),
+  ``metadata_round_trips_per_s`` (one client, one request at a time), ``startup_s``,
   ``blocked_claim_put_latency_ratio`` (put latency while another thread waits in claim,
   divided by put latency without it; 1.0 means no interference).
 * ``--peer``: runs the TransferQueue package on the same payload in a subprocess and
@@ -221,12 +223,18 @@ def zmq_latencies(seq_len: int) -> dict:
             got.wait(10)
             lat.append(stamp[0] - t)
         th.join()
-        # single-sample put rate
+        # single-sample put rate: pipelined (put_async, one flush at the end) and one
+        # round trip at a time (put)
         n = 2000
         t = time.perf_counter()
         for _ in range(n):
-            hub.put(one)
+            hub.put_async(one)
+        hub.flush()
         single_rate = n / (time.perf_counter() - t)
+        t = time.perf_counter()
+        for _ in range(n // 2):
+            hub.put(one)
+        single_sync_rate = n // 2 / (time.perf_counter() - t)
         # metadata round trips: claim + ack of one sample each = 2 round trips
         k = 1000
         t = time.perf_counter()
@@ -264,6 +272,7 @@ def zmq_latencies(seq_len: int) -> dict:
             "put_to_claimable_p50_ms": float(np.percentile(lat, 50) * 1e3),
             "put_to_claimable_p99_ms": float(np.percentile(lat, 99) * 1e3),
             "single_sample_puts_per_s": single_rate,
+            "single_sample_sync_puts_per_s": single_sync_rate,
             "metadata_round_trips_per_s": meta_rate,
             "blocked_claim_put_latency_ratio": with_blocked / base,
         }

@@ -7,6 +7,7 @@ Public sub-namespaces: ``flowrl.errors``, ``flowrl.events``, ``flowrl.hooks``,
 
 from flowrl._client.base import Partial
 from flowrl._client.config import HubConfig, HubStats, JournalConfig, TaskStats, UnitStats
+from flowrl._client.future import PutFuture
 from flowrl._client.inproc import Hub
 from flowrl._controller.meta import BatchMeta
 from flowrl._controller.samplers import (
@@ -63,6 +64,7 @@ __all__ = [
     "Pipeline",
     "PipelineRun",
     "ProcessExecutor",
+    "PutFuture",
     "RaggedArray",
     "RayExecutor",
     "RemoteHub",

@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from flowrl._client.config import HubStats
+from flowrl._client.future import PutFuture
 from flowrl._controller.controller import CellWrite
 from flowrl._controller.eventlog import EventLog, Subscription
 from flowrl._controller.meta import BatchMeta
@@ -128,7 +129,47 @@ class HubClient(abc.ABC):
         columns become visible, so a worker that dies never leaves them written but not
         consumed (they would be delivered, and processed, again). One round trip fewer.
         """
-        return self._put(data, indices, partition, groups, version, tokens, producer, timeout, ack)
+        return self._put(
+            data, indices, partition, groups, version, tokens, producer, timeout, ack, wait=True
+        ).result()
+
+    def put_async(
+        self,
+        data: Mapping[str, Any],
+        *,
+        indices: BatchMeta | np.ndarray | Sequence[int] | None = None,
+        partition: str = "",
+        groups: Any = None,
+        version: Any = None,
+        tokens: Any = None,
+        producer: str = "",
+        timeout: float | None = None,
+        ack: BatchMeta | None = None,
+    ) -> PutFuture:
+        """Like :meth:`put`, but returns once the request is sent, with a
+        :class:`PutFuture`; a producer of single samples keeps the hub busy instead of
+        waiting a round trip per put.
+
+        The data is validated before the call returns (bad input raises here and changes
+        nothing). A put that the hub refuses later raises from its future's ``result()``,
+        from :meth:`flush`, or else from this thread's next ``put_async``: a failure is never
+        silently dropped. At most ``max_puts_in_flight`` puts of a thread are unanswered; the
+        next waits for the oldest. In-process, and for puts that declare columns or span
+        several storage units, the put completes before the call returns.
+        """
+        self._raise_failed_put()
+        return self._put(
+            data, indices, partition, groups, version, tokens, producer, timeout, ack, wait=False
+        )
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every :meth:`put_async` of this thread is answered; raises the first
+        failure that no future reported (:class:`~flowrl.errors.Timeout` after ``timeout``
+        seconds, the puts still pending)."""
+        self._raise_failed_put()
+
+    def _raise_failed_put(self) -> None:  # noqa: B027 (in-process puts never fail late)
+        """Raise the first failed put_async of this thread that nobody was told about."""
 
     def put_nowait(self, data: Mapping[str, Any], **kwargs: Any) -> np.ndarray:
         """Like :meth:`put`, but raises :class:`~flowrl.errors.HubFull` instead of waiting."""
@@ -145,8 +186,9 @@ class HubClient(abc.ABC):
         tokens: Any,
         producer: str,
         timeout: float | None,
-        ack: BatchMeta | None = None,
-    ) -> np.ndarray:
+        ack: BatchMeta | None,
+        wait: bool,
+    ) -> PutFuture:
         self._raise_policy_error()
         where = f"put() from {producer!r}" if producer else "put()"
         if not isinstance(partition, str):
@@ -167,20 +209,20 @@ class HubClient(abc.ABC):
         types = {c.name: c for c in new_columns}
         types.update((k, self.schema[k]) for k in arrays if k not in types)
         if target is None:
-            return self._put_new(n, arrays, types, new_columns, cells, per_put, timeout)
+            return self._put_new(n, arrays, types, new_columns, cells, per_put, timeout, wait)
         units = self._check_update(target, tuple(arrays))
         commit = CommitArgs(target, cells, False, *per_put, acked)
         parts = _split_by_unit(units)
         if len(parts) == 1:
-            self._store(parts[0][0], target, arrays, types, new_columns, commit)
-            return target
+            fut = self._store(parts[0][0], target, arrays, types, new_columns, commit, wait)
+            return fut or PutFuture.completed(target)
         for unit, pos in parts:
             part = {k: a if pos is None else a.take(numeric_array(pos)) for k, a in arrays.items()}
             self._write(unit, _part(target, pos), part, types)
         if new_columns:
             self._declare_columns(tuple(new_columns))
         self._commit(commit)
-        return target
+        return PutFuture.completed(target)
 
     def _put_new(
         self,
@@ -191,16 +233,17 @@ class HubClient(abc.ABC):
         cells: dict[str, CellWrite],
         per_put: tuple[Any, ...],
         timeout: float | None,
-    ) -> np.ndarray:
+        wait: bool,
+    ) -> PutFuture:
         idx, unit = self._reserve(n, timeout)
         try:
             commit = CommitArgs(idx, cells, True, *per_put)
-            self._store(unit, idx, arrays, types, new_columns, commit)
+            fut = self._store(unit, idx, arrays, types, new_columns, commit, wait)
         except BaseException:
             self._discard(unit, idx, tuple(arrays))
             self._abort(idx)
             raise
-        return idx
+        return fut or PutFuture.completed(idx)
 
     def _store(
         self,
@@ -210,16 +253,17 @@ class HubClient(abc.ABC):
         types: dict[str, Column],
         new_columns: Sequence[Column],
         commit: CommitArgs,
-    ) -> None:
-        """Store the bytes on one unit, then commit them. Inferred columns are declared in
-        between: only once the bytes are stored, so a failed put leaves the schema as it
-        was."""
+        wait: bool,
+    ) -> PutFuture | None:
+        """Store the bytes on one unit, then commit them (None: done; or the future of a
+        put that is not waited for). Inferred columns are declared in between: only once the
+        bytes are stored, so a failed put leaves the schema as it was."""
         if new_columns:
             self._write(unit, indices, arrays, types)
             self._declare_columns(tuple(new_columns))
             self._commit(commit)
-        else:
-            self._write_commit(unit, indices, arrays, types, commit)
+            return None
+        return self._write_commit(unit, indices, arrays, types, commit, wait)
 
     def _write_commit(
         self,
@@ -228,10 +272,13 @@ class HubClient(abc.ABC):
         arrays: dict[str, pa.Array],
         types: dict[str, Column],
         commit: CommitArgs,
-    ) -> None:
-        """Store and commit; a transport may do both in one round trip."""
+        wait: bool,
+    ) -> PutFuture | None:
+        """Store and commit; a transport may do both in one round trip, and may return
+        before the answer (``wait=False``) with a future of it."""
         self._write(unit, indices, arrays, types)
         self._commit(commit)
+        return None
 
     # -- consumers --------------------------------------------------------------------------
     def claim(

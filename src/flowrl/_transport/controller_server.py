@@ -31,6 +31,13 @@ __all__ = ["serve_controller"]
 
 log = logging.getLogger("flowrl.controller")
 
+# Evictions travel to the units in batches: a unit drops one index in about the time it
+# drops a thousand, and a sample a consumer acked one at a time would otherwise cost the
+# unit a message each. Delaying them is safe: indices are never reused and a unit drops
+# only what it still holds under that index.
+EVICT_DELAY_S = 0.005
+EVICT_BATCH = 4096
+
 
 class _Parked:
     __slots__ = ("deadline", "ident", "msg", "rid")
@@ -95,6 +102,8 @@ class ControllerServer:
                     self.ctl.expire(now=math.inf)
         self.parked: list[_Parked] = []
         self._evictions: list[list[np.ndarray]] = [[] for _ in unit_control_addresses]
+        self._evictions_size = 0
+        self._evictions_due = math.inf  # when the oldest queued eviction must leave
         self._seen_seq = 0
         self.running = True
 
@@ -121,6 +130,8 @@ class ControllerServer:
 
     def _poll_timeout(self) -> int | None:
         soonest = [p.deadline for p in self.parked if p.deadline is not None]
+        if self._evictions_size:
+            soonest.append(self._evictions_due)
         lease = self.ctl.next_deadline()
         candidates = [d - time.monotonic() for d in soonest]
         if lease is not None:
@@ -292,16 +303,26 @@ class ControllerServer:
         )
 
     def _evict(self, indices: np.ndarray, units: np.ndarray) -> None:
-        """Queue evictions; they go to the units once per loop turn, one message each."""
+        """Queue evictions for the units (see EVICT_DELAY_S)."""
+        if not self._evictions_size:
+            self._evictions_due = time.monotonic() + EVICT_DELAY_S
+        self._evictions_size += indices.size
         for unit, pos in _split_by_unit(units):
             self._evictions[unit].append(indices if pos is None else indices[pos])
 
-    def _flush_evictions(self) -> None:
+    def _flush_evictions(self, force: bool = False) -> None:
+        """Send the queued evictions, one message per unit, once there are many or the
+        oldest has waited ``EVICT_DELAY_S`` (or when ``force``d)."""
+        if not self._evictions_size or not (
+            force or self._evictions_size >= EVICT_BATCH or time.monotonic() >= self._evictions_due
+        ):
+            return
         for unit, parts in enumerate(self._evictions):
             if parts:
                 evict = wire.Evict(indices=np.concatenate(parts).tobytes())
                 self.unit_push[unit].send(wire.encode(evict))
                 parts.clear()
+        self._evictions_size = 0
 
     def _publish(self, event: Any) -> None:
         # PUB drops what no subscriber receives; skip the encoding until a client has
@@ -310,7 +331,7 @@ class ControllerServer:
             self.pub.send_multipart([b"e", event_encoder.encode(event)])
 
     def _shutdown(self) -> None:
-        self._flush_evictions()
+        self._flush_evictions(force=True)
         for p in self.parked:
             self._send(p.ident, p.rid, wire.Error(type="HubClosed", message="the hub shut down"))
         for s in [self.sock, self.pub, *self.unit_push]:

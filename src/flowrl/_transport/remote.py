@@ -23,6 +23,7 @@ import zmq
 
 from flowrl._client.base import ClaimArgs, CommitArgs, HubClient
 from flowrl._client.config import HubConfig, HubStats
+from flowrl._client.future import PutFuture
 from flowrl._controller.controller import RESERVATION_MIN_S
 from flowrl._controller.eventlog import EventLog
 from flowrl._controller.meta import BatchMeta
@@ -59,6 +60,8 @@ CLAIM_SLICE_S = 10.0
 POLL_SLICE_S = 1.0
 #: Indices a thread reserves ahead for its next small puts (capped at capacity / 64).
 RESERVE_AHEAD = 32
+#: put_async requests a thread may have unanswered (``RemoteHub.max_puts_in_flight``).
+PUTS_IN_FLIGHT = 64
 
 
 @final
@@ -93,6 +96,8 @@ class RemoteHub(HubClient):
         self._closed = False
         self._on_close: list[Callable[[], None]] = []
         self.servers: Any = None  # launch_hub's server processes (None after connect())
+        #: put_async requests a thread may have unanswered; the next waits for the oldest
+        self.max_puts_in_flight = PUTS_IN_FLIGHT
         welcome = self._call(None, wire.Hello())[0]
         self.config: HubConfig = welcome.config
         infer = (
@@ -225,12 +230,110 @@ class RemoteHub(HubClient):
             raise self._socket_error(exc) from None
         if len(frames) < 2:
             raise TransportError(f"a reply of {len(frames)} frame(s) from the hub")
-        if _bytes(frames[0]) != rid:
+        got = _bytes(frames[0])
+        if got != rid:
+            # The answer to one of this thread's put_async, or to a request it gave up on.
+            fut = self._in_flight().pop(got, None)
+            if fut is not None:
+                self._settle(fut, wire.decode_reply(frames[1].buffer if payload else frames[1]))
             return None
         reply = wire.decode_reply(frames[1].buffer if payload else frames[1])
         if isinstance(reply, wire.Error):
-            wire.raise_error(reply)
+            raise wire.exception_of(reply)
         return reply, frames[2:]
+
+    # -- put_async ---------------------------------------------------------------------------
+    def _in_flight(self) -> dict[bytes, PutFuture]:
+        """This thread's unanswered put_async, oldest first."""
+        pending: dict[bytes, PutFuture] | None = getattr(self._local, "in_flight", None)
+        if pending is None:
+            pending = self._local.in_flight = {}
+            self._local.failed = []
+        return pending
+
+    def _settle(self, fut: PutFuture, reply: Any) -> None:
+        if isinstance(reply, wire.Error):
+            self._failed(fut, wire.exception_of(reply))
+        else:
+            fut._succeed()
+
+    def _failed(self, fut: PutFuture, error: FlowRLError) -> None:
+        """Record a refused put; its bytes and indices are freed at the next safe point
+        (``_clean_failed``: not here, inside another request's wait)."""
+        fut._fail(error)
+        self._local.failed.append(fut)
+
+    def _wait_put(self, fut: PutFuture, timeout: float | None) -> None:
+        pending = self._in_flight()
+        if fut.rid in pending:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            try:
+                wait = self.rpc_timeout if timeout is None else timeout
+                self._recv(fut.unit, fut.rid, wait, or_controller=True)
+            except TransportError as exc:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise Timeout(
+                        f"put_async of samples {fut.indices[:4].tolist()}... was not answered "
+                        f"within {timeout}s"
+                    ) from None
+                if pending.pop(fut.rid, None) is not None:
+                    self._failed(fut, exc)
+            except FlowRLError as exc:  # the hub refused this put
+                if pending.pop(fut.rid, None) is not None:
+                    self._failed(fut, exc)
+            else:
+                pending.pop(fut.rid, None)
+                fut._succeed()
+        self._clean_failed()
+
+    def _clean_failed(self) -> None:
+        """At a safe point (not inside another request's wait): free what refused puts
+        left (bytes a unit stored, indices they reserved); a new put whose pooled indices
+        the controller no longer held is made again, synchronously, as ``put`` does."""
+        failed: list[PutFuture] = self._local.failed
+        for fut in failed:  # (a discard's wait may append: it is seen too)
+            if fut.new and fut.columns:
+                columns, fut.columns = fut.columns, ()  # freed once
+                with contextlib.suppress(FlowRLError):
+                    self._discard(fut.unit, fut.indices, columns)
+                    self._abort(fut.indices)
+            again, fut._again = fut._again, None
+            if again is not None and isinstance(fut._unobserved_error, UnknownIndexError):
+                arrays, types, commit, timeout = again
+                per_put = commit[3:8]  # partition, groups, version, tokens, producer
+                try:
+                    redo = self._put_new(
+                        fut.indices.size, arrays, types, (), commit.cells, per_put, timeout, True
+                    )
+                except FlowRLError as exc:
+                    fut._fail(exc)
+                else:
+                    fut._redone(redo.indices)
+        self._local.failed = [f for f in failed if f._unobserved_error is not None]
+
+    def _raise_failed_put(self) -> None:
+        self._in_flight()
+        self._clean_failed()
+        failed, self._local.failed = self._local.failed, []
+        if failed:
+            errors = [f.exception() for f in failed]  # each is reported now, once
+            error = errors[0]
+            assert error is not None
+            more = f"; {len(failed) - 1} later ones failed too" if len(failed) > 1 else ""
+            error.add_note(
+                f"raised by an earlier put_async (samples {failed[0].indices[:4].tolist()}) "
+                f"whose future was not waited for{more}"
+            )
+            raise error
+
+    def flush(self, timeout: float | None = None) -> None:
+        pending = self._in_flight()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            fut = next(iter(pending.values()))
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._wait_put(fut, left)
+        self._raise_failed_put()
 
     def _give_back_pools(self) -> None:
         """Free what the threads reserved ahead (a client that dies leaves it to expire)."""
@@ -267,6 +370,7 @@ class RemoteHub(HubClient):
         pool: _Pool | None = getattr(self._local, "pool", None)
         taken = pool.take(n) if pool is not None and time.monotonic() < pool.until else None
         self._local.pooled = taken is not None
+        self._local.put_timeout = timeout
         if taken is not None:
             return taken
         ahead = self._pool_block if n < self._pool_block else 0
@@ -288,7 +392,7 @@ class RemoteHub(HubClient):
                 self._pools[threading.get_ident()] = self._local.pool
         return indices[:n], reply.unit
 
-    def _put_new(self, *args: Any) -> np.ndarray:
+    def _put_new(self, *args: Any) -> PutFuture:
         try:
             return super()._put_new(*args)
         except UnknownIndexError:
@@ -324,7 +428,8 @@ class RemoteHub(HubClient):
         arrays: dict[str, pa.Array],
         types: dict[str, Column],
         commit: CommitArgs,
-    ) -> None:
+        wait: bool,
+    ) -> PutFuture | None:
         # The unit hands the commit on once the bytes are stored; the controller answers
         # this thread's controller socket (or the unit, if it refused the write).
         msg, frames = _write_request(
@@ -335,8 +440,23 @@ class RemoteHub(HubClient):
             controller=self.address,
             reply_to=self._routing_id(),
         )
+        if wait:
+            self._recv(unit, self._send(unit, msg, frames), self.rpc_timeout, or_controller=True)
+            return None
+        # Pooled indices may be gone when the put arrives (the stream ended, or the
+        # controller restarted): then it is made again, as put() does.
+        pooled = commit.new and getattr(self._local, "pooled", False)
+        again = (arrays, types, commit, self._local.put_timeout) if pooled else None
+        pending = self._in_flight()
+        while len(pending) >= self.max_puts_in_flight:
+            self._wait_put(next(iter(pending.values())), None)
         rid = self._send(unit, msg, frames)
-        self._recv(unit, rid, self.rpc_timeout, or_controller=True)
+        fut = PutFuture(
+            indices, self._wait_put, unit=unit, rid=rid, columns=tuple(arrays), new=commit.new
+        )
+        fut._again = again
+        pending[rid] = fut
+        return fut
 
     def _discard(self, unit: int, indices: np.ndarray, columns: tuple[str, ...]) -> None:
         try:
@@ -554,6 +674,11 @@ class RemoteHub(HubClient):
     def close(self) -> None:
         if self._closed:
             return
+        if getattr(self._local, "in_flight", None):  # this thread's unanswered put_async
+            try:
+                self.flush(timeout=self.rpc_timeout)
+            except FlowRLError as exc:
+                log.warning("a put_async failed before close(): %s", exc)
         self._give_back_pools()
         self._closed = True
         for fn in self._on_close:

@@ -25,7 +25,7 @@ from flowrl._controller.samplers import (
 from flowrl._schema.columns import Column
 from flowrl._transport.frames import ArrayHeader
 
-__all__ = ["decode_request", "encode", "raise_error", "sampler_from_spec", "spec_of_sampler"]
+__all__ = ["decode_request", "encode", "exception_of", "sampler_from_spec", "spec_of_sampler"]
 
 
 class _Msg(msgspec.Struct, frozen=True, tag_field="op", kw_only=True):
@@ -453,11 +453,12 @@ def error_of(exc: BaseException) -> Error:
     return Error(type="FlowRLError", message=f"internal error: {type(exc).__name__}: {exc}")
 
 
-def raise_error(err: Error) -> None:
+def exception_of(err: Error) -> errors.FlowRLError:
+    """The typed exception an error reply stands for."""
     cls = getattr(errors, err.type, None)
     if not (isinstance(cls, type) and issubclass(cls, errors.FlowRLError)):
         cls = errors.TransportError
-    raise cls(err.message)
+    return cls(err.message)
 
 
 def ints(data: bytes) -> np.ndarray:

@@ -131,7 +131,7 @@ def test_a_put_is_claimable_the_moment_it_returns(hub) -> None:
         hub.ack(meta)
 
 
-def _reserved_write(hub, bad_commit: dict):
+def _reserved_write(hub, bad_commit: dict, wait: bool = True):
     from flowrl._client.base import CommitArgs
     from flowrl._controller.controller import CellWrite
 
@@ -141,7 +141,7 @@ def _reserved_write(hub, bad_commit: dict):
     commit = CommitArgs(idx, cells, True, "", None, None, None, "")._replace(**bad_commit)
     arrays = {k: e.array for k, e in enc.items()}
     types = {c.name: c for c in hub.schema.columns()}
-    return idx, unit, lambda: hub._write_commit(unit, idx, arrays, types, commit)
+    return idx, unit, lambda: hub._write_commit(unit, idx, arrays, types, commit, wait)
 
 
 def test_a_commit_the_controller_refuses_reaches_the_producer(hub) -> None:
@@ -156,6 +156,21 @@ def test_a_commit_the_controller_refuses_reaches_the_producer(hub) -> None:
     stats = hub.statistics()
     assert stats.live == stats.reserved == 0 and stats.units[unit].samples == 0
     assert _put(hub, 1).size == 1  # and the hub goes on
+
+
+def test_a_put_async_the_controller_refuses_leaves_nothing_behind(hub) -> None:
+    from flowrl._controller.controller import CellWrite
+
+    cells = {"nope": CellWrite(np.array([8]), None)}
+    _, unit, write = _reserved_write(hub, {"cells": cells}, wait=False)
+    fut = write()
+    with pytest.raises(flowrl.errors.UnknownColumnError, match="nope"):
+        fut.result(5)
+    # the client discarded the stored bytes and gave the reserved index back
+    stats = hub.statistics()
+    assert stats.live == stats.reserved == 0 and stats.units[unit].samples == 0
+    hub.flush(5)  # reported through its future: not again
+    assert _put(hub, 1).size == 1
 
 
 def test_unit_refuses_a_commit_for_other_samples(hub) -> None:

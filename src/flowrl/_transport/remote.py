@@ -209,7 +209,7 @@ class RemoteHub(HubClient):
                 if forever or time.monotonic() < deadline:
                     continue
                 where = "controller" if unit is None else f"storage unit {unit}"
-                raise TransportError(
+                raise _NoAnswer(
                     f"the hub's {where} did not answer within {wait:.1f}s; is it running?"
                 )
             for sock in ready:
@@ -220,8 +220,9 @@ class RemoteHub(HubClient):
     def _take_reply(
         self, sock: zmq.Socket, rid: bytes, payload: bool
     ) -> tuple[Any, list[Any]] | None:
-        """Read one reply; None if it answers another request (one this thread gave up on).
-        Units reply with payload frames (zero-copy); the controller's replies are small."""
+        """Read one reply; None if it answers another request (a put_async, settled here, or
+        one this thread gave up on). Units reply with payload frames (zero-copy); the
+        controller's replies are small."""
         try:
             frames: list[Any] = (
                 sock.recv_multipart(copy=False) if payload else sock.recv_multipart()
@@ -231,15 +232,16 @@ class RemoteHub(HubClient):
         if len(frames) < 2:
             raise TransportError(f"a reply of {len(frames)} frame(s) from the hub")
         got = _bytes(frames[0])
+        reply = wire.decode_reply(frames[1].buffer if payload else frames[1])
+        error = wire.exception_of(reply) if isinstance(reply, wire.Error) else None
         if got != rid:
             # The answer to one of this thread's put_async, or to a request it gave up on.
             fut = self._in_flight().pop(got, None)
             if fut is not None:
-                self._settle(fut, wire.decode_reply(frames[1].buffer if payload else frames[1]))
+                self._settle(fut, error)
             return None
-        reply = wire.decode_reply(frames[1].buffer if payload else frames[1])
-        if isinstance(reply, wire.Error):
-            raise wire.exception_of(reply)
+        if error is not None:
+            raise error
         return reply, frames[2:]
 
     # -- put_async ---------------------------------------------------------------------------
@@ -248,49 +250,49 @@ class RemoteHub(HubClient):
         pending: dict[bytes, PutFuture] | None = getattr(self._local, "in_flight", None)
         if pending is None:
             pending = self._local.in_flight = {}
-            self._local.failed = []
         return pending
 
-    def _settle(self, fut: PutFuture, reply: Any) -> None:
-        if isinstance(reply, wire.Error):
-            self._failed(fut, wire.exception_of(reply))
-        else:
-            fut._succeed()
+    def _refused(self) -> list[PutFuture]:
+        """This thread's refused put_async not yet cleaned up or reported."""
+        failed: list[PutFuture] | None = getattr(self._local, "failed", None)
+        if failed is None:
+            failed = self._local.failed = []
+        return failed
 
-    def _failed(self, fut: PutFuture, error: FlowRLError) -> None:
-        """Record a refused put; its bytes and indices are freed at the next safe point
-        (``_clean_failed``: not here, inside another request's wait)."""
-        fut._fail(error)
-        self._local.failed.append(fut)
+    def _settle(self, fut: PutFuture, error: FlowRLError | None) -> None:
+        """An answered put: done, or refused (its bytes and indices are freed at the next
+        safe point, ``_clean_failed``: not here, inside another request's wait)."""
+        if error is None:
+            fut._succeed()
+        else:
+            fut._fail(error)
+            self._refused().append(fut)
 
     def _wait_put(self, fut: PutFuture, timeout: float | None) -> None:
         pending = self._in_flight()
         if fut.rid in pending:
-            deadline = None if timeout is None else time.monotonic() + timeout
+            error: FlowRLError | None = None
             try:
                 wait = self.rpc_timeout if timeout is None else timeout
                 self._recv(fut.unit, fut.rid, wait, or_controller=True)
-            except TransportError as exc:
-                if deadline is not None and time.monotonic() >= deadline:
+            except _NoAnswer as exc:
+                if timeout is not None:  # the caller's limit: the put stays pending
                     raise Timeout(
                         f"put_async of samples {fut.indices[:4].tolist()}... was not answered "
                         f"within {timeout}s"
                     ) from None
-                if pending.pop(fut.rid, None) is not None:
-                    self._failed(fut, exc)
-            except FlowRLError as exc:  # the hub refused this put
-                if pending.pop(fut.rid, None) is not None:
-                    self._failed(fut, exc)
-            else:
-                pending.pop(fut.rid, None)
-                fut._succeed()
+                error = exc
+            except FlowRLError as exc:  # the hub refused this put (or the socket failed)
+                error = exc
+            del pending[fut.rid]
+            self._settle(fut, error)
         self._clean_failed()
 
     def _clean_failed(self) -> None:
         """At a safe point (not inside another request's wait): free what refused puts
         left (bytes a unit stored, indices they reserved); a new put whose pooled indices
         the controller no longer held is made again, synchronously, as ``put`` does."""
-        failed: list[PutFuture] = self._local.failed
+        failed = self._refused()
         for fut in failed:  # (a discard's wait may append: it is seen too)
             if fut.new and fut.columns:
                 columns, fut.columns = fut.columns, ()  # freed once
@@ -312,9 +314,8 @@ class RemoteHub(HubClient):
         self._local.failed = [f for f in failed if f._unobserved_error is not None]
 
     def _raise_failed_put(self) -> None:
-        self._in_flight()
         self._clean_failed()
-        failed, self._local.failed = self._local.failed, []
+        failed, self._local.failed = self._refused(), []
         if failed:
             errors = [f.exception() for f in failed]  # each is reported now, once
             error = errors[0]
@@ -692,6 +693,10 @@ class RemoteHub(HubClient):
                 s.close(linger=0)
             self._sockets.clear()
         self._shm_maps.clear()
+
+
+class _NoAnswer(TransportError):
+    """No reply within the wait (as opposed to a reply that is an error)."""
 
 
 class _Pool:

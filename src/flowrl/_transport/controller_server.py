@@ -24,6 +24,7 @@ from flowrl._controller.journal import attach_journal
 from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
 from flowrl._transport import wire
+from flowrl._transport.sockio import has_input, poll_in, recv_parts, send_parts
 from flowrl.errors import FlowRLError, HubFull, NothingReady, SchemaError, Timeout
 from flowrl.events import event_encoder
 
@@ -113,15 +114,13 @@ class ControllerServer:
             self._loop()
 
     def _loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
+        socks = [self.sock]
         while self.running:
-            timeout_ms = self._poll_timeout()
-            if poller.poll(timeout_ms):
+            if poll_in(socks, self._poll_timeout()):
                 # Drain everything queued (control messages are small: copied, not
                 # zero-copy), then flush evictions and retry parked requests once.
-                while self.running and self.sock.get(zmq.EVENTS) & zmq.POLLIN:
-                    self._handle(self.sock.recv_multipart())
+                while self.running and has_input(self.sock):
+                    self._handle(recv_parts(self.sock))
             self._flush_evictions()
             changed = self.ctl.log.seq != self._seen_seq or self.ctl.expire() > 0
             self._seen_seq = self.ctl.log.seq
@@ -159,7 +158,7 @@ class ControllerServer:
             self._send(ident, rid, reply)
 
     def _send(self, ident: bytes, rid: bytes, reply: Any) -> None:
-        self.sock.send_multipart([ident, rid, wire.encode(reply)])
+        send_parts(self.sock, [ident, rid, wire.encode(reply)])
 
     def _dispatch(self, ident: bytes, rid: bytes, msg: Any) -> Any:
         ctl = self.ctl
@@ -328,7 +327,7 @@ class ControllerServer:
         # PUB drops what no subscriber receives; skip the encoding until a client has
         # subscribed (its subscription handshake goes through PublishHello).
         if self._subscribed:
-            self.pub.send_multipart([b"e", event_encoder.encode(event)])
+            send_parts(self.pub, [b"e", event_encoder.encode(event)])
 
     def _shutdown(self) -> None:
         self._flush_evictions(force=True)

@@ -38,6 +38,7 @@ from flowrl._transport.frames import (
     split_frames,
     to_frames_all,
 )
+from flowrl._transport.sockio import poll_in, recv_parts, send_parts
 from flowrl.errors import (
     ConfigError,
     FlowRLError,
@@ -174,7 +175,7 @@ class RemoteHub(HubClient):
         try:
             # Zero-copy only pays for payload frames; small control messages are copied.
             small = sum(memoryview(f).nbytes for f in frames) < ZERO_COPY_MIN_BYTES
-            sock.send_multipart([rid, body, *frames], copy=small)
+            send_parts(sock, [rid, body, *frames], copy=small)
         except zmq.ZMQError as exc:
             raise self._socket_error(exc) from None
         return rid
@@ -197,10 +198,7 @@ class RemoteHub(HubClient):
             left = POLL_SLICE_S if forever else min(POLL_SLICE_S, deadline - time.monotonic())
             timeout_ms = int(max(0.0, left) * 1000) + 1
             try:
-                if or_controller:
-                    ready = zmq.select(socks, [], [], timeout_ms / 1000)[0]
-                else:
-                    ready = socks if socks[0].poll(timeout_ms) else []
+                ready = poll_in(socks, timeout_ms)
             except zmq.ZMQError as exc:
                 raise self._socket_error(exc) from None
             if not ready:
@@ -224,9 +222,7 @@ class RemoteHub(HubClient):
         one this thread gave up on). Units reply with payload frames (zero-copy); the
         controller's replies are small."""
         try:
-            frames: list[Any] = (
-                sock.recv_multipart(copy=False) if payload else sock.recv_multipart()
-            )
+            frames: list[Any] = recv_parts(sock, copy=not payload)
         except zmq.ZMQError as exc:
             raise self._socket_error(exc) from None
         if len(frames) < 2:
@@ -638,10 +634,11 @@ class RemoteHub(HubClient):
         def pump() -> None:
             events = self._events
             assert events is not None
+            subs = [sub]
             while not stop.is_set():
-                if not sub.poll(100):
+                if not poll_in(subs, 100):
                     continue
-                topic, body = sub.recv_multipart()
+                topic, body = recv_parts(sub)
                 if topic == b"e":
                     events.append(event_decoder.decode(body))
                 elif topic == b"h":

@@ -31,6 +31,7 @@ from flowrl._transport.frames import (
     split_frames,
     to_frames_all,
 )
+from flowrl._transport.sockio import NOBLOCK, poll_in, recv_parts, send_parts
 from flowrl.errors import FlowRLError, SchemaError, TransportError
 
 __all__ = ["serve_unit"]
@@ -68,15 +69,13 @@ class UnitServer:
         self.running = True
 
     def serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.control, zmq.POLLIN)
+        socks = [self.sock, self.control]
         while self.running:
-            ready = dict(poller.poll())
+            ready = poll_in(socks, None)
             if self.control in ready:
                 self._control(self.control.recv(copy=False))
             if self.sock in ready:
-                self._handle(self.sock.recv_multipart(copy=False))
+                self._handle(recv_parts(self.sock, copy=False))
         for sock in [self.sock, self.control, *self.controllers.values()]:
             sock.close()
         self.unit.close()
@@ -112,7 +111,7 @@ class UnitServer:
             log.exception("storage unit %d failed on a request", self.unit.unit_id)
             reply, out = wire.error_of(exc), []
         small = sum(memoryview(f).nbytes for f in out) < ZERO_COPY_MIN_BYTES
-        self.sock.send_multipart([ident, rid, wire.encode(reply), *out], copy=small)
+        send_parts(self.sock, [ident, rid, wire.encode(reply), *out], copy=small)
 
     # -- commits handed to the controller ----------------------------------------------------
     def _forward(self, ident: bytes, rid: bytes, msg: wire.Write, commit: wire.Commit) -> None:
@@ -121,10 +120,10 @@ class UnitServer:
         discard, as a direct commit would."""
         handoff = wire.encode(wire.CommitFor(commit=commit, reply_to=msg.reply_to))
         try:
-            self._controller(msg.controller).send_multipart([rid, handoff], zmq.NOBLOCK)
+            send_parts(self._controller(msg.controller), [rid, handoff], flags=NOBLOCK)
         except zmq.ZMQError as exc:
             err = TransportError(f"storage unit could not reach the controller: {exc}")
-            self.sock.send_multipart([ident, rid, wire.encode(wire.error_of(err))])
+            send_parts(self.sock, [ident, rid, wire.encode(wire.error_of(err))])
 
     def _controller(self, address: str) -> zmq.Socket:
         sock = self.controllers.get(address)

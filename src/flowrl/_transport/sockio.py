@@ -52,4 +52,5 @@ def poll_in(socks: Sequence[zmq.Socket], timeout_ms: int | None) -> list[zmq.Soc
 
 def has_input(sock: zmq.Socket) -> bool:
     """Whether a message is queued on ``sock`` now (no waiting)."""
-    return bool(sock.get(_EVENTS) & POLLIN)
+    events: int = sock.get(_EVENTS)  # type: ignore[assignment]  # an int option
+    return bool(events & POLLIN)

@@ -154,6 +154,11 @@ class ControllerServer:
         except Exception as exc:  # a bug must not take the hub down; the caller learns of it
             log.exception("controller failed on a request")
             reply = wire.error_of(exc)
+        if self.parked and self.ctl.log.seq != self._seen_seq:
+            # Waiters first: a consumer blocked in claim learns of a put before its
+            # producer does (the put's latency to the consumer is what a pipeline waits on).
+            self._seen_seq = self.ctl.log.seq
+            self._retry_parked(True)
         if reply is not None:
             self._send(ident, rid, reply)
 

@@ -145,6 +145,30 @@ def test_stale_write_never_clobbers_a_newer_sample() -> None:
     _check(unit.read(new, COLS), new)
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_on_accepted_runs_once_nothing_can_refuse_the_write(tmp_path, persistent: bool) -> None:
+    """A unit server hands a write's commit on from ``on_accepted``: never for a refused
+    write; in memory before the bytes are filed (nothing reads in between), on a persistent
+    unit only once they are logged (a crash must not leave a commit without its bytes)."""
+    folder = str(tmp_path / "unit") if persistent else None
+    unit = StorageUnit(0, CAP, folder=folder)
+    types = {c.name: c for c in (IDS, SCORE, PIX, TEXT)}
+    idx = np.array([1, 2], dtype=np.int64)
+    filed_then: list[bool] = []
+
+    def accepted() -> None:  # runs under the unit's lock: look, do not call in
+        filed_then.append(any((s.owner >= 0).any() for s in unit._columns.values()))
+
+    unit.write(idx, _arrays(idx), types, on_accepted=accepted)
+    assert filed_then == [persistent]
+    _check(unit.read(idx, COLS), idx)
+    newer = idx + CAP
+    unit.write(newer, _arrays(newer), types)
+    with pytest.raises(UnknownIndexError):  # stale: refused before on_accepted
+        unit.write(idx, _arrays(idx), types, on_accepted=accepted)
+    assert len(filed_then) == 1
+
+
 def test_never_written_index_and_unknown_column_raise() -> None:
     unit = StorageUnit(0, CAP)
     idx = np.arange(2, dtype=np.int64)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -192,12 +192,17 @@ class StorageUnit:
         indices: np.ndarray,
         arrays: dict[str, pa.Array],
         types: Mapping[str, Column] | None = None,
+        on_accepted: Callable[[], None] | None = None,
     ) -> None:
         """Store one Arrow array per column for ``indices`` (validated upstream).
 
         A write for an index older than one already written to its slot is stale (the
         sample was evicted and the slot reused meanwhile): it is rejected as a whole.
         A persistent unit needs each column's declaration (``types``) the first time.
+
+        ``on_accepted`` runs once nothing can refuse the write: before the in-memory
+        bookkeeping (a unit server hands the commit on there, and reads nothing until the
+        write is filed), or after the bytes are logged on a persistent unit.
         """
         slots = indices % self.capacity
         with self._lock:
@@ -215,10 +220,14 @@ class StorageUnit:
                             f"storage unit {self.unit_id} is persistent and needs the "
                             f"declaration of new column {name!r}; nothing was written"
                         )
+            if on_accepted is not None and self.folder is None:
+                on_accepted()
             self._newest[slots] = indices
             for name, array in arrays.items():
                 self._store(name, types.get(name)).write(slots, indices, array)
                 self._partials.clear(name, indices)  # the column is complete now
+            if on_accepted is not None and self.folder is not None:
+                on_accepted()
 
     def read(self, indices: np.ndarray, columns: tuple[str, ...]) -> dict[str, pa.Array]:
         if indices.size and indices.min() < 0:

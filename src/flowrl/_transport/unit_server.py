@@ -13,6 +13,7 @@ sooner. The unit never waits for the controller.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -40,9 +41,6 @@ log = logging.getLogger("flowrl.unit")
 
 #: Controller addresses a unit keeps a socket to (a restarted Ray controller may move).
 MAX_CONTROLLERS = 4
-
-#: A write's reply when its bytes are stored (its commit, if any, still to go).
-STORED = wire.Done()
 
 
 class UnitServer:
@@ -101,10 +99,10 @@ class UnitServer:
         out: list[Any] = []
         try:
             msg = wire.decode_request(frames[2].buffer)
-            reply = self._dispatch(msg, frames[3:], out)
-            if reply is STORED and msg.commit is not None:
-                self._forward(ident, rid, msg, msg.commit)
+            if isinstance(msg, wire.Write) and msg.commit is not None:
+                self._write_and_hand_on(ident, rid, msg, msg.commit, frames[3:])
                 return
+            reply = self._dispatch(msg, frames[3:], out)
         except FlowRLError as exc:
             reply, out = wire.error_of(exc), []
         except Exception as exc:
@@ -114,6 +112,26 @@ class UnitServer:
         send_parts(self.sock, [ident, rid, wire.encode(reply), *out], copy=small)
 
     # -- commits handed to the controller ----------------------------------------------------
+    def _write_and_hand_on(
+        self, ident: bytes, rid: bytes, msg: wire.Write, commit: wire.Commit, payload: list[Any]
+    ) -> None:
+        """Store a write and hand its commit to the controller. The commit leaves as soon as
+        nothing can refuse the write (``StorageUnit.write``'s ``on_accepted``), so the
+        controller works while this unit files the bytes; it reads nothing before that."""
+        handed = False
+
+        def hand_on() -> None:
+            nonlocal handed
+            handed = True
+            self._forward(ident, rid, msg, commit)
+
+        try:
+            self._write(msg, payload, hand_on)
+        except Exception:
+            if not handed:
+                raise  # refused: the producer gets the error
+            log.exception("storage unit %d failed filing an accepted write", self.unit.unit_id)
+
     def _forward(self, ident: bytes, rid: bytes, msg: wire.Write, commit: wire.Commit) -> None:
         """The controller answers the producer (``msg.reply_to``, its routing id there) under
         the producer's request id; a refused commit leaves the bytes for the producer to
@@ -152,29 +170,34 @@ class UnitServer:
         where = self.arena.locate(buf.address, buf.size)
         return None if where is None else wire.ShmRef(where[0], where[1], buf.size)
 
+    def _write(
+        self, msg: wire.Write, payload: list[Any], on_accepted: Callable[[], None] | None = None
+    ) -> None:
+        indices = wire.ints(msg.indices)
+        types = dict(self.columns)
+        for col in msg.columns:
+            if types.setdefault(col.name, col) != col:
+                raise SchemaError(
+                    f"write declares column {col.name!r} as {col.describe()}, but this "
+                    f"unit holds it as {types[col.name].describe()}"
+                )
+        arrays = {}
+        parts = split_frames(msg.arrays, payload, "write request")
+        for header, frames in zip(msg.arrays, parts, strict=True):
+            known = types.get(header.column)
+            if known is None:
+                raise SchemaError(f"write names column {header.column!r} without its type")
+            if header.length != indices.size:
+                raise TransportError(f"column {header.column!r}: length != number of indices")
+            bufs = [self._keep(f.buffer) for f in frames]
+            arrays[header.column] = from_frames(known, header, bufs)
+        self.unit.write(indices, arrays, types, on_accepted)
+        self.columns = types  # learnt only from a write that succeeded
+
     def _dispatch(self, msg: Any, payload: list[Any], out: list[Any]) -> Any:
         if isinstance(msg, wire.Write):
-            indices = wire.ints(msg.indices)
-            types = dict(self.columns)
-            for col in msg.columns:
-                if types.setdefault(col.name, col) != col:
-                    raise SchemaError(
-                        f"write declares column {col.name!r} as {col.describe()}, but this "
-                        f"unit holds it as {types[col.name].describe()}"
-                    )
-            arrays = {}
-            parts = split_frames(msg.arrays, payload, "write request")
-            for header, frames in zip(msg.arrays, parts, strict=True):
-                known = types.get(header.column)
-                if known is None:
-                    raise SchemaError(f"write names column {header.column!r} without its type")
-                if header.length != indices.size:
-                    raise TransportError(f"column {header.column!r}: length != number of indices")
-                bufs = [self._keep(f.buffer) for f in frames]
-                arrays[header.column] = from_frames(known, header, bufs)
-            self.unit.write(indices, arrays, types)
-            self.columns = types  # learnt only from a write that succeeded
-            return STORED
+            self._write(msg, payload)
+            return wire.Done()
         if isinstance(msg, wire.Read):
             indices = wire.ints(msg.indices)
             arrays = self.unit.read(indices, tuple(msg.columns))

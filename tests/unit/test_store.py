@@ -169,6 +169,21 @@ def test_on_accepted_runs_once_nothing_can_refuse_the_write(tmp_path, persistent
     assert len(filed_then) == 1
 
 
+def test_consecutive_read_sees_overwrites_and_evictions_inside_its_chunk() -> None:
+    """Reads of consecutive indices take a slice of the chunk only while every row of it
+    is live: an overwritten or evicted row inside makes them look row by row."""
+    unit = StorageUnit(0, CAP)
+    idx = np.arange(6, dtype=np.int64)
+    unit.write(idx, _arrays(idx))
+    _check(unit.read(idx[1:5], COLS), idx[1:5])
+    unit.write(idx[2:3], {"score": pa.array([99.0], type=pa.float32())})
+    assert unit.read(idx[1:4], ("score",))["score"].to_pylist() == [0.5, 99.0, 1.5]
+    unit.evict(idx[3:4])
+    with pytest.raises(UnknownIndexError):
+        unit.read(idx[2:5], ("ids",))
+    _check(unit.read(idx[4:6], COLS), idx[4:6])
+
+
 def test_never_written_index_and_unknown_column_raise() -> None:
     unit = StorageUnit(0, CAP)
     idx = np.arange(2, dtype=np.int64)
@@ -228,7 +243,7 @@ def test_random_writes_evicts_reads(data: st.DataObject) -> None:
     next_index = 0
     gen = 0
     for _ in range(data.draw(st.integers(1, 25), label="steps")):
-        op = data.draw(st.sampled_from(["new", "overwrite", "evict", "read"]), label="op")
+        op = data.draw(st.sampled_from(["new", "overwrite", "evict", "read", "run"]), label="op")
         if op == "new":
             free = [s for s in range(CAP) if s not in slot_owner]
             k = data.draw(st.integers(0, len(free)), label="k")
@@ -262,10 +277,16 @@ def test_random_writes_evicts_reads(data: st.DataObject) -> None:
             for i in chosen:
                 del model[i]
                 del slot_owner[i % CAP]
-        elif op == "read" and model:
-            chosen = data.draw(
-                st.lists(st.sampled_from(sorted(model)), min_size=1, max_size=12), label="rd"
-            )
+        elif op in ("read", "run") and model:
+            if op == "read":
+                chosen = data.draw(
+                    st.lists(st.sampled_from(sorted(model)), min_size=1, max_size=12), label="rd"
+                )
+            else:  # consecutive indices (the slice fast path), as long as they are live
+                chosen = [data.draw(st.sampled_from(sorted(model)), label="start")]
+                most = data.draw(st.integers(1, CAP), label="len")
+                while chosen[-1] + 1 in model and len(chosen) < most:
+                    chosen.append(chosen[-1] + 1)
             out = unit.read(np.array(chosen, dtype=np.int64), ("score",))["score"]
             want = [np.float32(model[i] + np.float32(i) / 1000) for i in chosen]
             assert out.to_numpy().tolist() == pytest.approx([float(w) for w in want])

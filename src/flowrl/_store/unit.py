@@ -40,7 +40,17 @@ __all__ = ["StorageUnit"]
 
 
 class _ColumnStore:
-    __slots__ = ("chunk_of", "chunks", "live", "log", "nbytes", "next_chunk", "owner", "row_of")
+    __slots__ = (
+        "chunk_of",
+        "chunks",
+        "first",
+        "live",
+        "log",
+        "nbytes",
+        "next_chunk",
+        "owner",
+        "row_of",
+    )
 
     def __init__(self, capacity: int, log: ColumnLog | None = None) -> None:
         self.log = log
@@ -49,6 +59,10 @@ class _ColumnStore:
         self.row_of = np.zeros(capacity, dtype=np.int64)
         self.chunks: dict[int, pa.Array] = {}
         self.live: dict[int, int] = {}
+        # chunk -> its first index, for chunks written for consecutive indices (a put of
+        # new samples): while all its rows are live, a read of consecutive indices inside
+        # it is a slice found without looking at the per-slot arrays.
+        self.first: dict[int, int] = {}
         self.nbytes = 0  # of the chunks held, kept as they come and go (statistics is O(1))
         self.next_chunk = 0
 
@@ -67,6 +81,7 @@ class _ColumnStore:
             else:
                 self.nbytes -= self.chunks[cid].nbytes
                 del self.live[cid], self.chunks[cid]
+                self.first.pop(cid, None)
                 if self.log is not None:
                     self.log.drop(cid)
 
@@ -86,12 +101,26 @@ class _ColumnStore:
         self.chunks[cid] = array
         self.nbytes += array.nbytes
         self.live[cid] = int(slots.size)
+        if _consecutive(indices):
+            self.first[cid] = int(indices[0])
         self.owner[slots] = indices
         self.chunk_of[slots] = cid
         self.row_of[slots] = np.arange(slots.size)
 
-    def read(self, name: str, slots: np.ndarray, indices: np.ndarray) -> pa.Array:
-        """Rows of ``indices`` (all >= 0: the caller checks, as a free slot's owner is -1)."""
+    def read(
+        self, name: str, slots: np.ndarray, indices: np.ndarray, run: bool = False
+    ) -> pa.Array:
+        """Rows of ``indices`` (all >= 0: the caller checks, as a free slot's owner is -1);
+        ``run``: they are consecutive."""
+        if run:
+            cid = int(self.chunk_of[slots[0]])
+            first = self.first.get(cid)
+            if first is not None:
+                chunk = self.chunks[cid]
+                start = int(indices[0]) - first
+                # every row live: each slot of the chunk still holds the chunk's index
+                if self.live[cid] == len(chunk) and 0 <= start <= len(chunk) - indices.size:
+                    return chunk.slice(start, indices.size)
         bad = self.owner[slots] != indices
         if bad.any():
             raise UnknownIndexError(
@@ -233,6 +262,7 @@ class StorageUnit:
         if indices.size and indices.min() < 0:
             raise UnknownIndexError(f"sample index {int(indices.min())} does not exist")
         slots = indices % self.capacity
+        run = _consecutive(indices)
         out: dict[str, pa.Array] = {}
         with self._lock:
             for name in columns:
@@ -241,7 +271,7 @@ class StorageUnit:
                     raise UnknownColumnError(
                         f"storage unit {self.unit_id} holds no column {name!r}"
                     )
-                out[name] = store.read(name, slots, indices)
+                out[name] = store.read(name, slots, indices, run)
         return out
 
     def evict(self, indices: np.ndarray) -> None:
@@ -349,3 +379,11 @@ class StorageUnit:
             chunks = sum(len(s.chunks) for s in self._columns.values())
             nbytes = sum(s.nbytes for s in self._columns.values())
         return UnitStats(self.unit_id, samples, chunks, nbytes)
+
+
+def _consecutive(indices: np.ndarray) -> bool:
+    """Whether ``indices`` are i, i+1, ..., i+n-1 (n >= 1)."""
+    n = indices.size
+    if n == 0 or int(indices[-1]) - int(indices[0]) != n - 1:
+        return False
+    return n < 3 or bool((indices[1:] - indices[:-1] == 1).all())

@@ -51,14 +51,19 @@ def to_frames(name: str, column: Column, arr: pa.Array) -> tuple[ArrayHeader, li
     if kind == "tensor":
         storage = arr.storage if isinstance(arr, pa.ExtensionArray) else arr
         return ArrayHeader(name, n, 1), [_primitive_slice(storage.flatten())]
+    buffers = arr.buffers()  # validity, offsets, then the values' (ragged) or the data
+    raw = np.frombuffer(buffers[1], dtype=np.int64, count=n + 1, offset=arr.offset * 8)
+    start, end = int(raw[0]), int(raw[-1])
+    offsets = raw - start  # the slice's offsets rebased to 0 (a small copy: n+1 int64)
     if kind == "ragged":
-        start, end = _bounds(arr)
-        values = arr.values.slice(start, end - start)  # the slice's child values, no compute
-        return ArrayHeader(name, n, 2), [_offsets(arr), _primitive_slice(values)]
+        if column.np_dtype == np.bool_ or buffers[3] is None:  # bit-packed, or no values
+            values = _primitive_slice(arr.values.slice(start, end - start))
+        else:
+            width = column.np_dtype.itemsize
+            values = buffers[3].slice((arr.values.offset + start) * width, (end - start) * width)
+        return ArrayHeader(name, n, 2), [offsets, values]
     # string / object: offsets + data bytes of the slice
-    offsets = _offsets(arr)
-    data = arr.buffers()[2]
-    start, end = _bounds(arr)
+    data = buffers[2]
     return ArrayHeader(name, n, 2), [offsets, data.slice(start, end - start) if data else b""]
 
 
@@ -136,14 +141,3 @@ def _primitive(dtype: pa.DataType, n: int, frame: Any) -> pa.Array:
     if buf.size != need:
         raise TransportError(f"a {dtype} frame of {buf.size} bytes cannot hold {n} values")
     return pa.Array.from_buffers(dtype, n, [None, buf])
-
-
-def _bounds(arr: pa.Array) -> tuple[int, int]:
-    offsets = np.frombuffer(arr.buffers()[1], dtype=np.int64)
-    return int(offsets[arr.offset]), int(offsets[arr.offset + len(arr)])
-
-
-def _offsets(arr: pa.Array) -> np.ndarray:
-    """The slice's offsets rebased to start at 0 (a small copy: n+1 int64)."""
-    raw = np.frombuffer(arr.buffers()[1], dtype=np.int64)[arr.offset : arr.offset + len(arr) + 1]
-    return raw - raw[0]

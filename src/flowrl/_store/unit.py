@@ -86,8 +86,14 @@ class _ColumnStore:
                     self.log.drop(cid)
 
     def write(
-        self, slots: np.ndarray, indices: np.ndarray, array: pa.Array, loaded_from: str = ""
+        self,
+        slots: np.ndarray,
+        indices: np.ndarray,
+        array: pa.Array,
+        run: bool,
+        loaded_from: str = "",
     ) -> None:
+        """File ``array`` as the rows of ``indices``; ``run``: they are consecutive."""
         # Whatever occupied these slots (an older write of the index, or a stale evicted
         # sample whose evict message has not arrived yet) loses its reference.
         self._unref(np.where(self.owner[slots] >= 0, self.chunk_of[slots], -1))
@@ -101,7 +107,7 @@ class _ColumnStore:
         self.chunks[cid] = array
         self.nbytes += array.nbytes
         self.live[cid] = int(slots.size)
-        if _consecutive(indices):
+        if run:
             self.first[cid] = int(indices[0])
         self.owner[slots] = indices
         self.chunk_of[slots] = cid
@@ -195,7 +201,7 @@ class StorageUnit:
                 if not keep.all():
                     indices, slots, array = indices[keep], slots[keep], array.filter(keep)
                 if indices.size:
-                    store.write(slots, indices, array, loaded_from=path)
+                    store.write(slots, indices, array, _consecutive(indices), loaded_from=path)
                     np.maximum.at(self._newest, slots, indices)
                     seen.append(indices)
             assert store.log is not None
@@ -252,8 +258,9 @@ class StorageUnit:
             if on_accepted is not None and self.folder is None:
                 on_accepted()
             self._newest[slots] = indices
+            run = _consecutive(indices)
             for name, array in arrays.items():
-                self._store(name, types.get(name)).write(slots, indices, array)
+                self._store(name, types.get(name)).write(slots, indices, array, run)
                 self._partials.clear(name, indices)  # the column is complete now
             if on_accepted is not None and self.folder is not None:
                 on_accepted()

@@ -6,10 +6,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any, final
 
 import numpy as np
+import pyarrow as pa
 
 from flowrl.errors import SchemaError
 
-__all__ = ["RaggedArray"]
+__all__ = ["RaggedArray", "arrow_ragged_parts"]
 
 
 @final
@@ -141,6 +142,18 @@ class RaggedArray:
         import torch
 
         return torch.from_numpy(self.values), torch.from_numpy(self.cu_seqlens)
+
+
+def arrow_ragged_parts(arr: pa.Array, dtype: np.dtype) -> tuple[np.ndarray, pa.Buffer | None, int]:
+    """A (possibly sliced) ragged Arrow array's layout, without copying: its n+1 offsets
+    (a view into its buffer, not rebased: they start at the slice's first value), the
+    values' data buffer and where in it (in values) the slice's first value lies. The
+    buffer is None where the values are bit-packed bools or absent: slice ``arr.values``."""
+    buffers = arr.buffers()  # validity, offsets, values' validity, values' data
+    offsets = np.frombuffer(buffers[1], dtype=np.int64, count=len(arr) + 1, offset=arr.offset * 8)
+    if dtype == np.bool_ or buffers[3] is None:
+        return offsets, None, 0
+    return offsets, buffers[3], arr.values.offset + int(offsets[0])
 
 
 def _as_numpy(x: Any) -> np.ndarray:

@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from flowrl._controller.meta import BatchMeta
 from flowrl._schema.columns import Column
-from flowrl._schema.ragged import RaggedArray
+from flowrl._schema.ragged import RaggedArray, arrow_ragged_parts
 from flowrl.errors import SchemaError, UnknownColumnError
 
 __all__ = ["Batch"]
@@ -126,17 +126,14 @@ def _to_python(column: Column, arr: pa.Array) -> Any:
         flat = _primitive_view(arr.storage.flatten(), column.np_dtype)
         return flat.reshape((len(arr), *column.shape))
     if kind == "ragged":
-        n = len(arr)
-        buffers = arr.buffers()  # validity, offsets, values' validity, values' data
-        offsets = np.frombuffer(buffers[1], dtype=np.int64, count=n + 1, offset=arr.offset * 8)
-        start, end = int(offsets[0]), int(offsets[-1])
         dtype = column.np_dtype
-        if dtype == np.bool_ or buffers[3] is None:  # bit-packed, or no values at all
+        offsets, data, first = arrow_ragged_parts(arr, dtype)
+        start, end = int(offsets[0]), int(offsets[-1])
+        if data is None:
             values = _primitive_view(arr.values.slice(start, end - start), dtype)
         else:
-            first = arr.values.offset + start
             values = np.frombuffer(
-                buffers[3], dtype=dtype, count=end - start, offset=first * dtype.itemsize
+                data, dtype=dtype, count=end - start, offset=first * dtype.itemsize
             )
             values.flags.writeable = False  # shared with the hub's storage
         if start:

@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from flowrl._schema.columns import Column
+from flowrl._schema.ragged import arrow_ragged_parts
 from flowrl.errors import TransportError
 
 __all__ = [
@@ -51,20 +52,22 @@ def to_frames(name: str, column: Column, arr: pa.Array) -> tuple[ArrayHeader, li
     if kind == "tensor":
         storage = arr.storage if isinstance(arr, pa.ExtensionArray) else arr
         return ArrayHeader(name, n, 1), [_primitive_slice(storage.flatten())]
-    buffers = arr.buffers()  # validity, offsets, then the values' (ragged) or the data
-    raw = np.frombuffer(buffers[1], dtype=np.int64, count=n + 1, offset=arr.offset * 8)
-    start, end = int(raw[0]), int(raw[-1])
-    offsets = raw - start  # the slice's offsets rebased to 0 (a small copy: n+1 int64)
     if kind == "ragged":
-        if column.np_dtype == np.bool_ or buffers[3] is None:  # bit-packed, or no values
+        raw, data, first = arrow_ragged_parts(arr, column.np_dtype)
+        start, end = int(raw[0]), int(raw[-1])
+        if data is None:
             values = _primitive_slice(arr.values.slice(start, end - start))
         else:
             width = column.np_dtype.itemsize
-            values = buffers[3].slice((arr.values.offset + start) * width, (end - start) * width)
-        return ArrayHeader(name, n, 2), [offsets, values]
+            values = data.slice(first * width, (end - start) * width)
+        # the slice's offsets rebased to 0 (a small copy: n+1 int64)
+        return ArrayHeader(name, n, 2), [raw - start, values]
     # string / object: offsets + data bytes of the slice
+    buffers = arr.buffers()  # validity, offsets, data
+    raw = np.frombuffer(buffers[1], dtype=np.int64, count=n + 1, offset=arr.offset * 8)
+    start, end = int(raw[0]), int(raw[-1])
     data = buffers[2]
-    return ArrayHeader(name, n, 2), [offsets, data.slice(start, end - start) if data else b""]
+    return ArrayHeader(name, n, 2), [raw - start, data.slice(start, end - start) if data else b""]
 
 
 def to_frames_all(arrays: Iterable[tuple[Column, pa.Array]]) -> tuple[list[ArrayHeader], list[Any]]:

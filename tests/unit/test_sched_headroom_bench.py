@@ -1,0 +1,51 @@
+"""benchmarks/sched_headroom.py's clairvoyant probe at a tiny size: it must be a valid run
+of the simulator (every request finishes once) that lays the step out by true length and
+ends in TP8 (the figures belong to the benchmark)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+from flowrl.events import Put
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "sched_headroom.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("sched_headroom", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_clairvoyant_probe_runs_every_request_once_and_ends_in_tp8(bench: ModuleType) -> None:
+    sim = bench.clairvoyant_sim(1, 0.05, 0.2, seed=3, gpus=16, requests=400)
+    events: list[Put] = []
+    sim._observers.append(lambda ev: events.append(ev) if isinstance(ev, Put) else None)
+    placed: dict[str, np.ndarray] = {}
+    replan = sim._replan
+
+    def spy(s: int, t: float, total: int, finished: int) -> None:
+        replan(s, t, total, finished)
+        if not placed:  # the layout right after step start
+            placed["node"] = sim.st.rep // sim.slots
+            placed["length"] = sim.st.length.copy()
+
+    sim._replan = spy  # type: ignore[method-assign]
+    result = sim.run()
+    done = [i for ev in events if ev.columns == ("response",) for i in ev.indices]
+    assert sorted(done) == list(range(400))
+    longest = np.argsort(-placed["length"], kind="stable")[:20]
+    assert (placed["node"][longest] == 0).all()  # the dedicated node holds the top 5 %
+    assert (placed["node"][np.setdiff1d(np.arange(400), longest)] == 1).all()
+    tp8 = sim.c.mode_index("tp8")
+    assert (sim.node_mode == tp8).all() and result.steps[0].makespan > 0

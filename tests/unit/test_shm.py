@@ -31,9 +31,11 @@ def arena() -> Iterator[ShmArena]:
 
 
 def stored(arena: ShmArena, value: int, size: int = 300_000) -> pa.Buffer:
-    view = arena.copy_in(np.full(size, value, dtype=np.uint8))
-    assert view is not None
-    return pa.py_buffer(view)
+    placed = arena.copy_in(np.full(size, value, dtype=np.uint8))
+    assert placed is not None
+    buf = pa.py_buffer(placed.view)
+    assert arena.locate(buf.address, size) == (placed.path, placed.offset)
+    return buf
 
 
 def test_a_segment_lives_as_long_as_arrays_use_it(arena: ShmArena) -> None:
@@ -131,10 +133,20 @@ def test_a_multi_process_hub_reads_in_place_and_leaves_no_shared_memory() -> Non
             return read(refs, *args)
 
         hub._shm_maps.buffers = counted  # type: ignore[method-assign]
-        batch = hub.get(hub.claim("t", 8, timeout=5))
-        assert in_place == [1]  # the ids' values; their offsets and "r" came as frames
+        meta = hub.claim("t", 8, timeout=5)
+        batch = hub.get(meta)
+        # rows one put wrote: the unit names the whole chunk (all 3 buffers) in place
+        assert in_place == [3]
         assert [s.tolist() for s in batch.ragged("ids")] == [s.tolist() for s in ids]
         assert batch["r"].tolist() == list(range(8))
+        part = hub.get(meta.subset(np.array([6, 1, 2, 3])))  # not a run: a gather (a copy)
+        assert in_place == [3, 0]  # whose bytes come as frames
+        assert [s.tolist() for s in part.ragged("ids")] == [ids[i].tolist() for i in (6, 1, 2, 3)]
+        assert part["r"].tolist() == [6, 1, 2, 3]
+        window = hub.get(meta.subset(np.arange(2, 5)))  # a run inside the chunk: sliced there
+        assert in_place == [3, 0, 3]
+        assert [s.tolist() for s in window.ragged("ids")] == [ids[i].tolist() for i in (2, 3, 4)]
+        assert window["r"].tolist() == [2, 3, 4]
     finally:
         hub.close()
     assert not any(os.path.exists(a) for a in arenas)
@@ -158,5 +170,28 @@ def test_a_client_that_cannot_map_a_units_segments_reads_over_zmq() -> None:
         batch = hub.get(hub.claim("t", 4, timeout=5))
         assert [s.tolist() for s in batch.ragged("ids")] == [s.tolist() for s in ids]
         assert hub._shm == [False]  # that unit's reads go over zmq from now on
+    finally:
+        hub.close()
+
+
+@pytest.mark.parametrize("starts", [[1], [0, 0]], ids=["past-the-chunk", "too-many"])
+def test_a_reply_naming_rows_outside_its_chunk_is_refused(starts: list[int]) -> None:
+    hub = flowrl.launch_hub([Column.ragged("ids", "int64")], tasks={"t": ["ids"]})
+    try:
+        ids = [np.arange(20_000) + i for i in range(4)]
+        hub.put({"ids": ids})
+        meta = hub.claim("t", 4, timeout=5)
+        recv = hub._recv
+
+        def tampered(*args: Any, **kw: Any) -> Any:
+            reply, frames = recv(*args, **kw)
+            assert reply.starts == [0]  # the whole chunk, read from its first row
+            return wire.Arrays(arrays=reply.arrays, refs=reply.refs, starts=starts), frames
+
+        hub._recv = tampered  # type: ignore[method-assign]
+        with pytest.raises(TransportError, match="storage unit 0"):
+            hub.get(meta)
+        hub._recv = recv  # type: ignore[method-assign]
+        assert [s.tolist() for s in hub.get(meta).ragged("ids")] == [s.tolist() for s in ids]
     finally:
         hub.close()

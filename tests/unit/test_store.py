@@ -184,6 +184,33 @@ def test_consecutive_read_sees_overwrites_and_evictions_inside_its_chunk() -> No
     _check(unit.read(idx[4:6], COLS), idx[4:6])
 
 
+def test_read_run_names_the_whole_chunk_a_run_lies_in() -> None:
+    """``read_run`` hands back each column's chunk tag and first row for consecutive
+    indices inside whole tagged chunks; anything else is left to ``read``."""
+    unit = StorageUnit(0, CAP)
+    idx = np.arange(6, dtype=np.int64)
+    unit.write(idx, _arrays(idx), tags={"ids": "A", "score": "B"})
+    assert unit.read_run(idx[1:5], ("ids", "score")) == [("A", 1), ("B", 1)]
+    assert unit.read_run(idx, ("score",)) == [("B", 0)]
+    assert unit.read_run(idx[1:5], ("ids", "pix")) == []  # pix's chunk has no tag
+    assert unit.read_run(idx[1:5], ("nope",)) == []  # read raises for it
+    assert unit.read_run(np.array([1, 3], dtype=np.int64), ("ids",)) == []  # not a run
+    assert unit.read_run(np.array([], dtype=np.int64), ("ids",)) == []
+    assert unit.read_run(np.array([-1, 0], dtype=np.int64), ("ids",)) == []
+    later = np.arange(6, 8, dtype=np.int64)
+    unit.write(later, _arrays(later), tags={"ids": "C"})
+    assert unit.read_run(np.arange(5, 7, dtype=np.int64), ("ids",)) == []  # two chunks
+    assert unit.read_run(later, ("ids",)) == [("C", 0)]
+    unit.write(idx[2:3], {"ids": _arrays(idx[2:3])["ids"]}, tags={"ids": "D"})
+    assert unit.read_run(idx[3:5], ("ids",)) == []  # A lost a row: no longer whole
+    assert unit.read_run(idx[2:3], ("ids",)) == [("D", 0)]
+    assert unit.read_run(idx[3:5], ("score",)) == [("B", 3)]
+    unit.evict(idx[5:6])
+    assert unit.read_run(idx[3:5], ("score",)) == []  # B lost a row
+    unit.evict(np.concatenate([idx, later]))
+    assert all(not s.tags for s in unit._columns.values())  # tags go with their chunks
+
+
 def test_never_written_index_and_unknown_column_raise() -> None:
     unit = StorageUnit(0, CAP)
     idx = np.arange(2, dtype=np.int64)
@@ -239,6 +266,7 @@ def test_random_writes_evicts_reads(data: st.DataObject) -> None:
     """Model check: after random writes/evicts, every read equals the model's last write."""
     unit = StorageUnit(0, CAP)
     model: dict[int, int] = {}  # index -> generation of its last score write
+    row: dict[int, int] = {}  # index -> its row in that write's chunk
     slot_owner: dict[int, int] = {}
     next_index = 0
     gen = 0
@@ -258,8 +286,11 @@ def test_random_writes_evicts_reads(data: st.DataObject) -> None:
             idx = np.array(idx_list, dtype=np.int64)
             gen += 1
             vals = np.full(idx.size, gen, np.float32) + idx.astype(np.float32) / 1000
-            unit.write(idx, {"score": encode(SCORE, vals, idx.size, "t").array})
+            unit.write(
+                idx, {"score": encode(SCORE, vals, idx.size, "t").array}, tags={"score": gen}
+            )
             model.update({i: gen for i in idx_list})
+            row.update({i: k for k, i in enumerate(idx_list)})
         elif op == "overwrite" and model:
             chosen = data.draw(
                 st.lists(st.sampled_from(sorted(model)), min_size=1, unique=True), label="ow"
@@ -267,8 +298,11 @@ def test_random_writes_evicts_reads(data: st.DataObject) -> None:
             idx = np.array(chosen, dtype=np.int64)
             gen += 1
             vals = np.full(idx.size, gen, np.float32) + idx.astype(np.float32) / 1000
-            unit.write(idx, {"score": encode(SCORE, vals, idx.size, "t").array})
+            unit.write(
+                idx, {"score": encode(SCORE, vals, idx.size, "t").array}, tags={"score": gen}
+            )
             model.update({i: gen for i in chosen})
+            row.update({i: k for k, i in enumerate(chosen)})
         elif op == "evict" and model:
             chosen = data.draw(
                 st.lists(st.sampled_from(sorted(model)), min_size=1, unique=True), label="ev"
@@ -290,6 +324,11 @@ def test_random_writes_evicts_reads(data: st.DataObject) -> None:
             out = unit.read(np.array(chosen, dtype=np.int64), ("score",))["score"]
             want = [np.float32(model[i] + np.float32(i) / 1000) for i in chosen]
             assert out.to_numpy().tolist() == pytest.approx([float(w) for w in want])
+            # a run's chunk, when named, is the one last written for all of its indices
+            named = unit.read_run(np.array(chosen, dtype=np.int64), ("score",))
+            if named:
+                assert named == [(model[chosen[0]], row[chosen[0]])]
+                assert {model[i] for i in chosen} == {named[0][0]}
     # whatever is left is readable, and nothing else is kept alive
     live = sorted(model)
     if live:
@@ -297,3 +336,4 @@ def test_random_writes_evicts_reads(data: st.DataObject) -> None:
     assert unit.statistics().samples == len(live)
     unit.evict(np.array(live, dtype=np.int64))
     assert unit.statistics().chunks == 0
+    assert all(not s.tags for s in unit._columns.values())  # tags go with their chunks

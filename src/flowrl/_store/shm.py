@@ -26,7 +26,7 @@ import secrets
 import shutil
 import threading
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -35,6 +35,7 @@ from flowrl.errors import TransportError, UnknownIndexError
 __all__ = [
     "SHM_MIN_BYTES",
     "SHM_PREFIX",
+    "Placed",
     "ShmArena",
     "ShmMaps",
     "ShmUnavailable",
@@ -56,6 +57,14 @@ _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 def shm_folder(name: str) -> str | None:
     """The arena folder for ``name``, or None where this machine has no ``/dev/shm``."""
     return f"{SHM_PREFIX}{name}" if os.path.isdir("/dev/shm") else None
+
+
+class Placed(NamedTuple):
+    """Bytes copied into an arena: a view of them, and the segment and offset they lie at."""
+
+    view: memoryview
+    path: str
+    offset: int
 
 
 class _Segment:
@@ -102,8 +111,8 @@ class ShmArena:
         self._bases: list[int] = []  # sorted start addresses of the live segments
         self._live: dict[int, tuple[str, int]] = {}  # base -> (path, size)
 
-    def copy_in(self, data: Any) -> memoryview | None:
-        """A copy of ``data`` in shared memory, or None if there is no room for it."""
+    def copy_in(self, data: Any) -> Placed | None:
+        """A copy of ``data`` in shared memory, and where it lies; None if there is no room."""
         with memoryview(data) as src:
             size = src.nbytes
             seg = self._current
@@ -115,7 +124,7 @@ class ShmArena:
             view = memoryview(seg.map)[start : start + size]
             view[:] = src.cast("B")
         seg.used = -(-(start + size) // _ALIGN) * _ALIGN
-        return view
+        return Placed(view, seg.path, start)
 
     def locate(self, address: int, size: int) -> tuple[str, int] | None:
         """(segment path, offset) of ``size`` bytes at ``address`` if the arena holds them."""

@@ -50,6 +50,7 @@ class _ColumnStore:
         "next_chunk",
         "owner",
         "row_of",
+        "tags",
     )
 
     def __init__(self, capacity: int, log: ColumnLog | None = None) -> None:
@@ -63,6 +64,9 @@ class _ColumnStore:
         # new samples): while all its rows are live, a read of consecutive indices inside
         # it is a slice found without looking at the per-slot arrays.
         self.first: dict[int, int] = {}
+        # chunk -> what its writer tagged it with (a unit server: where its bytes lie in
+        # shared memory), handed back by ``tagged_run``
+        self.tags: dict[int, object] = {}
         self.nbytes = 0  # of the chunks held, kept as they come and go (statistics is O(1))
         self.next_chunk = 0
 
@@ -82,6 +86,7 @@ class _ColumnStore:
                 self.nbytes -= self.chunks[cid].nbytes
                 del self.live[cid], self.chunks[cid]
                 self.first.pop(cid, None)
+                self.tags.pop(cid, None)
                 if self.log is not None:
                     self.log.drop(cid)
 
@@ -92,6 +97,7 @@ class _ColumnStore:
         array: pa.Array,
         run: bool,
         loaded_from: str = "",
+        tag: object = None,
     ) -> None:
         """File ``array`` as the rows of ``indices``; ``run``: they are consecutive."""
         # Whatever occupied these slots (an older write of the index, or a stale evicted
@@ -109,6 +115,8 @@ class _ColumnStore:
         self.live[cid] = int(slots.size)
         if run:
             self.first[cid] = int(indices[0])
+        if tag is not None:
+            self.tags[cid] = tag
         self.owner[slots] = indices
         self.chunk_of[slots] = cid
         self.row_of[slots] = np.arange(slots.size)
@@ -119,14 +127,9 @@ class _ColumnStore:
         """Rows of ``indices`` (all >= 0: the caller checks, as a free slot's owner is -1);
         ``run``: they are consecutive."""
         if run:
-            cid = int(self.chunk_of[slots[0]])
-            first = self.first.get(cid)
-            if first is not None:
-                chunk = self.chunks[cid]
-                start = int(indices[0]) - first
-                # every row live: each slot of the chunk still holds the chunk's index
-                if self.live[cid] == len(chunk) and 0 <= start <= len(chunk) - indices.size:
-                    return chunk.slice(start, indices.size)
+            found = self._run(int(slots[0]), int(indices[0]), indices.size)
+            if found is not None:
+                return self.chunks[found[0]].slice(found[1], indices.size)
         bad = self.owner[slots] != indices
         if bad.any():
             raise UnknownIndexError(
@@ -146,6 +149,28 @@ class _ColumnStore:
         arrays = [self.chunks[int(c)] for c in uniq]
         bases = np.cumsum([0] + [len(a) for a in arrays[:-1]])
         return pa.chunked_array(arrays).take(numeric_array(bases[inverse] + rows)).combine_chunks()
+
+    def _run(self, slot: int, index: int, n: int) -> tuple[int, int] | None:
+        """(chunk, first row) of the ``n`` consecutive indices from ``index`` (in ``slot``)
+        when one chunk written for consecutive indices holds them all, every row of it
+        still live (so each of its slots still holds the chunk's index); else None."""
+        cid = int(self.chunk_of[slot])
+        first = self.first.get(cid)
+        if first is None:
+            return None
+        size = len(self.chunks[cid])
+        start = index - first
+        if self.live[cid] == size and 0 <= start <= size - n:
+            return cid, start
+        return None
+
+    def tagged_run(self, slot: int, index: int, n: int) -> tuple[object, int] | None:
+        """(tag, first row) of the chunk holding the run, as ``_run``, if it was tagged."""
+        found = self._run(slot, index, n)
+        if found is None:
+            return None
+        tag = self.tags.get(found[0])
+        return None if tag is None else (tag, found[1])
 
     def evict(self, slots: np.ndarray, indices: np.ndarray) -> None:
         mine = slots[self.owner[slots] == indices]
@@ -228,6 +253,7 @@ class StorageUnit:
         arrays: dict[str, pa.Array],
         types: Mapping[str, Column] | None = None,
         on_accepted: Callable[[], None] | None = None,
+        tags: Mapping[str, object] | None = None,
     ) -> None:
         """Store one Arrow array per column for ``indices`` (validated upstream).
 
@@ -238,6 +264,9 @@ class StorageUnit:
         ``on_accepted`` runs once nothing can refuse the write: before the in-memory
         bookkeeping (a unit server hands the commit on there, and reads nothing until the
         write is filed), or after the bytes are logged on a persistent unit.
+
+        ``tags`` maps columns to a value kept with the array (its chunk) and handed back by
+        :meth:`read_run` while the chunk is whole.
         """
         slots = indices % self.capacity
         with self._lock:
@@ -259,8 +288,10 @@ class StorageUnit:
                 on_accepted()
             self._newest[slots] = indices
             run = _consecutive(indices)
+            tags = tags or {}
             for name, array in arrays.items():
-                self._store(name, types.get(name)).write(slots, indices, array, run)
+                store = self._store(name, types.get(name))
+                store.write(slots, indices, array, run, tag=tags.get(name))
                 self._partials.clear(name, indices)  # the column is complete now
             if on_accepted is not None and self.folder is not None:
                 on_accepted()
@@ -279,6 +310,25 @@ class StorageUnit:
                         f"storage unit {self.unit_id} holds no column {name!r}"
                     )
                 out[name] = store.read(name, slots, indices, run)
+        return out
+
+    def read_run(self, indices: np.ndarray, columns: tuple[str, ...]) -> list[tuple[object, int]]:
+        """For each column, the tag of the one whole chunk holding ``indices`` and the row
+        where they start there, when ``indices`` are consecutive and every column's chunk
+        was written with a tag and is whole; else ``[]`` (``read`` serves the read)."""
+        n = indices.size
+        if not n or not _consecutive(indices) or int(indices[0]) < 0:
+            return []
+        index = int(indices[0])
+        slot = index % self.capacity
+        out = []
+        with self._lock:
+            for name in columns:
+                store = self._columns.get(name)
+                found = None if store is None else store.tagged_run(slot, index, n)
+                if found is None:
+                    return []
+                out.append(found)
         return out
 
     def evict(self, indices: np.ndarray) -> None:

@@ -527,12 +527,18 @@ class RemoteHub(HubClient):
                 return self._read_many(parts, columns)
             arrays = {}
             reply_of = f"storage unit {unit}'s reply"
-            for header, bufs in zip(
-                reply.arrays, split_frames(reply.arrays, buffers, reply_of), strict=True
+            starts = reply.starts  # whole chunks: the rows read start there
+            if starts is not None and len(starts) != len(reply.arrays):
+                raise TransportError(f"{reply_of} names {len(starts)} starts for its arrays")
+            n = idx.size
+            for i, (header, bufs) in enumerate(
+                zip(reply.arrays, split_frames(reply.arrays, buffers, reply_of), strict=True)
             ):
-                if header.length != idx.size:
+                start = 0 if starts is None else starts[i]
+                if start + n > header.length or (starts is None and header.length != n):
                     raise TransportError(f"storage unit {unit} returned the wrong row count")
-                arrays[header.column] = from_frames(self.schema[header.column], header, bufs)
+                arr = from_frames(self.schema[header.column], header, bufs)
+                arrays[header.column] = arr if header.length == n else arr.slice(start, n)
             out.append(arrays)
         return out
 

@@ -1,8 +1,12 @@
 """A storage unit as a server process: ROUTER for clients, PULL for the controller's evictions.
 
 Writes arrive as a header frame followed by one frame per Arrow buffer; the arrays are
-built over the received frames without copying and kept as they are. Reads answer with
-the same layout, sending Arrow memory zero-copy.
+built over the received frames without copying and kept as they are (a large write is
+copied once, whole, into the unit's shared memory instead). Reads answer with the same
+layout, sending Arrow memory zero-copy; a reader on the same machine is told where the
+bytes lie in shared memory instead, and for rows that one put wrote (the usual FIFO read)
+the unit names each column's whole chunk and the first row, which the reader slices: the
+unit touches no array for such a read.
 
 A write may carry its commit: once the bytes are stored, the unit hands the commit to the
 controller, which answers the producer directly. A put then costs three hops (producer →
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import pyarrow as pa
@@ -28,6 +32,7 @@ from flowrl._store.unit import StorageUnit
 from flowrl._transport import wire
 from flowrl._transport.frames import (
     ZERO_COPY_MIN_BYTES,
+    ArrayHeader,
     from_frames,
     split_frames,
     to_frames_all,
@@ -41,6 +46,13 @@ log = logging.getLogger("flowrl.unit")
 
 #: Controller addresses a unit keeps a socket to (a restarted Ray controller may move).
 MAX_CONTROLLERS = 4
+
+
+class _InShm(NamedTuple):
+    """A chunk whose buffers all lie in the arena: its write header and where they are."""
+
+    header: ArrayHeader
+    refs: list[wire.ShmRef]
 
 
 class UnitServer:
@@ -155,12 +167,15 @@ class UnitServer:
         return sock
 
     # -- shared memory ------------------------------------------------------------------------
-    def _keep(self, buf: Any) -> Any:
-        """A stored payload buffer: copied into the arena when large enough (and room)."""
-        if self.arena is None or memoryview(buf).nbytes < SHM_MIN_BYTES:
-            return buf
-        kept = self.arena.copy_in(buf)
-        return buf if kept is None else kept
+    def _copy_in(self, bufs: list[Any]) -> tuple[list[Any], list[wire.ShmRef] | None]:
+        """An array's buffers copied into the arena, and where they lie there (None unless
+        all of them fit: those that did not stay where they are)."""
+        assert self.arena is not None
+        placed = [self.arena.copy_in(buf) for buf in bufs]
+        kept = [buf if p is None else p.view for buf, p in zip(bufs, placed, strict=True)]
+        if any(p is None for p in placed):
+            return kept, None
+        return kept, [wire.ShmRef(p.path, p.offset, p.view.nbytes) for p in placed if p]
 
     def _ref(self, buf: Any) -> wire.ShmRef | None:
         """Where a buffer to send lies in the arena; None: send it as a frame."""
@@ -182,16 +197,24 @@ class UnitServer:
                     f"unit holds it as {types[col.name].describe()}"
                 )
         arrays = {}
+        tags: dict[str, _InShm] = {}
         parts = split_frames(msg.arrays, payload, "write request")
+        # A write large enough to be read in place goes to shared memory whole, so a read
+        # of its rows can name its chunks' buffers instead of slicing them (see _dispatch).
+        to_shm = self.arena is not None and sum(f.buffer.nbytes for f in payload) >= SHM_MIN_BYTES
         for header, frames in zip(msg.arrays, parts, strict=True):
             known = types.get(header.column)
             if known is None:
                 raise SchemaError(f"write names column {header.column!r} without its type")
             if header.length != indices.size:
                 raise TransportError(f"column {header.column!r}: length != number of indices")
-            bufs = [self._keep(f.buffer) for f in frames]
+            bufs = [f.buffer for f in frames]
+            if to_shm:
+                bufs, refs = self._copy_in(bufs)
+                if refs is not None:
+                    tags[header.column] = _InShm(header, refs)
             arrays[header.column] = from_frames(known, header, bufs)
-        self.unit.write(indices, arrays, types, on_accepted)
+        self.unit.write(indices, arrays, types, on_accepted, tags)
         self.columns = types  # learnt only from a write that succeeded
 
     def _dispatch(self, msg: Any, payload: list[Any], out: list[Any]) -> Any:
@@ -200,6 +223,17 @@ class UnitServer:
             return wire.Done()
         if isinstance(msg, wire.Read):
             indices = wire.ints(msg.indices)
+            if msg.shm and self.arena is not None:
+                # The usual read: rows one put wrote, in order. Name each column's chunk
+                # (where its buffers lie) and the first row; the reader slices.
+                run = self.unit.read_run(indices, tuple(msg.columns))
+                if run:
+                    chunks = [cast(_InShm, tag) for tag, _ in run]
+                    return wire.Arrays(
+                        arrays=[c.header for c in chunks],
+                        refs=[ref for c in chunks for ref in c.refs],
+                        starts=[start for _, start in run],
+                    )
             arrays = self.unit.read(indices, tuple(msg.columns))
             headers, bufs = to_frames_all((self.columns[name], a) for name, a in arrays.items())
             if not msg.shm or self.arena is None:

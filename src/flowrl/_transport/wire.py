@@ -335,6 +335,9 @@ class Arrays(_Msg, frozen=True, tag="arrays"):
     # For a shm read: one entry per buffer of the arrays, in order; a ShmRef for a buffer
     # read in place, None for one sent as the next frame.
     refs: list[ShmRef | None] | None = None
+    # For a shm read of one whole chunk per column: each array is the chunk (its header's
+    # length is the chunk's), and the rows read start at starts[i] of array i.
+    starts: list[NonNeg] | None = None
 
 
 class Lengths(_Msg, frozen=True, tag="lengths"):

@@ -67,7 +67,9 @@ class _ColumnStore:
         # chunk -> what its writer tagged it with (a unit server: where its bytes lie in
         # shared memory), handed back by ``tagged_run``
         self.tags: dict[int, object] = {}
-        self.nbytes = 0  # of the chunks held, kept as they come and go (statistics is O(1))
+        # bytes of the buffers the chunks hold, kept as they come and go (statistics is O(1));
+        # Arrow's nbytes of a slice would count less than it keeps alive, and cost more
+        self.nbytes = 0
         self.next_chunk = 0
 
     def _unref(self, chunk_ids: np.ndarray) -> None:
@@ -83,7 +85,7 @@ class _ColumnStore:
             if left:
                 self.live[cid] = left
             else:
-                self.nbytes -= self.chunks[cid].nbytes
+                self.nbytes -= self.chunks[cid].get_total_buffer_size()
                 del self.live[cid], self.chunks[cid]
                 self.first.pop(cid, None)
                 self.tags.pop(cid, None)
@@ -101,8 +103,9 @@ class _ColumnStore:
     ) -> None:
         """File ``array`` as the rows of ``indices``; ``run``: they are consecutive."""
         # Whatever occupied these slots (an older write of the index, or a stale evicted
-        # sample whose evict message has not arrived yet) loses its reference.
-        self._unref(np.where(self.owner[slots] >= 0, self.chunk_of[slots], -1))
+        # sample whose evict message has not arrived yet) loses its reference (a free slot's
+        # chunk is -1, as its owner).
+        self._unref(self.chunk_of[slots])
         cid = self.next_chunk
         self.next_chunk += 1
         if self.log is not None:
@@ -111,7 +114,7 @@ class _ColumnStore:
             else:
                 self.log.append(cid, indices, array)
         self.chunks[cid] = array
-        self.nbytes += array.nbytes
+        self.nbytes += array.get_total_buffer_size()  # what the chunk keeps alive
         self.live[cid] = int(slots.size)
         if run:
             self.first[cid] = int(indices[0])

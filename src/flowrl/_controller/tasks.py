@@ -56,18 +56,25 @@ class ReadyQueue:
 
     def replace(self, indices: np.ndarray) -> None:
         """Keep only ``indices`` (in their order): compaction after holes accumulate."""
-        self._buf = np.empty(max(1024, 2 * indices.size + 1024), dtype=np.int64)
-        self._head = 512
-        self._tail = 512 + indices.size
-        self._buf[self._head : self._tail] = indices
+        self._place(indices, 512, 512)
 
     def _regrow(self, extra_back: int, extra_front: int) -> None:
-        live = self._buf[self._head : self._tail]
-        front = 512 + extra_front
-        size = max(2 * self._buf.size, front + live.size + extra_back + 512)
-        buf = np.empty(size, dtype=np.int64)
-        buf[front : front + live.size] = live
-        self._buf, self._head, self._tail = buf, front, front + live.size
+        self._place(self._buf[self._head : self._tail], 512 + extra_front, extra_back + 512)
+
+    def _place(self, entries: np.ndarray, front: int, back: int) -> None:
+        """Lay ``entries`` out from ``front`` with at least ``back`` free behind them. The
+        buffer is reused while it is at most four times what they need (fresh memory is
+        slow; numpy copies overlapping ranges safely), else reallocated at twice that, so
+        a queue that streams through keeps a buffer proportional to what it holds."""
+        n = entries.size
+        need = front + n + back
+        if not need <= self._buf.size <= 4 * max(need, 1024):
+            buf = np.empty(max(2 * need, 1024), dtype=np.int64)
+            buf[front : front + n] = entries
+            self._buf = buf
+        else:
+            self._buf[front : front + n] = entries
+        self._head, self._tail = front, front + n
 
 
 class TaskState:

@@ -429,12 +429,13 @@ class Controller:
             if final and not self._outstanding(state, consumer):
                 raise EndOfStream(self._end_message(task, len(view)))
             return None
-        tokens = view.tokens[positions]
+        if not isinstance(sampler, BalancedSampler):
+            chosen = self._take(state, positions)
+            return self._meta(self._lease(state, chosen, time.time() + ttl, consumer), cols)
+        tokens = view.tokens[positions]  # the split balances them across the ranks
         groups = view.group[positions]
         chosen = self._take(state, positions)
         deadline = time.time() + ttl
-        if not isinstance(sampler, BalancedSampler):
-            return self._meta(self._lease(state, chosen, deadline, consumer), cols)
         mine: _Lease | None = None
         parts: list[_Lease] = []
         round_id = self._next_lease  # the id the round's first part gets

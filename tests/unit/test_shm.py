@@ -15,6 +15,7 @@ import pytest
 import flowrl
 from flowrl import Column, HubConfig
 from flowrl._store import shm
+from flowrl._store.batch import LazyColumn
 from flowrl._store.shm import SHM_PREFIX, ShmArena, ShmMaps, ShmUnavailable
 from flowrl._transport import wire
 from flowrl.errors import TransportError, UnknownIndexError
@@ -193,5 +194,73 @@ def test_a_reply_naming_rows_outside_its_chunk_is_refused(starts: list[int]) -> 
             hub.get(meta)
         hub._recv = recv  # type: ignore[method-assign]
         assert [s.tolist() for s in hub.get(meta).ragged("ids")] == [s.tolist() for s in ids]
+    finally:
+        hub.close()
+
+
+def test_an_in_place_read_hands_numpy_views_over_and_builds_arrow_on_demand() -> None:
+    cols = [
+        Column.ragged("ids", "int64"),
+        Column.ragged("mask", "bool"),
+        Column.tensor("pix", "float32", (2, 3)),
+        Column.scalar("r", "float32"),
+        Column.scalar("ok", "bool"),
+        Column.string("text"),
+    ]
+    hub = flowrl.launch_hub(cols, tasks={"t": [c.name for c in cols]})
+    try:
+        n = 6
+        ids = [np.arange(5_000 + i) + i for i in range(n)]  # 40 KB a sample: read in place
+        data = {
+            "ids": ids,
+            "mask": [np.arange(i + 1) % 2 == 0 for i in range(n)],
+            "pix": np.arange(n * 6, dtype=np.float32).reshape(n, 2, 3),
+            "r": np.arange(n, dtype=np.float32),
+            "ok": np.arange(n) % 3 == 0,
+            "text": [f"s{i}" for i in range(n)],
+        }
+        hub.put(data)
+        meta = hub.claim("t", n, timeout=5)
+        window = meta.subset(np.arange(1, 5))  # rows 1..4 of the put's chunk
+        for m, rows in ((meta, range(n)), (window, range(1, 5))):
+            batch = hub.get(m)
+            lazy = [c for c in batch._arrays if isinstance(batch._arrays[c], LazyColumn)]
+            assert sorted(lazy) == ["ids", "pix", "r"]  # bools and strings go through Arrow
+            assert [s.tolist() for s in batch.ragged("ids")] == [ids[i].tolist() for i in rows]
+            assert [s.tolist() for s in batch.ragged("mask")] == [
+                data["mask"][i].tolist() for i in rows
+            ]
+            assert batch["pix"].tolist() == data["pix"][list(rows)].tolist()
+            assert batch["r"].tolist() == [float(i) for i in rows]
+            assert batch["ok"].tolist() == [i % 3 == 0 for i in rows]
+            assert batch["text"] == [f"s{i}" for i in rows]
+            assert not batch.ragged("ids").values.flags.writeable
+            assert not batch["pix"].flags.writeable
+            # Arrow on demand: the same rows, and the batch keeps what it built
+            assert batch.arrow("ids").to_pylist() == [ids[i].tolist() for i in rows]
+            assert batch.arrow("pix").to_pylist() == [data["pix"][i].ravel().tolist() for i in rows]
+            assert batch.arrow("r").to_pylist() == [float(i) for i in rows]
+            assert batch.arrow("ids") is batch.arrow("ids")
+    finally:
+        hub.close()
+
+
+def test_a_chunk_read_with_offsets_out_of_order_is_refused() -> None:
+    hub = flowrl.launch_hub([Column.ragged("ids", "int64")], tasks={"t": ["ids"]})
+    try:
+        ids = [np.arange(20_000) + i for i in range(4)]
+        hub.put({"ids": ids})
+        meta = hub.claim("t", 4, timeout=5)
+        read = hub._shm_maps.buffers
+
+        def tampered(refs: list[Any], *args: Any) -> list[Any]:
+            bufs = read(refs, *args)
+            offsets = np.frombuffer(bufs[0], dtype=np.int64).copy()
+            offsets[2] = offsets[3] + 1  # row 1 ends after row 2
+            return [offsets.data, *bufs[1:]]
+
+        hub._shm_maps.buffers = tampered  # type: ignore[method-assign]
+        with pytest.raises(TransportError, match="malformed offsets"):
+            hub.get(meta)
     finally:
         hub.close()

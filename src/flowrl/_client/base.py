@@ -25,7 +25,7 @@ from flowrl._schema.columns import Column
 from flowrl._schema.encode import numeric_array
 from flowrl._schema.ragged import RaggedArray
 from flowrl._schema.schema import Schema
-from flowrl._store.batch import Batch, _to_python
+from flowrl._store.batch import Batch, LazyColumn, _to_python, arrow_of
 from flowrl._store.partial import VERSIONS
 from flowrl.errors import ConfigError, LeaseError, SchemaError
 from flowrl.events import Event
@@ -567,7 +567,7 @@ class HubClient(abc.ABC):
     @abc.abstractmethod
     def _read_many(
         self, parts: list[tuple[int, np.ndarray]], columns: tuple[str, ...]
-    ) -> list[dict[str, pa.Array]]: ...
+    ) -> Sequence[Mapping[str, pa.Array | LazyColumn]]: ...
 
     @abc.abstractmethod
     def _meta(self, indices: np.ndarray, columns: tuple[str, ...]) -> BatchMeta: ...
@@ -671,8 +671,9 @@ def _per_sample(value: Any, n: int, name: str, where: str) -> np.ndarray | None:
 
 
 def _in_request_order(
-    parts: list[tuple[int, np.ndarray | None]], results: list[dict[str, pa.Array]]
-) -> dict[str, pa.Array]:
+    parts: list[tuple[int, np.ndarray | None]],
+    results: Sequence[Mapping[str, pa.Array | LazyColumn]],
+) -> Mapping[str, pa.Array | LazyColumn]:
     """Merge per-unit reads (``parts`` from :func:`_split_by_unit`) back into request order."""
     if len(parts) == 1:
         return results[0]
@@ -680,7 +681,7 @@ def _in_request_order(
     inverse = np.empty_like(order)
     inverse[order] = np.arange(order.size)
     return {
-        c: pa.concat_arrays([r[c] for r in results]).take(numeric_array(inverse))
+        c: pa.concat_arrays([arrow_of(r[c]) for r in results]).take(numeric_array(inverse))
         for c in results[0]
     }
 

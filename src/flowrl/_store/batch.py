@@ -8,7 +8,7 @@ share memory with the hub's storage and are read-only: copy before modifying in 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, final
 
 import msgspec
@@ -20,9 +20,26 @@ from flowrl._schema.columns import Column
 from flowrl._schema.ragged import RaggedArray, arrow_ragged_parts
 from flowrl.errors import SchemaError, UnknownColumnError
 
-__all__ = ["Batch"]
+__all__ = ["Batch", "LazyColumn", "arrow_of"]
 
 _msgpack = msgspec.msgpack.Decoder()
+
+
+@final
+class LazyColumn:
+    """A column read as numpy views (``value``: what ``batch[name]`` returns), its Arrow
+    array built only when asked for (``build``): an in-place read from a storage unit's
+    shared memory hands the views over without making Arrow arrays first."""
+
+    __slots__ = ("build", "value")
+
+    def __init__(self, value: Any, build: Callable[[], pa.Array]) -> None:
+        self.value = value
+        self.build = build
+
+
+def arrow_of(column: pa.Array | LazyColumn) -> pa.Array:
+    return column.build() if isinstance(column, LazyColumn) else column
 
 
 @final
@@ -32,10 +49,13 @@ class Batch:
     __slots__ = ("_arrays", "_cache", "_columns", "meta")
 
     def __init__(
-        self, meta: BatchMeta, arrays: dict[str, pa.Array], columns: Mapping[str, Column]
+        self,
+        meta: BatchMeta,
+        arrays: Mapping[str, pa.Array | LazyColumn],
+        columns: Mapping[str, Column],
     ) -> None:
         self.meta = meta
-        self._arrays = arrays
+        self._arrays = dict(arrays)  # arrow() replaces a LazyColumn by what it builds
         self._columns = columns
         self._cache: dict[str, Any] = {}
 
@@ -58,19 +78,26 @@ class Batch:
 
     def arrow(self, name: str) -> pa.Array:
         try:
-            return self._arrays[name]
+            arr = self._arrays[name]
         except KeyError:
             raise UnknownColumnError(
                 f"column {name!r} is not in this batch (it has {list(self._arrays)}); "
                 "claim or get it"
             ) from None
+        if isinstance(arr, LazyColumn):
+            arr = self._arrays[name] = arr.build()
+        return arr
 
     def __getitem__(self, name: str) -> Any:
         """numpy array (dense), RaggedArray (ragged), list[str] or list of objects."""
         value = self._cache.get(name)
         if value is None:
-            arr = self.arrow(name)  # raises UnknownColumnError for a column not in the batch
-            value = self._cache[name] = _to_python(self._columns[name], arr)
+            lazy = self._arrays.get(name)
+            if isinstance(lazy, LazyColumn):
+                value = lazy.value
+            else:  # arrow() raises UnknownColumnError for a column not in the batch
+                value = _to_python(self._columns[name], self.arrow(name))
+            self._cache[name] = value
         return value
 
     def numpy(self, name: str) -> np.ndarray:

@@ -16,7 +16,8 @@ import numpy as np
 import pyarrow as pa
 
 from flowrl._schema.columns import Column
-from flowrl._schema.ragged import arrow_ragged_parts
+from flowrl._schema.ragged import RaggedArray, arrow_ragged_parts
+from flowrl._store.batch import LazyColumn
 from flowrl.errors import TransportError
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "split_frames",
     "to_frames",
     "to_frames_all",
+    "window_of",
 ]
 
 
@@ -120,6 +122,51 @@ def from_frames(column: Column, header: ArrayHeader, frames: list[Any]) -> pa.Ar
         return arr
     except (pa.ArrowInvalid, ValueError, IndexError) as exc:
         raise TransportError(f"column {column.name!r}: malformed frames ({exc})") from None
+
+
+def window_of(
+    column: Column, header: ArrayHeader, frames: list[Any], start: int, n: int
+) -> LazyColumn | None:
+    """Rows ``[start, start + n)`` of a whole chunk received as ``frames`` (``header`` its
+    length), as read-only numpy views with their Arrow array built on demand; None for
+    the kinds read through Arrow (strings, objects, bools). The rows are checked as
+    :func:`from_frames` checks a whole array: right sizes, offsets that never decrease
+    and stay inside the values. The caller checks ``start + n <= header.length``."""
+    kind = column.kind
+    if kind in ("string", "object") or column.dtype == "bool":
+        return None
+    dtype = column.np_dtype
+    width = dtype.itemsize
+    if kind == "ragged":
+        offsets = np.frombuffer(frames[0], dtype=np.int64)
+        window = offsets[start : start + n + 1]
+        first, last = int(window[0]), int(window[-1])
+        if (
+            offsets.size != header.length + 1
+            or first < 0
+            or last * width > memoryview(frames[1]).nbytes
+            or (window[1:] < window[:-1]).any()
+        ):
+            raise TransportError(f"column {column.name!r}: malformed offsets in a chunk read")
+        values = np.frombuffer(frames[1], dtype=dtype, count=last - first, offset=first * width)
+        cu = window - first
+        values.flags.writeable = cu.flags.writeable = False  # shared with the hub's storage
+        return LazyColumn(RaggedArray._trusted(values, cu), lambda: _ragged(column, values, cu))
+    per_row = int(np.prod(column.shape)) if kind == "tensor" else 1
+    if memoryview(frames[0]).nbytes != header.length * per_row * width:
+        raise TransportError(f"column {column.name!r}: a data frame of the wrong size")
+    view = np.frombuffer(frames[0], dtype=dtype, count=n * per_row, offset=start * per_row * width)
+    view.flags.writeable = False
+    if kind == "tensor":
+        view = view.reshape((n, *column.shape))
+    return LazyColumn(view, lambda: from_frames(column, header, frames).slice(start, n))
+
+
+def _ragged(column: Column, values: np.ndarray, cu: np.ndarray) -> pa.Array:
+    child = pa.Array.from_buffers(column.value_type, values.size, [None, pa.py_buffer(values)])
+    return pa.Array.from_buffers(
+        column.arrow_type, cu.size - 1, [None, pa.py_buffer(cu)], children=[child]
+    )
 
 
 def _check_offsets(column: Column, offsets: np.ndarray) -> int:

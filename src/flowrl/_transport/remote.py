@@ -29,6 +29,7 @@ from flowrl._controller.eventlog import EventLog
 from flowrl._controller.meta import BatchMeta
 from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
+from flowrl._store.batch import LazyColumn
 from flowrl._store.partial import VERSIONS
 from flowrl._store.shm import ShmMaps, ShmUnavailable
 from flowrl._transport import wire
@@ -37,6 +38,7 @@ from flowrl._transport.frames import (
     from_frames,
     split_frames,
     to_frames_all,
+    window_of,
 )
 from flowrl._transport.sockio import poll_in, recv_parts, send_parts
 from flowrl.errors import (
@@ -500,7 +502,7 @@ class RemoteHub(HubClient):
 
     def _read_many(
         self, parts: list[tuple[int, np.ndarray]], columns: tuple[str, ...]
-    ) -> list[dict[str, pa.Array]]:
+    ) -> list[dict[str, pa.Array | LazyColumn]]:
         for _, idx in parts:
             if idx.size and idx.min() < 0:  # a tampered handle: no unit holds such a sample
                 raise UnknownIndexError(f"sample index {int(idx.min())} does not exist")
@@ -525,7 +527,7 @@ class RemoteHub(HubClient):
                 log.info("storage unit %d's shared memory is not visible here", unit)
                 self._shm[unit] = False
                 return self._read_many(parts, columns)
-            arrays = {}
+            arrays: dict[str, pa.Array | LazyColumn] = {}
             reply_of = f"storage unit {unit}'s reply"
             starts = reply.starts  # whole chunks: the rows read start there
             if starts is not None and len(starts) != len(reply.arrays):
@@ -537,8 +539,12 @@ class RemoteHub(HubClient):
                 start = 0 if starts is None else starts[i]
                 if start + n > header.length or (starts is None and header.length != n):
                     raise TransportError(f"storage unit {unit} returned the wrong row count")
-                arr = from_frames(self.schema[header.column], header, bufs)
-                arrays[header.column] = arr if header.length == n else arr.slice(start, n)
+                column = self.schema[header.column]
+                rows = None if starts is None else window_of(column, header, bufs, start, n)
+                if rows is None:
+                    arr = from_frames(column, header, bufs)
+                    rows = arr if header.length == n else arr.slice(start, n)
+                arrays[header.column] = rows
             out.append(arrays)
         return out
 

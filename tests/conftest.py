@@ -8,12 +8,18 @@ Ray tests (marker ``ray``; skipped when ray is not installed) share one Ray runt
 test session: ``ray_runtime.single()`` for the placement tests, ``ray_runtime.cluster()``
 (a local multi-node ``ray.cluster_utils.Cluster``) for the integration tests. A process
 holds one Ray runtime at a time, so asking for the other kind shuts the current one down.
+
+``bench`` is the script ``benchmarks/<BENCHMARK>.py`` imported as a module, for test
+modules that set ``BENCHMARK`` and test a benchmark's pieces at a tiny size.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -95,6 +101,18 @@ class RayRuntime:
 
 
 _RAY = RayRuntime()
+
+
+@pytest.fixture(scope="module")
+def bench(request: pytest.FixtureRequest) -> ModuleType:
+    name = request.module.BENCHMARK
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="session")

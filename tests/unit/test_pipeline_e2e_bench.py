@@ -8,24 +8,11 @@ old — although its rollout is far faster than the trainer and would otherwise 
 from __future__ import annotations
 
 import collections
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "pipeline_e2e.py"
-
-
-@pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("pipeline_e2e", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+BENCHMARK = "pipeline_e2e"  # the conftest's ``bench`` fixture imports it
 
 
 def tiny(bench: ModuleType, **overrides: object) -> object:

@@ -4,27 +4,13 @@ ends in TP8 (the figures belong to the benchmark)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
-import pytest
 
 from flowrl.events import Put
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "sched_headroom.py"
-
-
-@pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sched_headroom", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+BENCHMARK = "sched_headroom"  # the conftest's ``bench`` fixture imports it
 
 
 def test_clairvoyant_probe_runs_every_request_once_and_ends_in_tp8(bench: ModuleType) -> None:

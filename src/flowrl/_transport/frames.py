@@ -151,7 +151,10 @@ def window_of(
         values = np.frombuffer(frames[1], dtype=dtype, count=last - first, offset=first * width)
         cu = window - first
         values.flags.writeable = cu.flags.writeable = False  # shared with the hub's storage
-        return LazyColumn(RaggedArray._trusted(values, cu), lambda: _ragged(column, values, cu))
+        rows = ArrayHeader(header.column, n, 2)  # the window as an array of its own
+        return LazyColumn(
+            RaggedArray._trusted(values, cu), lambda: from_frames(column, rows, [cu, values])
+        )
     per_row = int(np.prod(column.shape)) if kind == "tensor" else 1
     if memoryview(frames[0]).nbytes != header.length * per_row * width:
         raise TransportError(f"column {column.name!r}: a data frame of the wrong size")
@@ -160,13 +163,6 @@ def window_of(
     if kind == "tensor":
         view = view.reshape((n, *column.shape))
     return LazyColumn(view, lambda: from_frames(column, header, frames).slice(start, n))
-
-
-def _ragged(column: Column, values: np.ndarray, cu: np.ndarray) -> pa.Array:
-    child = pa.Array.from_buffers(column.value_type, values.size, [None, pa.py_buffer(values)])
-    return pa.Array.from_buffers(
-        column.arrow_type, cu.size - 1, [None, pa.py_buffer(cu)], children=[child]
-    )
 
 
 def _check_offsets(column: Column, offsets: np.ndarray) -> int:

@@ -431,7 +431,7 @@ def test_controller_drops_what_it_cannot_answer(target: Target) -> None:
 
 # -- a storage unit ----------------------------------------------------------------------------
 def write(indices: bytes, columns: list[Column], headers: list[ArrayHeader]) -> bytes:
-    return wire.encode(wire.Write(indices=indices, columns=columns, arrays=headers))
+    return wire.encode(wire.write_request(indices, columns, headers))
 
 
 def good_buffers(column: Column, n: int) -> list[bytes]:

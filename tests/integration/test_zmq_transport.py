@@ -106,10 +106,10 @@ def test_unit_rejects_frames_that_do_not_match_headers(hub) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(hub.unit_addresses[0])
     try:
-        header = wire.Write(
-            indices=np.arange(2, dtype=np.int64).tobytes(),
-            columns=[COLUMNS[1]],
-            arrays=[flowrl._transport.frames.ArrayHeader("reward", 2, 1)],
+        header = wire.write_request(
+            np.arange(2, dtype=np.int64).tobytes(),
+            [COLUMNS[1]],
+            [flowrl._transport.frames.ArrayHeader("reward", 2, 1)],
         )
         sock.send_multipart([b"r", wire.encode(header), b"123"])  # 3 bytes, need 8
         assert sock.poll(5000)
@@ -158,6 +158,22 @@ def test_a_commit_the_controller_refuses_reaches_the_producer(hub) -> None:
     assert _put(hub, 1).size == 1  # and the hub goes on
 
 
+def test_a_malformed_commit_handed_on_reaches_the_producer(hub) -> None:
+    # The unit hands the commit on undecoded; the controller, finding it malformed, answers
+    # the producer (not the unit), which discards the stored bytes as for any refusal.
+    from flowrl._controller.controller import CellWrite
+
+    cells = {"ids": CellWrite(np.array([8, 8]), np.array([1, 1]))}  # two cells, one sample
+    idx, unit, write = _reserved_write(hub, {"cells": cells})
+    with pytest.raises(flowrl.errors.TransportError, match="malformed Commit"):
+        write()
+    hub._discard(unit, idx, ("ids", "reward"))
+    hub._abort(idx)
+    stats = hub.statistics()
+    assert stats.live == stats.reserved == 0 and stats.units[unit].samples == 0
+    assert _put(hub, 1).size == 1
+
+
 def test_a_put_async_the_controller_refuses_leaves_nothing_behind(hub) -> None:
     from flowrl._controller.controller import CellWrite
 
@@ -179,10 +195,10 @@ def test_unit_refuses_a_commit_for_other_samples(hub) -> None:
     sock.connect(hub.unit_addresses[0])
     commit = wire.Commit(indices=np.arange(1, 3, dtype=np.int64).tobytes(), cells={}, new=True)
     try:
-        header = wire.Write(
-            indices=np.arange(2, dtype=np.int64).tobytes(),
-            columns=[COLUMNS[1]],
-            arrays=[flowrl._transport.frames.ArrayHeader("reward", 2, 1)],
+        header = wire.write_request(
+            np.arange(2, dtype=np.int64).tobytes(),
+            [COLUMNS[1]],
+            [flowrl._transport.frames.ArrayHeader("reward", 2, 1)],
             commit=commit,
             controller=hub.address,
             reply_to=b"someone",

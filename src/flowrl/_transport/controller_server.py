@@ -147,7 +147,8 @@ class ControllerServer:
         try:
             msg = wire.decode_request(frames[2])
             if isinstance(msg, wire.CommitFor):  # from a storage unit: answer the producer
-                ident, msg = msg.reply_to, msg.commit
+                ident = msg.reply_to  # (also with the error of a malformed commit)
+                msg = wire.commit_of(msg)
             reply = self._dispatch(ident, rid, msg)
         except FlowRLError as exc:
             reply = wire.error_of(exc)

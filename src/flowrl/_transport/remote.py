@@ -753,12 +753,7 @@ def _write_request(
 ) -> tuple[wire.Write, list[Any]]:
     """A Write and its payload frames (one per Arrow buffer)."""
     headers, frames = to_frames_all((types[name], arr) for name, arr in arrays.items())
-    msg = wire.Write(
-        indices=indices.tobytes(),
-        columns=[types[name] for name in arrays],
-        arrays=headers,
-        **commit,
-    )
+    msg = wire.write_request(indices.tobytes(), [types[name] for name in arrays], headers, **commit)
     return msg, frames
 
 

@@ -111,8 +111,8 @@ class UnitServer:
         out: list[Any] = []
         try:
             msg = wire.decode_request(frames[2].buffer)
-            if isinstance(msg, wire.Write) and msg.commit is not None:
-                self._write_and_hand_on(ident, rid, msg, msg.commit, frames[3:])
+            if isinstance(msg, wire.Write) and msg.has_commit:
+                self._write_and_hand_on(ident, rid, msg, frames[3:])
                 return
             reply = self._dispatch(msg, frames[3:], out)
         except FlowRLError as exc:
@@ -125,7 +125,7 @@ class UnitServer:
 
     # -- commits handed to the controller ----------------------------------------------------
     def _write_and_hand_on(
-        self, ident: bytes, rid: bytes, msg: wire.Write, commit: wire.Commit, payload: list[Any]
+        self, ident: bytes, rid: bytes, msg: wire.Write, payload: list[Any]
     ) -> None:
         """Store a write and hand its commit to the controller. The commit leaves as soon as
         nothing can refuse the write (``StorageUnit.write``'s ``on_accepted``), so the
@@ -135,7 +135,7 @@ class UnitServer:
         def hand_on() -> None:
             nonlocal handed
             handed = True
-            self._forward(ident, rid, msg, commit)
+            self._forward(ident, rid, msg)
 
         try:
             self._write(msg, payload, hand_on)
@@ -144,11 +144,11 @@ class UnitServer:
                 raise  # refused: the producer gets the error
             log.exception("storage unit %d failed filing an accepted write", self.unit.unit_id)
 
-    def _forward(self, ident: bytes, rid: bytes, msg: wire.Write, commit: wire.Commit) -> None:
+    def _forward(self, ident: bytes, rid: bytes, msg: wire.Write) -> None:
         """The controller answers the producer (``msg.reply_to``, its routing id there) under
         the producer's request id; a refused commit leaves the bytes for the producer to
-        discard, as a direct commit would."""
-        handoff = wire.encode(wire.CommitFor(commit=commit, reply_to=msg.reply_to))
+        discard, as a direct commit would. The commit goes on as the producer encoded it."""
+        handoff = wire.encode(wire.CommitFor(commit=msg.commit, reply_to=msg.reply_to))
         try:
             send_parts(self._controller(msg.controller), [rid, handoff], flags=NOBLOCK)
         except zmq.ZMQError as exc:
@@ -190,7 +190,7 @@ class UnitServer:
     ) -> None:
         indices = wire.ints(msg.indices)
         types = dict(self.columns)
-        for col in msg.columns:
+        for col in wire.columns_of(msg):
             if types.setdefault(col.name, col) != col:
                 raise SchemaError(
                     f"write declares column {col.name!r} as {col.describe()}, but this "

@@ -25,7 +25,16 @@ from flowrl._controller.samplers import (
 from flowrl._schema.columns import Column
 from flowrl._transport.frames import ArrayHeader
 
-__all__ = ["decode_request", "encode", "exception_of", "sampler_from_spec", "spec_of_sampler"]
+__all__ = [
+    "columns_of",
+    "commit_of",
+    "decode_request",
+    "encode",
+    "exception_of",
+    "sampler_from_spec",
+    "spec_of_sampler",
+    "write_request",
+]
 
 
 class _Msg(msgspec.Struct, frozen=True, tag_field="op", kw_only=True):
@@ -143,9 +152,11 @@ class Commit(_Msg, frozen=True, tag="commit"):
 
 class CommitFor(_Msg, frozen=True, tag="commit_for"):
     """A commit a storage unit hands on once it stored the bytes, sent under the producer's
-    request id; the controller answers the producer (its routing id ``reply_to``)."""
+    request id; the controller answers the producer (its routing id ``reply_to``).
+    ``commit`` is the encoded :class:`Commit` as the write carried it (see
+    :func:`commit_of`)."""
 
-    commit: Commit
+    commit: msgspec.Raw
     reply_to: bytes
 
 
@@ -199,15 +210,31 @@ class Shutdown(_Msg, frozen=True, tag="shutdown"):
 
 
 # -- storage requests ----------------------------------------------------------------------
+#: msgpack's nil: the ``commit`` of a write that carries none
+NO_COMMIT = msgspec.Raw(b"\xc0")
+
+
 class Write(_Msg, frozen=True, tag="write"):
+    """Build one with :func:`write_request`.
+
+    The column declarations and the commit travel encoded (``msgspec.Raw``): a unit
+    decodes the declarations through a cache (every write of a producer repeats them, and
+    validating them cost more than decoding the rest of the header) and hands the commit
+    on to the controller without decoding it.
+    """
+
     indices: bytes
-    columns: list[Column]
+    columns: msgspec.Raw  # list[Column]: see columns_of
     arrays: list[ArrayHeader]
     # With a commit, the unit stores the bytes, then hands the commit to the controller
     # at ``controller``, which answers the producer's socket ``reply_to`` (its routing id).
-    commit: Commit | None = None
+    commit: msgspec.Raw = NO_COMMIT
     controller: str = ""
     reply_to: bytes = b""
+
+    @property
+    def has_commit(self) -> bool:
+        return self.commit != NO_COMMIT
 
 
 class Read(_Msg, frozen=True, tag="read"):
@@ -377,6 +404,74 @@ def encode(msg: Any) -> bytes:
         ) from None
 
 
+def write_request(
+    indices: bytes,
+    columns: list[Column],
+    arrays: list[ArrayHeader],
+    commit: Commit | None = None,
+    controller: str = "",
+    reply_to: bytes = b"",
+) -> Write:
+    """A :class:`Write` of ``arrays`` (declared as ``columns``), with its commit if any."""
+    return Write(
+        indices=indices,
+        columns=msgspec.Raw(_encoder.encode(columns)),
+        arrays=arrays,
+        commit=NO_COMMIT if commit is None else msgspec.Raw(_encoder.encode(commit)),
+        controller=controller,
+        reply_to=reply_to,
+    )
+
+
+_columns_decoder = msgspec.msgpack.Decoder(list[Column])
+_known_columns: dict[bytes, list[Column]] = {}
+_KNOWN_COLUMNS_MAX = 1024  # distinct declaration lists a unit remembers (it forgets all)
+
+
+def columns_of(msg: Write) -> list[Column]:
+    """A write's column declarations; TransportError if they are malformed."""
+    raw = bytes(msg.columns)
+    columns = _known_columns.get(raw)
+    if columns is None:
+        try:
+            columns = _columns_decoder.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise errors.TransportError(f"malformed Write request: columns: {exc}") from None
+        if len(_known_columns) >= _KNOWN_COLUMNS_MAX:
+            _known_columns.clear()
+        _known_columns[raw] = columns
+    return columns
+
+
+_commit_decoder = msgspec.msgpack.Decoder(Commit)
+
+
+def commit_of(msg: CommitFor) -> Commit:
+    """The commit a storage unit handed on; TransportError if it is malformed."""
+    try:
+        commit = _commit_decoder.decode(msg.commit)
+    except msgspec.DecodeError as exc:
+        raise errors.TransportError(f"malformed Commit request: {exc}") from None
+    problem = _check_request(commit)
+    if problem:
+        raise errors.TransportError(f"malformed Commit request: {problem}")
+    return commit
+
+
+class _CommitIndices(msgspec.Struct, frozen=True, tag="commit", tag_field="op"):
+    indices: bytes  # (the decoder skips a commit's other fields)
+
+
+_commit_indices_decoder = msgspec.msgpack.Decoder(_CommitIndices)
+
+
+def _commit_indices(raw: msgspec.Raw) -> bytes | None:
+    try:
+        return _commit_indices_decoder.decode(raw).indices
+    except msgspec.DecodeError:
+        return None
+
+
 def decode_request(frame: Any) -> Any:
     """The request in ``frame``; TransportError if it is malformed (nothing was done)."""
     try:
@@ -425,14 +520,12 @@ def _check_request(msg: Any) -> str:
             return "a column appears twice"
         if isinstance(msg, Append):
             return "" if msg.arrays else "an append names no column"
-        if msg.commit is not None:
-            if msg.commit.indices != msg.indices:
+        if msg.has_commit:
+            # (the rest of the commit is checked where it is decoded: commit_of)
+            if _commit_indices(msg.commit) != msg.indices:
                 return "the commit names other samples than the write"
             if "://" not in msg.controller or not msg.reply_to:
                 return "a commit needs the controller's zmq address and the producer's id"
-            return _check_request(msg.commit)
-    elif isinstance(msg, CommitFor):
-        return _check_request(msg.commit)
     return ""
 
 

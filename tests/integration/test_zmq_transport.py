@@ -139,9 +139,8 @@ def _reserved_write(hub, bad_commit: dict, wait: bool = True):
     idx, unit = hub._reserve(1, None)
     cells = {k: CellWrite(e.nbytes, e.lengths) for k, e in enc.items()}
     commit = CommitArgs(idx, cells, True, "", None, None, None, "")._replace(**bad_commit)
-    arrays = {k: e.array for k, e in enc.items()}
     types = {c.name: c for c in hub.schema.columns()}
-    return idx, unit, lambda: hub._write_commit(unit, idx, arrays, types, commit, wait)
+    return idx, unit, lambda: hub._write_commit(unit, idx, enc, types, commit, wait)
 
 
 def test_a_commit_the_controller_refuses_reaches_the_producer(hub) -> None:

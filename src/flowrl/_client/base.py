@@ -22,7 +22,7 @@ from flowrl._controller.eventlog import EventLog, Subscription
 from flowrl._controller.meta import BatchMeta
 from flowrl._controller.samplers import FifoSampler, Sampler
 from flowrl._schema.columns import Column
-from flowrl._schema.encode import numeric_array
+from flowrl._schema.encode import Encoded, numeric_array
 from flowrl._schema.ragged import RaggedArray
 from flowrl._schema.schema import Schema
 from flowrl._store.batch import Batch, LazyColumn, _to_python, arrow_of
@@ -205,19 +205,18 @@ class HubClient(abc.ABC):
         versions = _versions(version, n, where)
         cells = {k: CellWrite(e.nbytes, e.lengths) for k, e in encoded.items()}
         per_put = (partition, groups_arr, versions, tokens_arr, producer)
-        arrays = {k: e.array for k, e in encoded.items()}
         types = {c.name: c for c in new_columns}
-        types.update((k, self.schema[k]) for k in arrays if k not in types)
+        types.update((k, self.schema[k]) for k in encoded if k not in types)
         if target is None:
-            return self._put_new(n, arrays, types, new_columns, cells, per_put, timeout, wait)
-        units = self._check_update(target, tuple(arrays))
+            return self._put_new(n, encoded, types, new_columns, cells, per_put, timeout, wait)
+        units = self._check_update(target, tuple(encoded))
         commit = CommitArgs(target, cells, False, *per_put, acked)
         parts = _split_by_unit(units)
         if len(parts) == 1:
-            fut = self._store(parts[0][0], target, arrays, types, new_columns, commit, wait)
+            fut = self._store(parts[0][0], target, encoded, types, new_columns, commit, wait)
             return fut or PutFuture.completed(target)
         for unit, pos in parts:
-            part = {k: a if pos is None else a.take(numeric_array(pos)) for k, a in arrays.items()}
+            part = {k: e if pos is None else e.take(pos) for k, e in encoded.items()}
             self._write(unit, _part(target, pos), part, types)
         if new_columns:
             self._declare_columns(tuple(new_columns))
@@ -227,7 +226,7 @@ class HubClient(abc.ABC):
     def _put_new(
         self,
         n: int,
-        arrays: dict[str, pa.Array],
+        encoded: dict[str, Encoded],
         types: dict[str, Column],
         new_columns: Sequence[Column],
         cells: dict[str, CellWrite],
@@ -238,9 +237,9 @@ class HubClient(abc.ABC):
         idx, unit = self._reserve(n, timeout)
         try:
             commit = CommitArgs(idx, cells, True, *per_put)
-            fut = self._store(unit, idx, arrays, types, new_columns, commit, wait)
+            fut = self._store(unit, idx, encoded, types, new_columns, commit, wait)
         except BaseException:
-            self._discard(unit, idx, tuple(arrays))
+            self._discard(unit, idx, tuple(encoded))
             self._abort(idx)
             raise
         return fut or PutFuture.completed(idx)
@@ -249,7 +248,7 @@ class HubClient(abc.ABC):
         self,
         unit: int,
         indices: np.ndarray,
-        arrays: dict[str, pa.Array],
+        encoded: dict[str, Encoded],
         types: dict[str, Column],
         new_columns: Sequence[Column],
         commit: CommitArgs,
@@ -259,24 +258,24 @@ class HubClient(abc.ABC):
         put that is not waited for). Inferred columns are declared in between: only once the
         bytes are stored, so a failed put leaves the schema as it was."""
         if new_columns:
-            self._write(unit, indices, arrays, types)
+            self._write(unit, indices, encoded, types)
             self._declare_columns(tuple(new_columns))
             self._commit(commit)
             return None
-        return self._write_commit(unit, indices, arrays, types, commit, wait)
+        return self._write_commit(unit, indices, encoded, types, commit, wait)
 
     def _write_commit(
         self,
         unit: int,
         indices: np.ndarray,
-        arrays: dict[str, pa.Array],
+        encoded: dict[str, Encoded],
         types: dict[str, Column],
         commit: CommitArgs,
         wait: bool,
     ) -> PutFuture | None:
         """Store and commit; a transport may do both in one round trip, and may return
         before the answer (``wait=False``) with a future of it."""
-        self._write(unit, indices, arrays, types)
+        self._write(unit, indices, encoded, types)
         self._commit(commit)
         return None
 
@@ -549,7 +548,7 @@ class HubClient(abc.ABC):
         self,
         unit: int,
         indices: np.ndarray,
-        arrays: dict[str, pa.Array],
+        encoded: dict[str, Encoded],
         types: dict[str, Column],
     ) -> None: ...
 

@@ -25,6 +25,7 @@ from flowrl._controller.eventlog import EventLog
 from flowrl._controller.journal import attach_journal
 from flowrl._controller.meta import BatchMeta
 from flowrl._schema.columns import Column
+from flowrl._schema.encode import Encoded
 from flowrl._schema.schema import Schema
 from flowrl._store.unit import StorageUnit
 from flowrl.errors import ConfigError, HubFull, NothingReady, Timeout
@@ -115,10 +116,10 @@ class Hub(HubClient):
         self,
         unit: int,
         indices: np.ndarray,
-        arrays: dict[str, pa.Array],
+        encoded: dict[str, Encoded],
         types: dict[str, Column],
     ) -> None:
-        self.units[unit].write(indices, arrays, types)
+        self.units[unit].write(indices, {k: e.array for k, e in encoded.items()}, types)
 
     def _discard(self, unit: int, indices: np.ndarray, columns: tuple[str, ...]) -> None:
         self.units[unit].discard(indices, columns)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -25,10 +25,67 @@ __all__ = ["Encoded", "encode", "infer_column"]
 _msgpack = msgspec.msgpack.Encoder()
 
 
-class Encoded(NamedTuple):
-    array: pa.Array
-    nbytes: np.ndarray  # int64 bytes per sample
-    lengths: np.ndarray | None  # int64 sequence lengths for ragged columns
+class Encoded:
+    """One column of a write, validated and owned by the hub.
+
+    Numeric columns (bools aside) are kept as the buffers they travel as
+    (``_transport/frames.py``): the values of scalars and tensors; offsets from 0 and the
+    values of ragged columns. A transport sends those; the Arrow array a storage unit keeps
+    is built over them on first use (``array``), so a put to another process builds none.
+    Bools, strings and objects are encoded to Arrow arrays (``buffers`` is None).
+    """
+
+    __slots__ = ("_array", "buffers", "column", "length", "lengths", "nbytes")
+
+    def __init__(
+        self,
+        column: Column,
+        length: int,
+        nbytes: np.ndarray,
+        lengths: np.ndarray | None,
+        *,
+        buffers: list[np.ndarray] | None = None,
+        array: pa.Array | None = None,
+    ) -> None:
+        self.column = column
+        self.length = length  # samples
+        self.nbytes = nbytes  # int64 bytes per sample
+        self.lengths = lengths  # int64 sequence lengths for ragged columns
+        self.buffers = buffers
+        self._array = array
+
+    @property
+    def array(self) -> pa.Array:
+        if self._array is None:
+            assert self.buffers is not None
+            self._array = _arrow_of(self.column, self.length, self.buffers)
+        return self._array
+
+    def take(self, positions: np.ndarray) -> Encoded:
+        """The samples at ``positions`` (the part of a write for one storage unit)."""
+        return Encoded(
+            self.column,
+            int(positions.size),
+            self.nbytes[positions],
+            None if self.lengths is None else self.lengths[positions],
+            array=self.array.take(numeric_array(positions)),
+        )
+
+
+def _arrow_of(column: Column, n: int, buffers: list[np.ndarray]) -> pa.Array:
+    """The Arrow array over an Encoded column's buffers (valid by construction)."""
+    if column.kind == "scalar":
+        return pa.Array.from_buffers(column.arrow_type, n, [None, pa.py_buffer(buffers[0])])
+    if column.kind == "tensor":
+        flat = buffers[0]
+        values = pa.Array.from_buffers(column.value_type, flat.size, [None, pa.py_buffer(flat)])
+        storage = pa.FixedSizeListArray.from_arrays(values, math.prod(column.shape))
+        return pa.ExtensionArray.from_storage(column.arrow_type, storage)
+    offsets, vals = buffers
+    child = pa.Array.from_buffers(column.value_type, vals.size, [None, pa.py_buffer(vals)])
+    return pa.Array.from_buffers(
+        column.arrow_type, n, [None, pa.py_buffer(offsets)], children=[child]
+    )
 
 
 def encode(column: Column, values: Any, n: int | None, where: str) -> Encoded:
@@ -92,22 +149,15 @@ def _encode_dense(column: Column, values: Any, n: int | None, where: str) -> Enc
     _check_count(column, arr.shape[0], n, where)
     owned = np.array(arr, order="C", copy=True)
     count = owned.shape[0]
+    nbytes = np.full(count, owned.itemsize * math.prod(shape), dtype=np.int64)
+    if owned.dtype != np.bool_:
+        return Encoded(column, count, nbytes, None, buffers=[owned.reshape(-1)])
     if column.kind == "scalar":
-        if owned.dtype == np.bool_:
-            array = pa.array(owned, type=pa.bool_())
-        else:
-            array = pa.Array.from_buffers(column.arrow_type, count, [None, pa.py_buffer(owned)])
-    else:
-        flat = owned.reshape(-1)
-        flat_type = pa.from_numpy_dtype(owned.dtype)
-        if owned.dtype == np.bool_:
-            flat_arr = pa.array(flat, type=pa.bool_())
-        else:
-            flat_arr = pa.Array.from_buffers(flat_type, flat.size, [None, pa.py_buffer(flat)])
-        storage = pa.FixedSizeListArray.from_arrays(flat_arr, int(np.prod(shape)))
-        array = pa.ExtensionArray.from_storage(column.arrow_type, storage)
-    per_sample = owned.itemsize * math.prod(shape)
-    return Encoded(array, np.full(count, per_sample, dtype=np.int64), None)
+        return Encoded(column, count, nbytes, None, array=pa.array(owned, type=pa.bool_()))
+    flat = pa.array(owned.reshape(-1), type=pa.bool_())
+    storage = pa.FixedSizeListArray.from_arrays(flat, math.prod(shape))
+    array = pa.ExtensionArray.from_storage(column.arrow_type, storage)
+    return Encoded(column, count, nbytes, None, array=array)
 
 
 def _checked_array(column: Column, values: Any, where: str) -> np.ndarray:
@@ -192,14 +242,15 @@ def _encode_ragged(column: Column, values: Any, n: int | None, where: str) -> En
             f"column {column.name!r} expects {column.describe()} (a list of 1-D arrays or a "
             f"RaggedArray), got {type(values).__name__} in {where}"
         )
-    if vals.dtype == np.bool_:
-        child = pa.array(vals, type=pa.bool_())
-    else:
-        child = pa.Array.from_buffers(column.value_type, vals.size, [None, pa.py_buffer(vals)])
-    off_arr = pa.Array.from_buffers(pa.int64(), offsets.size, [None, pa.py_buffer(offsets)])
-    array = pa.LargeListArray.from_arrays(off_arr, child)
     lengths = offsets[1:] - offsets[:-1]  # np.diff costs ~8x more on a few samples
-    return Encoded(array, lengths * vals.itemsize, lengths)
+    count = lengths.size
+    if vals.dtype != np.bool_:
+        return Encoded(column, count, lengths * vals.itemsize, lengths, buffers=[offsets, vals])
+    child = pa.array(vals, type=pa.bool_())
+    array = pa.Array.from_buffers(
+        column.arrow_type, count, [None, pa.py_buffer(offsets)], children=[child]
+    )
+    return Encoded(column, count, lengths * vals.itemsize, lengths, array=array)
 
 
 def _checked_sequence(column: Column, item: Any, i: int, want: np.dtype, where: str) -> np.ndarray:
@@ -237,7 +288,7 @@ def _encode_strings(column: Column, values: Any, n: int | None, where: str) -> E
             f"column {column.name!r}: a str in {where} is not valid Unicode ({exc.reason}); "
             "remove lone surrogates or store the data as bytes in an object column"
         ) from None
-    return _blobs(encoded, pa.large_string())
+    return _blobs(column, encoded, pa.large_string())
 
 
 def _encode_objects(column: Column, values: Any, n: int | None, where: str) -> Encoded:
@@ -254,16 +305,16 @@ def _encode_objects(column: Column, values: Any, n: int | None, where: str) -> E
             f"column {column.name!r}: a value in {where} is not msgpack-encodable ({exc}); "
             "use plain dicts/lists/str/numbers or a msgspec.Struct"
         ) from None
-    return _blobs(blobs, pa.large_binary())
+    return _blobs(column, blobs, pa.large_binary())
 
 
-def _blobs(blobs: list[bytes], arrow_type: pa.DataType) -> Encoded:
+def _blobs(column: Column, blobs: list[bytes], arrow_type: pa.DataType) -> Encoded:
     """Variable-size values already encoded to bytes (UTF-8 text is viewed, not re-encoded)."""
     array = pa.array(blobs, type=pa.large_binary())
     if arrow_type != array.type:
         array = array.view(arrow_type)
     nbytes = np.fromiter((len(b) for b in blobs), dtype=np.int64, count=len(blobs))
-    return Encoded(array, nbytes, None)
+    return Encoded(column, len(blobs), nbytes, None, array=array)
 
 
 def numeric_array(values: np.ndarray) -> pa.Array:

@@ -97,7 +97,7 @@ class Schema:
                 new.append(column)
             enc = encode(column, values, n, where)
             if n is None:
-                n = len(enc.array)
+                n = enc.length
             encoded[name] = enc
         if n == 0:
             raise SchemaError(f"{where} got zero samples; put at least one")

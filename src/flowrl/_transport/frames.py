@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from flowrl._schema.columns import Column
+from flowrl._schema.encode import Encoded
 from flowrl._schema.ragged import RaggedArray, arrow_ragged_parts
 from flowrl._store.batch import LazyColumn
 from flowrl.errors import TransportError
@@ -23,6 +24,7 @@ from flowrl.errors import TransportError
 __all__ = [
     "ZERO_COPY_MIN_BYTES",
     "ArrayHeader",
+    "encoded_frames",
     "from_frames",
     "split_frames",
     "to_frames",
@@ -70,6 +72,15 @@ def to_frames(name: str, column: Column, arr: pa.Array) -> tuple[ArrayHeader, li
     start, end = int(raw[0]), int(raw[-1])
     data = buffers[2]
     return ArrayHeader(name, n, 2), [raw - start, data.slice(start, end - start) if data else b""]
+
+
+def encoded_frames(name: str, encoded: Encoded) -> tuple[ArrayHeader, list[Any]]:
+    """Header and buffers of a column a put encoded: the buffers it was encoded to, or
+    those of its Arrow array (bools, strings, objects, and parts of a put split across
+    units)."""
+    if encoded.buffers is None:
+        return to_frames(name, encoded.column, encoded.array)
+    return ArrayHeader(name, encoded.length, len(encoded.buffers)), encoded.buffers
 
 
 def to_frames_all(arrays: Iterable[tuple[Column, pa.Array]]) -> tuple[list[ArrayHeader], list[Any]]:

@@ -28,6 +28,7 @@ from flowrl._controller.controller import RESERVATION_MIN_S
 from flowrl._controller.eventlog import EventLog
 from flowrl._controller.meta import BatchMeta
 from flowrl._schema.columns import Column
+from flowrl._schema.encode import Encoded
 from flowrl._schema.schema import Schema
 from flowrl._store.batch import LazyColumn
 from flowrl._store.partial import VERSIONS
@@ -35,6 +36,8 @@ from flowrl._store.shm import ShmMaps, ShmUnavailable
 from flowrl._transport import wire
 from flowrl._transport.frames import (
     ZERO_COPY_MIN_BYTES,
+    ArrayHeader,
+    encoded_frames,
     from_frames,
     split_frames,
     to_frames_all,
@@ -415,16 +418,16 @@ class RemoteHub(HubClient):
         self,
         unit: int,
         indices: np.ndarray,
-        arrays: dict[str, pa.Array],
+        encoded: dict[str, Encoded],
         types: dict[str, Column],
     ) -> None:
-        self._call(unit, *_write_request(indices, arrays, types))
+        self._call(unit, *_write_request(indices, encoded, types))
 
     def _write_commit(
         self,
         unit: int,
         indices: np.ndarray,
-        arrays: dict[str, pa.Array],
+        encoded: dict[str, Encoded],
         types: dict[str, Column],
         commit: CommitArgs,
         wait: bool,
@@ -433,7 +436,7 @@ class RemoteHub(HubClient):
         # this thread's controller socket (or the unit, if it refused the write).
         msg, frames = _write_request(
             indices,
-            arrays,
+            encoded,
             types,
             commit=_commit_request(commit),
             controller=self.address,
@@ -445,13 +448,13 @@ class RemoteHub(HubClient):
         # Pooled indices may be gone when the put arrives (the stream ended, or the
         # controller restarted): then it is made again, as put() does.
         pooled = commit.new and getattr(self._local, "pooled", False)
-        again = (arrays, types, commit, self._local.put_timeout) if pooled else None
+        again = (encoded, types, commit, self._local.put_timeout) if pooled else None
         pending = self._in_flight()
         while len(pending) >= self.max_puts_in_flight:
             self._wait_put(next(iter(pending.values())), None)
         rid = self._send(unit, msg, frames)
         fut = PutFuture(
-            indices, self._wait_put, unit=unit, rid=rid, columns=tuple(arrays), new=commit.new
+            indices, self._wait_put, unit=unit, rid=rid, columns=tuple(encoded), new=commit.new
         )
         fut._again = again
         pending[rid] = fut
@@ -747,13 +750,20 @@ class _Pool:
 
 def _write_request(
     indices: np.ndarray,
-    arrays: dict[str, pa.Array],
+    encoded: dict[str, Encoded],
     types: dict[str, Column],
     **commit: Any,
 ) -> tuple[wire.Write, list[Any]]:
-    """A Write and its payload frames (one per Arrow buffer)."""
-    headers, frames = to_frames_all((types[name], arr) for name, arr in arrays.items())
-    msg = wire.write_request(indices.tobytes(), [types[name] for name in arrays], headers, **commit)
+    """A Write and its payload frames (one per buffer)."""
+    headers: list[ArrayHeader] = []
+    frames: list[Any] = []
+    for name, column in encoded.items():
+        header, buffers = encoded_frames(name, column)
+        headers.append(header)
+        frames.extend(buffers)
+    msg = wire.write_request(
+        indices.tobytes(), [types[name] for name in encoded], headers, **commit
+    )
     return msg, frames
 
 

@@ -412,12 +412,13 @@ def write_request(
     controller: str = "",
     reply_to: bytes = b"",
 ) -> Write:
-    """A :class:`Write` of ``arrays`` (declared as ``columns``), with its commit if any."""
+    """A :class:`Write` of ``arrays`` (declared as ``columns``), with its commit if any;
+    ConfigError for a value msgpack cannot carry, as :func:`encode`."""
     return Write(
         indices=indices,
-        columns=msgspec.Raw(_encoder.encode(columns)),
+        columns=msgspec.Raw(encode(columns)),
         arrays=arrays,
-        commit=NO_COMMIT if commit is None else msgspec.Raw(_encoder.encode(commit)),
+        commit=NO_COMMIT if commit is None else msgspec.Raw(encode(commit)),
         controller=controller,
         reply_to=reply_to,
     )

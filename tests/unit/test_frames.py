@@ -7,7 +7,8 @@ import pytest
 
 from flowrl import Column
 from flowrl._schema.encode import encode
-from flowrl._transport.frames import from_frames, to_frames
+from flowrl._transport.frames import check_frames, from_frames, to_frames
+from flowrl.errors import TransportError
 
 CASES = [
     (Column.scalar("s", "float32"), np.arange(7, dtype=np.float32)),
@@ -34,3 +35,17 @@ def test_round_trip_sends_only_the_slice(column: Column, values: object, window:
     if column.kind == "ragged" and column.dtype != "bool":
         nbytes = sum(len(x) for x in part.to_pylist()) * np.dtype(column.dtype).itemsize
         assert len(sent[1]) == nbytes  # the slice's values, not the chunk's
+
+
+@pytest.mark.parametrize(("column", "values"), CASES, ids=[c.name for c, _ in CASES])
+def test_checked_frames_build_over_a_copy_and_wrong_frame_counts_are_refused(
+    column: Column, values: object
+) -> None:
+    array = encode(column, values, 7, "test").array
+    header, frames = to_frames(column.name, column, array)
+    build = check_frames(column, header, frames)
+    copies = [bytearray(memoryview(f)) for f in frames]  # as a unit copies into its arena
+    assert build(copies).to_pylist() == array.to_pylist()
+    for wrong in ([*frames, b""], frames[:-1]):
+        with pytest.raises(TransportError, match="frames for a"):
+            check_frames(column, header, wrong)

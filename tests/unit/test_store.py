@@ -169,6 +169,30 @@ def test_on_accepted_runs_once_nothing_can_refuse_the_write(tmp_path, persistent
     assert len(filed_then) == 1
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_arrays_built_on_acceptance(tmp_path, persistent: bool) -> None:
+    """A unit server passes a function that builds the arrays: in memory it runs after
+    ``on_accepted`` (the commit leaves before any Arrow work), on a persistent unit before
+    (the bytes are logged first); never for a refused write."""
+    folder = str(tmp_path / "unit") if persistent else None
+    unit = StorageUnit(0, CAP, folder=folder)
+    types = {c.name: c for c in (IDS, SCORE, PIX, TEXT)}
+    idx = np.array([1, 2], dtype=np.int64)
+    order: list[str] = []
+
+    def build() -> dict[str, pa.Array]:
+        order.append("build")
+        return _arrays(idx)
+
+    unit.write(idx, build, types, on_accepted=lambda: order.append("accepted"))
+    assert order == (["build", "accepted"] if persistent else ["accepted", "build"])
+    _check(unit.read(idx, COLS), idx)
+    unit.write(idx + CAP, _arrays(idx + CAP), types)
+    with pytest.raises(UnknownIndexError):
+        unit.write(idx, build, types, on_accepted=lambda: order.append("accepted"))
+    assert len(order) == 2
+
+
 def test_consecutive_read_sees_overwrites_and_evictions_inside_its_chunk() -> None:
     """Reads of consecutive indices take a slice of the chunk only while every row of it
     is live: an overwritten or evicted row inside makes them look row by row."""

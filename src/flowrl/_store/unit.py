@@ -253,12 +253,15 @@ class StorageUnit:
     def write(
         self,
         indices: np.ndarray,
-        arrays: dict[str, pa.Array],
+        arrays: Mapping[str, pa.Array] | Callable[[], Mapping[str, pa.Array]],
         types: Mapping[str, Column] | None = None,
         on_accepted: Callable[[], None] | None = None,
         tags: Mapping[str, object] | None = None,
     ) -> None:
         """Store one Arrow array per column for ``indices`` (validated upstream).
+
+        ``arrays`` may be a function that builds them (names and lengths checked upstream);
+        it is called once, after ``on_accepted`` on a unit without a folder.
 
         A write for an index older than one already written to its slot is stale (the
         sample was evicted and the slot reused meanwhile): it is rejected as a whole.
@@ -281,6 +284,7 @@ class StorageUnit:
                 )
             types = types or {}
             if self.folder is not None:
+                arrays = arrays() if callable(arrays) else arrays
                 for name in arrays:
                     if name not in self._columns and name not in types:
                         raise SchemaError(
@@ -289,6 +293,8 @@ class StorageUnit:
                         )
             if on_accepted is not None and self.folder is None:
                 on_accepted()
+            if callable(arrays):
+                arrays = arrays()
             self._newest[slots] = indices
             run = _consecutive(indices)
             tags = tags or {}

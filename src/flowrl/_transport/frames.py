@@ -8,7 +8,8 @@ only the bytes of their slice. flowrl never stores nulls, so no validity bitmaps
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Callable, Iterable, Sequence
 from typing import Annotated, Any
 
 import msgspec
@@ -24,6 +25,7 @@ from flowrl.errors import TransportError
 __all__ = [
     "ZERO_COPY_MIN_BYTES",
     "ArrayHeader",
+    "check_frames",
     "encoded_frames",
     "from_frames",
     "split_frames",
@@ -105,34 +107,80 @@ def split_frames(headers: Sequence[ArrayHeader], frames: Sequence[Any], what: st
     return out
 
 
-def from_frames(column: Column, header: ArrayHeader, frames: list[Any]) -> pa.Array:
-    """Rebuild an array from received frames (zero-copy over the frames' memory)."""
+def from_frames(column: Column, header: ArrayHeader, frames: Sequence[Any]) -> pa.Array:
+    """Rebuild an array from received frames (zero-copy over the frames' memory);
+    TransportError if they do not hold the array ``header`` describes."""
+    return check_frames(column, header, frames)(frames)
+
+
+def check_frames(
+    column: Column, header: ArrayHeader, frames: Sequence[Any]
+) -> Callable[[Sequence[Any]], pa.Array]:
+    """Check that ``frames`` hold the array ``header`` describes (TransportError if not);
+    returns what builds it, zero-copy, over those bytes or a copy of them.
+
+    A storage unit accepts a write once every column is checked and builds the Arrow
+    arrays only then: the first Arrow calls after a pause cost ~100 µs (cold caches), and
+    none of them are needed to know that a write is well formed.
+    """
     n = header.length
-    try:
-        kind = column.kind
-        if kind == "scalar":
-            return _primitive(column.arrow_type, n, frames[0])
-        if kind == "tensor":
-            size = int(np.prod(column.shape))
-            child = _primitive(column.value_type, n * size, frames[0])
-            storage = pa.FixedSizeListArray.from_arrays(child, size)
-            return pa.ExtensionArray.from_storage(column.arrow_type, storage)
-        offsets = pa.py_buffer(frames[0])
-        if offsets.size != (n + 1) * 8:
-            raise TransportError(f"column {column.name!r}: offsets frame has the wrong size")
-        total = _check_offsets(column, np.frombuffer(offsets, dtype=np.int64))
-        if kind == "ragged":
-            child = _primitive(column.value_type, total, frames[1])
-            return pa.Array.from_buffers(column.arrow_type, n, [None, offsets], children=[child])
-        data = pa.py_buffer(frames[1])
-        if data.size != total:
-            raise TransportError(f"column {column.name!r}: data frame has the wrong size")
-        arr = pa.Array.from_buffers(column.arrow_type, n, [None, offsets, data])
-        if kind == "string":
-            arr.validate(full=True)  # UTF-8: a consumer must be able to decode what it reads
-        return arr
-    except (pa.ArrowInvalid, ValueError, IndexError) as exc:
-        raise TransportError(f"column {column.name!r}: malformed frames ({exc})") from None
+    kind = column.kind
+    if len(frames) != (1 if kind in ("scalar", "tensor") else 2):
+        raise TransportError(f"column {column.name!r}: {len(frames)} frames for a {kind} array")
+    if kind == "scalar":
+        _check_values(column, frames[0], n)
+        return lambda bufs: _values(column.arrow_type, n, bufs[0])
+    if kind == "tensor":
+        size = math.prod(column.shape)
+        _check_values(column, frames[0], n * size)
+        return lambda bufs: _tensor(column, n, size, bufs[0])
+    if memoryview(frames[0]).nbytes != (n + 1) * 8:
+        raise TransportError(f"column {column.name!r}: offsets frame has the wrong size")
+    total = _check_offsets(column, np.frombuffer(frames[0], dtype=np.int64))
+    if kind == "ragged":
+        _check_values(column, frames[1], total)
+        return lambda bufs: _ragged(column, n, total, bufs)
+    if memoryview(frames[1]).nbytes != total:
+        raise TransportError(f"column {column.name!r}: data frame has the wrong size")
+    if kind == "string":  # UTF-8: a consumer must be able to decode what it reads
+        try:
+            _blobs(column, n, frames).validate(full=True)
+        except pa.ArrowInvalid as exc:
+            raise TransportError(f"column {column.name!r}: malformed frames ({exc})") from None
+    return lambda bufs: _blobs(column, n, bufs)
+
+
+def _check_values(column: Column, frame: Any, count: int) -> None:
+    width = column.np_dtype.itemsize
+    need = (count + 7) // 8 if column.dtype == "bool" else count * width
+    got = memoryview(frame).nbytes
+    if got != need:
+        raise TransportError(
+            f"column {column.name!r}: a {column.dtype} frame of {got} bytes cannot hold "
+            f"{count} values"
+        )
+
+
+def _values(dtype: pa.DataType, count: int, frame: Any) -> pa.Array:
+    return pa.Array.from_buffers(dtype, count, [None, pa.py_buffer(frame)])
+
+
+def _tensor(column: Column, n: int, size: int, frame: Any) -> pa.Array:
+    flat = _values(column.value_type, n * size, frame)
+    storage = pa.FixedSizeListArray.from_arrays(flat, size)
+    return pa.ExtensionArray.from_storage(column.arrow_type, storage)
+
+
+def _ragged(column: Column, n: int, total: int, bufs: Sequence[Any]) -> pa.Array:
+    child = _values(column.value_type, total, bufs[1])
+    return pa.Array.from_buffers(
+        column.arrow_type, n, [None, pa.py_buffer(bufs[0])], children=[child]
+    )
+
+
+def _blobs(column: Column, n: int, bufs: Sequence[Any]) -> pa.Array:
+    offsets, data = pa.py_buffer(bufs[0]), pa.py_buffer(bufs[1])
+    return pa.Array.from_buffers(column.arrow_type, n, [None, offsets, data])
 
 
 def window_of(
@@ -190,11 +238,3 @@ def _primitive_slice(arr: pa.Array) -> Any:
     width = arr.type.bit_width // 8
     data = arr.buffers()[1]
     return data.slice(arr.offset * width, len(arr) * width) if data is not None else b""
-
-
-def _primitive(dtype: pa.DataType, n: int, frame: Any) -> pa.Array:
-    buf = pa.py_buffer(frame)
-    need = (n + 7) // 8 if dtype == pa.bool_() else n * (dtype.bit_width // 8)
-    if buf.size != need:
-        raise TransportError(f"a {dtype} frame of {buf.size} bytes cannot hold {n} values")
-    return pa.Array.from_buffers(dtype, n, [None, buf])

@@ -33,6 +33,7 @@ from flowrl._transport import wire
 from flowrl._transport.frames import (
     ZERO_COPY_MIN_BYTES,
     ArrayHeader,
+    check_frames,
     from_frames,
     split_frames,
     to_frames_all,
@@ -196,25 +197,33 @@ class UnitServer:
                     f"write declares column {col.name!r} as {col.describe()}, but this "
                     f"unit holds it as {types[col.name].describe()}"
                 )
-        arrays = {}
-        tags: dict[str, _InShm] = {}
-        parts = split_frames(msg.arrays, payload, "write request")
-        # A write large enough to be read in place goes to shared memory whole, so a read
-        # of its rows can name its chunks' buffers instead of slicing them (see _dispatch).
-        to_shm = self.arena is not None and sum(f.buffer.nbytes for f in payload) >= SHM_MIN_BYTES
-        for header, frames in zip(msg.arrays, parts, strict=True):
+        checked = []
+        for header, frames in zip(
+            msg.arrays, split_frames(msg.arrays, payload, "write request"), strict=True
+        ):
             known = types.get(header.column)
             if known is None:
                 raise SchemaError(f"write names column {header.column!r} without its type")
             if header.length != indices.size:
                 raise TransportError(f"column {header.column!r}: length != number of indices")
             bufs = [f.buffer for f in frames]
-            if to_shm:
-                bufs, refs = self._copy_in(bufs)
-                if refs is not None:
-                    tags[header.column] = _InShm(header, refs)
-            arrays[header.column] = from_frames(known, header, bufs)
-        self.unit.write(indices, arrays, types, on_accepted, tags)
+            checked.append((header, bufs, check_frames(known, header, bufs)))
+        # A write large enough to be read in place goes to shared memory whole, so a read
+        # of its rows can name its chunks' buffers instead of slicing them (see _dispatch).
+        to_shm = self.arena is not None and sum(f.buffer.nbytes for f in payload) >= SHM_MIN_BYTES
+        tags: dict[str, _InShm] = {}  # (filled as the arrays are built, before they are filed)
+
+        def build() -> dict[str, pa.Array]:
+            arrays = {}
+            for header, bufs, build_array in checked:
+                if to_shm:
+                    bufs, refs = self._copy_in(bufs)
+                    if refs is not None:
+                        tags[header.column] = _InShm(header, refs)
+                arrays[header.column] = build_array(bufs)
+            return arrays
+
+        self.unit.write(indices, build, types, on_accepted, tags)
         self.columns = types  # learnt only from a write that succeeded
 
     def _dispatch(self, msg: Any, payload: list[Any], out: list[Any]) -> Any:

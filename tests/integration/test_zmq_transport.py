@@ -143,34 +143,34 @@ def _reserved_write(hub, bad_commit: dict, wait: bool = True):
     return idx, unit, lambda: hub._write_commit(unit, idx, enc, types, commit, wait)
 
 
-def test_a_commit_the_controller_refuses_reaches_the_producer(hub) -> None:
+@pytest.mark.parametrize(
+    ("cells", "error", "match"),
+    [
+        # a column the controller does not know
+        ({"nope": (np.array([8]), None)}, flowrl.errors.UnknownColumnError, "nope"),
+        # malformed: two cells for one sample. The unit hands the commit on undecoded; the
+        # controller answers the producer (not the unit).
+        (
+            {"ids": (np.array([8, 8]), np.array([1, 1]))},
+            flowrl.errors.TransportError,
+            "malformed Commit",
+        ),
+    ],
+    ids=["unknown-column", "malformed"],
+)
+def test_a_commit_the_controller_refuses_reaches_the_producer(hub, cells, error, match) -> None:
+    # The producer discards the stored bytes and gives the indices back, as for any refusal.
     from flowrl._controller.controller import CellWrite
 
-    cells = {"nope": CellWrite(np.array([8]), None)}
+    cells = {k: CellWrite(*v) for k, v in cells.items()}
     idx, unit, write = _reserved_write(hub, {"cells": cells})
-    with pytest.raises(flowrl.errors.UnknownColumnError, match="nope"):
+    with pytest.raises(error, match=match):
         write()
     hub._discard(unit, idx, ("ids", "reward"))
     hub._abort(idx)
     stats = hub.statistics()
     assert stats.live == stats.reserved == 0 and stats.units[unit].samples == 0
     assert _put(hub, 1).size == 1  # and the hub goes on
-
-
-def test_a_malformed_commit_handed_on_reaches_the_producer(hub) -> None:
-    # The unit hands the commit on undecoded; the controller, finding it malformed, answers
-    # the producer (not the unit), which discards the stored bytes as for any refusal.
-    from flowrl._controller.controller import CellWrite
-
-    cells = {"ids": CellWrite(np.array([8, 8]), np.array([1, 1]))}  # two cells, one sample
-    idx, unit, write = _reserved_write(hub, {"cells": cells})
-    with pytest.raises(flowrl.errors.TransportError, match="malformed Commit"):
-        write()
-    hub._discard(unit, idx, ("ids", "reward"))
-    hub._abort(idx)
-    stats = hub.statistics()
-    assert stats.live == stats.reserved == 0 and stats.units[unit].samples == 0
-    assert _put(hub, 1).size == 1
 
 
 def test_a_put_async_the_controller_refuses_leaves_nothing_behind(hub) -> None:

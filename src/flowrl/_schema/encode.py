@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -20,7 +21,7 @@ from flowrl._schema.columns import Column
 from flowrl._schema.ragged import RaggedArray, _as_numpy
 from flowrl.errors import LengthMismatchError, SchemaError
 
-__all__ = ["Encoded", "encode", "infer_column"]
+__all__ = ["Encoded", "arrow_of_buffers", "encode", "infer_column"]
 
 _msgpack = msgspec.msgpack.Encoder()
 
@@ -58,7 +59,8 @@ class Encoded:
     def array(self) -> pa.Array:
         if self._array is None:
             assert self.buffers is not None
-            self._array = _arrow_of(self.column, self.length, self.buffers)
+            values = self.buffers[-1].size
+            self._array = arrow_of_buffers(self.column, self.length, values, self.buffers)
         return self._array
 
     def take(self, positions: np.ndarray) -> Encoded:
@@ -72,20 +74,19 @@ class Encoded:
         )
 
 
-def _arrow_of(column: Column, n: int, buffers: list[np.ndarray]) -> pa.Array:
-    """The Arrow array over an Encoded column's buffers (valid by construction)."""
+def arrow_of_buffers(column: Column, n: int, values: int, buffers: Sequence[Any]) -> pa.Array:
+    """The Arrow array of ``n`` samples of a scalar, tensor or ragged ``column`` over its
+    buffers as they travel (``_transport/frames.py``): the ``values`` values (bit-packed
+    for bools) of scalars and tensors; offsets from 0 and the values of ragged columns.
+    Zero-copy and unchecked: the caller made the buffers, or checked them."""
+    flat = pa.Array.from_buffers(column.value_type, values, [None, pa.py_buffer(buffers[-1])])
     if column.kind == "scalar":
-        return pa.Array.from_buffers(column.arrow_type, n, [None, pa.py_buffer(buffers[0])])
+        return flat
     if column.kind == "tensor":
-        flat = buffers[0]
-        values = pa.Array.from_buffers(column.value_type, flat.size, [None, pa.py_buffer(flat)])
-        storage = pa.FixedSizeListArray.from_arrays(values, math.prod(column.shape))
+        storage = pa.FixedSizeListArray.from_arrays(flat, math.prod(column.shape))
         return pa.ExtensionArray.from_storage(column.arrow_type, storage)
-    offsets, vals = buffers
-    child = pa.Array.from_buffers(column.value_type, vals.size, [None, pa.py_buffer(vals)])
-    return pa.Array.from_buffers(
-        column.arrow_type, n, [None, pa.py_buffer(offsets)], children=[child]
-    )
+    offsets = pa.py_buffer(buffers[0])
+    return pa.Array.from_buffers(column.arrow_type, n, [None, offsets], children=[flat])
 
 
 def encode(column: Column, values: Any, n: int | None, where: str) -> Encoded:

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from flowrl._schema.columns import Column
-from flowrl._schema.encode import Encoded
+from flowrl._schema.encode import Encoded, arrow_of_buffers
 from flowrl._schema.ragged import RaggedArray, arrow_ragged_parts
 from flowrl._store.batch import LazyColumn
 from flowrl.errors import TransportError
@@ -129,17 +129,17 @@ def check_frames(
         raise TransportError(f"column {column.name!r}: {len(frames)} frames for a {kind} array")
     if kind == "scalar":
         _check_values(column, frames[0], n)
-        return lambda bufs: _values(column.arrow_type, n, bufs[0])
+        return lambda bufs: arrow_of_buffers(column, n, n, bufs)
     if kind == "tensor":
         size = math.prod(column.shape)
         _check_values(column, frames[0], n * size)
-        return lambda bufs: _tensor(column, n, size, bufs[0])
+        return lambda bufs: arrow_of_buffers(column, n, n * size, bufs)
     if memoryview(frames[0]).nbytes != (n + 1) * 8:
         raise TransportError(f"column {column.name!r}: offsets frame has the wrong size")
     total = _check_offsets(column, np.frombuffer(frames[0], dtype=np.int64))
     if kind == "ragged":
         _check_values(column, frames[1], total)
-        return lambda bufs: _ragged(column, n, total, bufs)
+        return lambda bufs: arrow_of_buffers(column, n, total, bufs)
     if memoryview(frames[1]).nbytes != total:
         raise TransportError(f"column {column.name!r}: data frame has the wrong size")
     if kind == "string":  # UTF-8: a consumer must be able to decode what it reads
@@ -159,23 +159,6 @@ def _check_values(column: Column, frame: Any, count: int) -> None:
             f"column {column.name!r}: a {column.dtype} frame of {got} bytes cannot hold "
             f"{count} values"
         )
-
-
-def _values(dtype: pa.DataType, count: int, frame: Any) -> pa.Array:
-    return pa.Array.from_buffers(dtype, count, [None, pa.py_buffer(frame)])
-
-
-def _tensor(column: Column, n: int, size: int, frame: Any) -> pa.Array:
-    flat = _values(column.value_type, n * size, frame)
-    storage = pa.FixedSizeListArray.from_arrays(flat, size)
-    return pa.ExtensionArray.from_storage(column.arrow_type, storage)
-
-
-def _ragged(column: Column, n: int, total: int, bufs: Sequence[Any]) -> pa.Array:
-    child = _values(column.value_type, total, bufs[1])
-    return pa.Array.from_buffers(
-        column.arrow_type, n, [None, pa.py_buffer(bufs[0])], children=[child]
-    )
 
 
 def _blobs(column: Column, n: int, bufs: Sequence[Any]) -> pa.Array:

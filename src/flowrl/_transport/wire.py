@@ -449,13 +449,7 @@ _commit_decoder = msgspec.msgpack.Decoder(Commit)
 
 def commit_of(msg: CommitFor) -> Commit:
     """The commit a storage unit handed on; TransportError if it is malformed."""
-    try:
-        commit = _commit_decoder.decode(msg.commit)
-    except msgspec.DecodeError as exc:
-        raise errors.TransportError(f"malformed Commit request: {exc}") from None
-    problem = _check_request(commit)
-    if problem:
-        raise errors.TransportError(f"malformed Commit request: {problem}")
+    commit: Commit = _decode_checked(_commit_decoder, msg.commit, "Commit request")
     return commit
 
 
@@ -475,10 +469,14 @@ def _commit_indices(raw: msgspec.Raw) -> bytes | None:
 
 def decode_request(frame: Any) -> Any:
     """The request in ``frame``; TransportError if it is malformed (nothing was done)."""
+    return _decode_checked(_request_decoder, frame, "request")
+
+
+def _decode_checked(decoder: msgspec.msgpack.Decoder[Any], frame: Any, what: str) -> Any:
     try:
-        msg = _request_decoder.decode(frame)
+        msg = decoder.decode(frame)
     except msgspec.DecodeError as exc:
-        raise errors.TransportError(f"malformed request: {exc}") from None
+        raise errors.TransportError(f"malformed {what}: {exc}") from None
     problem = _check_request(msg)
     if problem:
         raise errors.TransportError(f"malformed {type(msg).__name__} request: {problem}")

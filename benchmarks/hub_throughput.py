@@ -19,9 +19,17 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
   ``single_sample_puts_per_s`` (one producer thread streaming single-sample puts with
   ``put_async``, each its own request and commit, then ``flush``) and
   ``single_sample_sync_puts_per_s`` (``put``: a round trip each),
-  ``metadata_round_trips_per_s`` (one client, one request at a time), ``startup_s``,
+  ``metadata_round_trips_per_s`` (one client thread, one request at a time) and
+  ``metadata_round_trips_per_s_2_threads`` (two threads of that client, each one request
+  at a time: what the controller answers when requests overlap), ``startup_s``,
   ``blocked_claim_put_latency_ratio`` (put latency while another thread waits in claim,
   divided by put latency without it; 1.0 means no interference).
+* zmq only, the transport's floor on this machine (bare pyzmq, no flowrl code): an echo
+  server in another process, DEALER to ROUTER over ipc as the hub's sockets are.
+  ``zmq_echo_round_trips_per_s`` (one small request at a time; a metadata round trip can
+  be no faster) and ``zmq_one_way_after_pause_ms`` (the p50 time one put-sized message
+  takes to reach a process after 2 ms of quiet, as in ``put_to_claimable``; a put becomes
+  claimable after three such hops: producer -> unit -> controller -> consumer).
 * ``--peer``: runs the TransferQueue package on the same payload in a subprocess and
   reports ``peer`` figures and ``put_get_speedup_vs_transferqueue``: samples / (put time +
   consumer-loop time) for flowrl over the same for TransferQueue (its put, get_meta and
@@ -36,15 +44,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import zmq
 
 import flowrl
 from flowrl import Column, HubConfig, JournalConfig
@@ -180,6 +192,7 @@ def _cells_once(batch: int, total: int = 262144) -> float:
             idx, _ = ctl.reserve(batch)
             ctl.commit(idx, cells, new=True)
             meta = ctl.try_claim("train", batch, sampler)
+            assert meta is not None  # the batch just committed is ready
             ctl.ack("train", meta.lease)
             done += batch
         dt = time.perf_counter() - t0
@@ -235,12 +248,22 @@ def zmq_latencies(seq_len: int) -> dict:
         for _ in range(n // 2):
             hub.put(one)
         single_sync_rate = n // 2 / (time.perf_counter() - t)
-        # metadata round trips: claim + ack of one sample each = 2 round trips
+        # metadata round trips: claim + ack of one sample each = 2 round trips; one thread
+        # waiting for each answer, then two threads of the client (requests overlap)
         k = 1000
+
+        def claim_ack(m: int) -> None:
+            for _ in range(m):
+                hub.ack(hub.claim("train", 1, timeout=10))
+
         t = time.perf_counter()
-        for _ in range(k):
-            hub.ack(hub.claim("train", 1, timeout=10))
-        meta_rate = 2 * (k - 0) / (time.perf_counter() - t)
+        claim_ack(k)
+        meta_rate = 2 * k / (time.perf_counter() - t)
+        with ThreadPoolExecutor(2) as pool:
+            t = time.perf_counter()
+            for done in [pool.submit(claim_ack, k // 2) for _ in range(2)]:
+                done.result()
+            meta_rate_2 = 2 * k / (time.perf_counter() - t)
         # put latency without / with another thread blocked in claim
         big = payload(32, seq_len, rng)
 
@@ -274,10 +297,68 @@ def zmq_latencies(seq_len: int) -> dict:
             "single_sample_puts_per_s": single_rate,
             "single_sample_sync_puts_per_s": single_sync_rate,
             "metadata_round_trips_per_s": meta_rate,
+            "metadata_round_trips_per_s_2_threads": meta_rate_2,
             "blocked_claim_put_latency_ratio": with_blocked / base,
         }
     finally:
         hub.close()
+
+
+def zmq_floor(seq_len: int) -> dict:
+    """Bare pyzmq between two processes: what any request over the hub's sockets costs."""
+    with tempfile.TemporaryDirectory(prefix="flowrl-floor-") as folder:
+        address = f"ipc://{folder}/echo"
+        server = multiprocessing.get_context("spawn").Process(target=_echo, args=(address,))
+        server.start()
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 10_000)  # a server that failed to start: zmq.Again
+        sock.connect(address)
+        try:
+            small = bytes(64)
+            for _ in range(200):  # connect, warm up
+                sock.send(small)
+                sock.recv()
+            k = 3000
+            t0 = time.perf_counter()
+            for _ in range(k):
+                sock.send(small)
+                sock.recv()
+            echo_rate = k / (time.perf_counter() - t0)
+            one_put = bytearray(seq_len * 12 + 4)  # a sample's payload bytes
+            one_way = []
+            for _ in range(300):
+                time.sleep(0.002)
+                sent = time.monotonic_ns()  # CLOCK_MONOTONIC: shared by the processes
+                sock.send(one_put)
+                one_way.append(int.from_bytes(sock.recv(), "little") - sent)
+            sock.send(b"")  # stop
+            server.join(10)
+        finally:
+            sock.close()
+            ctx.term()
+            if server.is_alive():
+                server.kill()
+    return {
+        "zmq_echo_round_trips_per_s": echo_rate,
+        "zmq_one_way_after_pause_ms": float(np.median(one_way[50:]) / 1e6),
+    }
+
+
+def _echo(address: str) -> None:
+    """Answer each request with the time it arrived (an empty request stops)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(address)
+    while True:
+        ident, body = sock.recv_multipart()
+        arrived = time.monotonic_ns()
+        sock.send_multipart([ident, arrived.to_bytes(8, "little")])
+        if not body:
+            break
+    sock.close(linger=1000)
+    ctx.term()
 
 
 def peer(samples: int, seq_len: int, batch: int) -> dict:
@@ -325,6 +406,7 @@ def main() -> None:
     result["controller_cell_updates_per_s"] = controller_cells(args.batch)
     if args.transport == "zmq":
         result.update(zmq_latencies(args.seq_len))
+        result.update(zmq_floor(args.seq_len))
     if args.peer:
         tq = peer(args.samples, args.seq_len, args.batch)
         result["peer"] = tq

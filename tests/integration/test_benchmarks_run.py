@@ -57,8 +57,11 @@ def test_hub_throughput_benchmark_reports_the_issue_figures(transport: str) -> N
             "put_to_claimable_p50_ms",
             "single_sample_puts_per_s",
             "metadata_round_trips_per_s",
+            "metadata_round_trips_per_s_2_threads",
             "startup_s",
             "blocked_claim_put_latency_ratio",
+            "zmq_echo_round_trips_per_s",
+            "zmq_one_way_after_pause_ms",
         ]
     assert all(report[f] > 0 for f in figures), {f: report.get(f) for f in figures}
     assert report["transport"] == transport and report["samples"] == 256

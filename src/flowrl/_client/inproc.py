@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import final
 
 import msgspec
@@ -45,7 +45,7 @@ class Hub(HubClient):
         self,
         columns: Iterable[Column] = (),
         *,
-        tasks: dict[str, Sequence[str]] | None = None,
+        tasks: Mapping[str, Sequence[str]] | None = None,
         config: HubConfig | None = None,
     ) -> None:
         config = config or HubConfig()

@@ -11,7 +11,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
 
@@ -31,7 +31,7 @@ log = logging.getLogger("flowrl.launch")
 def launch_hub(
     columns: Iterable[Column] = (),
     *,
-    tasks: dict[str, Sequence[str]] | None = None,
+    tasks: Mapping[str, Sequence[str]] | None = None,
     config: HubConfig | None = None,
     startup_timeout: float = 30.0,
 ) -> RemoteHub:

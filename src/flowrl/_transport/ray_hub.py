@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, final
 
 import msgspec
@@ -54,7 +54,7 @@ PORT_TRIES = 5
 def launch_ray_hub(
     columns: Iterable[Column] = (),
     *,
-    tasks: dict[str, Sequence[str]] | None = None,
+    tasks: Mapping[str, Sequence[str]] | None = None,
     config: HubConfig | None = None,
     units_per_node: int = 1,
     nodes: Sequence[str] | None = None,

@@ -23,7 +23,8 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
   ``metadata_round_trips_per_s_2_threads`` (two threads of that client, each one request
   at a time: what the controller answers when requests overlap), ``startup_s``,
   ``blocked_claim_put_latency_ratio`` (put latency while another thread waits in claim,
-  divided by put latency without it; 1.0 means no interference).
+  divided by put latency without it, medians over 5 alternating rounds of 40 puts of
+  --batch samples; 1.0 means no interference).
 * zmq only, the transport's floor on this machine (bare pyzmq, no flowrl code): an echo
   server in another process, DEALER to ROUTER over ipc as the hub's sockets are.
   ``zmq_echo_round_trips_per_s`` (one small request at a time; a metadata round trip can
@@ -264,32 +265,35 @@ def zmq_latencies(seq_len: int) -> dict:
             for done in [pool.submit(claim_ack, k // 2) for _ in range(2)]:
                 done.result()
             meta_rate_2 = 2 * k / (time.perf_counter() - t)
-        # put latency without / with another thread blocked in claim
+        # put latency without / with another thread blocked in claim, alternating in rounds
+        # so that the machine's drift (other tenants) falls on both alike
         big = payload(32, seq_len, rng)
 
-        def put_lat(m: int) -> float:
+        def put_lat(m: int) -> list[float]:
             ts = []
             for _ in range(m):
                 t = time.perf_counter()
                 hub.put(big)
                 ts.append(time.perf_counter() - t)
                 hub.ack(hub.claim("train", 32, timeout=10))
-            return float(np.median(ts))
+            return ts
 
-        base = put_lat(200)
-        stop = threading.Event()
-
-        def blocked() -> None:
+        def blocked(stop: threading.Event) -> None:
             while not stop.is_set():
                 with contextlib.suppress(flowrl.errors.Timeout):
-                    hub.claim("other", 1, timeout=0.5)
+                    hub.claim("other", 1, timeout=0.2)
 
-        bt = threading.Thread(target=blocked)
-        bt.start()
-        time.sleep(0.05)
-        with_blocked = put_lat(200)
-        stop.set()
-        bt.join()
+        alone: list[float] = []
+        beside: list[float] = []
+        with ThreadPoolExecutor(1) as pool:
+            for _ in range(5):
+                alone += put_lat(40)
+                stop = threading.Event()
+                waiter = pool.submit(blocked, stop)
+                time.sleep(0.02)  # let it block in claim
+                beside += put_lat(40)
+                stop.set()
+                waiter.result()
         return {
             "startup_s": startup,
             "put_to_claimable_p50_ms": float(np.percentile(lat, 50) * 1e3),
@@ -298,7 +302,7 @@ def zmq_latencies(seq_len: int) -> dict:
             "single_sample_sync_puts_per_s": single_sync_rate,
             "metadata_round_trips_per_s": meta_rate,
             "metadata_round_trips_per_s_2_threads": meta_rate_2,
-            "blocked_claim_put_latency_ratio": with_blocked / base,
+            "blocked_claim_put_latency_ratio": float(np.median(beside) / np.median(alone)),
         }
     finally:
         hub.close()

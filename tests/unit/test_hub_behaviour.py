@@ -183,6 +183,24 @@ def test_claim_blocks_until_a_put_from_another_thread(make_hub) -> None:
     assert waiter.result().indices.tolist() == idx.tolist()
 
 
+def test_a_blocked_claim_waits_out_other_tasks_puts_and_takes_its_own(make_hub) -> None:
+    hub = make_hub(
+        columns=[*COLS, Column.scalar("verdict", "int64")],
+        tasks={"score": ["ids"], "judge": ["verdict"]},
+    )
+    judge = Background(lambda: hub.claim("judge", 1, timeout=GUARD * 2))
+    score = Background(lambda: hub.claim("score", 2, timeout=GUARD * 2))
+    time.sleep(0.05)  # give both claims time to start waiting (not asserted)
+    idx = hub.put({"ids": ids(2)})
+    assert score.result().indices.tolist() == idx.tolist()
+    for k in range(4):
+        hub.put({"ids": ids(1, start=k)})  # for 'score' only
+    time.sleep(0.02)
+    assert judge.running
+    hub.put({"verdict": np.array([7])}, indices=idx[1:])
+    assert judge.result().indices.tolist() == [idx[1]]
+
+
 def test_timeout_and_nothing_ready(make_hub) -> None:
     hub = make_hub(columns=COLS, tasks=TWO_TASKS)
     with pytest.raises(Timeout) as info:

@@ -1,10 +1,11 @@
 """The controller as a server process: one zmq ROUTER, one event loop, no threads.
 
 Requests are handled in arrival order. A claim (or reserve) that cannot be served yet is
-parked, not blocking: it is retried after every state change and answered the moment it
-succeeds — readiness is pushed to waiters — or with a typed Timeout error when its time is
-up. Events go out on a PUB socket; evictions go to the storage units on PUSH sockets.
-A malformed request gets an error reply and the server keeps serving.
+parked, not blocking: it is retried after each state change that may let it proceed (see
+``flowrl._controller.wake``) and answered the moment it succeeds — readiness is pushed to
+waiters — or with a typed Timeout error when its time is up. Events go out on a PUB
+socket; evictions go to the storage units on PUSH sockets. A malformed request gets an
+error reply and the server keeps serving.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -21,6 +23,7 @@ from flowrl._client.base import _split_by_unit
 from flowrl._client.config import HubConfig
 from flowrl._controller.controller import CellWrite, Controller
 from flowrl._controller.journal import attach_journal
+from flowrl._controller.wake import EVERYONE, NOBODY, Wake, woken
 from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
 from flowrl._transport import wire
@@ -105,6 +108,8 @@ class ControllerServer:
         self._evictions: list[list[np.ndarray]] = [[] for _ in unit_control_addresses]
         self._evictions_size = 0
         self._evictions_due = math.inf  # when the oldest queued eviction must leave
+        # The last event parked requests were tried after; -1 after room was freed without
+        # an event (an abort), which lets every parked request try again.
         self._seen_seq = 0
         self.running = True
 
@@ -122,9 +127,7 @@ class ControllerServer:
                 while self.running and has_input(self.sock):
                     self._handle(recv_parts(self.sock))
             self._flush_evictions()
-            changed = self.ctl.log.seq != self._seen_seq or self.ctl.expire() > 0
-            self._seen_seq = self.ctl.log.seq
-            self._retry_parked(changed)
+            self._retry_parked(self._changes())
         self._shutdown()
 
     def _poll_timeout(self) -> int | None:
@@ -158,8 +161,7 @@ class ControllerServer:
         if self.parked and self.ctl.log.seq != self._seen_seq:
             # Waiters first: a consumer blocked in claim learns of a put before its
             # producer does (the put's latency to the consumer is what a pipeline waits on).
-            self._seen_seq = self.ctl.log.seq
-            self._retry_parked(True)
+            self._retry_parked(self._changes())
         if reply is not None:
             self._send(ident, rid, reply)
 
@@ -266,16 +268,31 @@ class ControllerServer:
         )
         return None if meta is None else wire.MetaReply(meta=meta.to_wire())
 
-    def _retry_parked(self, changed: bool) -> None:
-        """Answer parked requests that can proceed now (only worth trying after a state
-        change: every mutation appends an event) or whose time is up."""
+    def _changes(self) -> Wake:
+        """Which parked requests the state changes since they were last tried may let
+        proceed (every mutation appends an event; room freed without one sets ``_seen_seq``
+        to -1)."""
+        ctl = self.ctl
+        expired = ctl.expire() > 0  # leases (with events) or reservations (without)
+        seen, self._seen_seq = self._seen_seq, ctl.log.seq
+        new = ctl.log.seq - seen
+        if not self.parked or not (new or expired):
+            return NOBODY
+        if expired or seen < 0 or ctl.ended or new > len(ctl.log.history):
+            return EVERYONE
+        events = islice(reversed(ctl.log.history), new)
+        return woken(events, {name: state.columns for name, state in ctl.tasks.items()})
+
+    def _retry_parked(self, wake: Wake) -> None:
+        """Answer parked requests that can proceed now (only worth trying when ``wake``
+        says a change may let them) or whose time is up."""
         if not self.parked:
             return
         now = time.monotonic()
         still: list[_Parked] = []
         for p in self.parked:
             reply = None
-            if changed:
+            if wake.room if isinstance(p.msg, wire.Reserve) else wake.claim(p.msg.task):
                 try:
                     reply = self._try(p.msg)
                 except FlowRLError as exc:

@@ -3,8 +3,14 @@ controller the waiters of the tasks that read its columns, not every waiter."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
 import pytest
 
+from flowrl import Column
+from flowrl._controller.controller import CellWrite, Controller
+from flowrl._controller.samplers import FifoSampler
 from flowrl._controller.wake import EVERYONE, NOBODY, Wake, woken
 from flowrl.events import (
     Acked,
@@ -82,3 +88,78 @@ def test_which_claims_a_wake_admits() -> None:
     assert not NOBODY.claim("train") and not NOBODY.room
     assert Wake(frozenset({"train"}), False).claim("train")
     assert not Wake(frozenset({"train"}), False).claim("score")
+
+
+# -- the in-process controller wakes the waiters those rules name --------------------------
+@pytest.fixture
+def controller(monkeypatch: pytest.MonkeyPatch) -> tuple[Controller, list[str]]:
+    """A controller whose tasks 'a' (reads x) and 'b' (reads y) each have a claim waiting,
+    recording which conditions are notified ('room': puts waiting for room)."""
+    ctl = Controller(capacity=16)
+    ctl.add_columns((Column.scalar("x", "int64"), Column.scalar("y", "int64")))
+    ctl.register_task("a", ("x",))
+    ctl.register_task("b", ("y",))
+    notified: list[str] = []
+    for task in ("a", "b"):
+        monkeypatch.setattr(ctl.claim_cond(task), "notify_all", lambda t=task: notified.append(t))
+    monkeypatch.setattr(ctl.cond, "notify_all", lambda: notified.append("room"))
+    with ctl.cond:  # set-up events (columns, tasks, the first index watermark) wake everyone
+        ctl.abort(ctl.reserve(1)[0])
+    notified.clear()
+    return ctl, notified
+
+
+def _put(ctl: Controller, column: str, n: int = 1) -> np.ndarray:
+    indices, _ = ctl.reserve(n)
+    ctl.commit(indices, {column: CellWrite(np.full(n, 8, dtype=np.int64), None)}, new=True)
+    return indices
+
+
+def test_a_put_notifies_the_claims_of_the_tasks_reading_it(controller) -> None:
+    ctl, notified = controller
+    with ctl.cond:
+        _put(ctl, "x")
+        assert notified == ["a"]
+        notified.clear()
+        _put(ctl, "y")
+        assert notified == ["b"]
+
+
+def test_an_ack_that_evicts_notifies_its_task_and_waiting_puts(controller) -> None:
+    ctl, notified = controller
+    with ctl.cond:
+        indices = _put(ctl, "x")
+        ctl.commit(indices, {"y": CellWrite(np.full(1, 8, dtype=np.int64), None)}, new=False)
+        lease_a = ctl.try_claim("a", 1, FifoSampler())
+        lease_b = ctl.try_claim("b", 1, FifoSampler())
+        assert lease_a is not None and lease_b is not None
+        ctl.ack("a", lease_a.lease)
+        notified.clear()
+        ctl.ack("b", lease_b.lease)  # the last task: the sample is evicted
+        assert sorted(notified) == ["b", "room"]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda ctl: ctl.publish_version(1),
+        lambda ctl: ctl.end_stream(),
+        lambda ctl: ctl.abort(ctl.reserve(1)[0]),  # room freed without an event
+        lambda ctl: ctl.close(),
+    ],
+)
+def test_other_changes_notify_everyone(controller, change: Callable[[Controller], None]) -> None:
+    ctl, notified = controller
+    with ctl.cond:
+        change(ctl)
+    assert sorted(set(notified)) == ["a", "b", "room"]
+
+
+def test_after_end_of_stream_any_change_notifies_everyone(controller) -> None:
+    ctl, notified = controller
+    with ctl.cond:
+        indices, _ = ctl.reserve(1)
+        ctl.end_stream()
+        notified.clear()
+        ctl.commit(indices, {"x": CellWrite(np.full(1, 8, dtype=np.int64), None)}, new=True)
+    assert sorted(notified) == ["a", "b", "room"]  # 'b' may now end: nothing more can come

@@ -144,7 +144,8 @@ class Hub(HubClient):
                         f"claim() by task {args.task!r} found no {args.n} ready samples in "
                         f"{timeout}s"
                     )
-                ctl.cond.wait(_wait_time(remaining, ctl.next_deadline()))
+                # woken only by changes that may serve this task (or at the next deadline)
+                ctl.claim_cond(args.task).wait(_wait_time(remaining, ctl.next_deadline()))
 
     def _read_many(
         self, parts: list[tuple[int, np.ndarray]], columns: tuple[str, ...]

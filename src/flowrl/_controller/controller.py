@@ -2,7 +2,9 @@
 
 The controller never sees payload bytes, only per-cell sizes and token counts. It is not
 thread-safe by itself: the in-process hub calls it under ``Controller.cond``'s lock and the
-zmq server calls it from its single event-loop thread.
+zmq server calls it from its single event-loop thread. In-process, a put waiting for room
+waits on ``cond`` and a claim on its task's ``claim_cond``; a change wakes only those it
+may let proceed (``flowrl._controller.wake``).
 
 Invariants (tests/unit/test_table_properties.py drives random operation sequences):
 
@@ -20,6 +22,7 @@ import heapq
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import islice
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -30,6 +33,7 @@ from flowrl._controller.meta import BatchMeta
 from flowrl._controller.samplers import BalancedSampler, CandidateView, FifoSampler, Sampler
 from flowrl._controller.table import SampleTable
 from flowrl._controller.tasks import CONSUMED, LEASED, PENDING, READY, TaskState
+from flowrl._controller.wake import EVERYONE, NOBODY, Wake, woken
 from flowrl._schema.columns import Column
 from flowrl.errors import (
     ConfigError,
@@ -112,7 +116,10 @@ class Controller:
         self.n_units = n_units
         self.lease_timeout = lease_timeout
         self.log = EventLog()
-        self.cond = threading.Condition()
+        self._lock = threading.RLock()
+        self.cond = threading.Condition(self._lock)
+        self._claim_conds: dict[str, threading.Condition] = {}  # per task, on cond's lock
+        self._notified = 0  # the last event whose waiters were notified
         self.tasks: dict[str, TaskState] = {}
         self.version = 0
         self.ended = False
@@ -244,7 +251,7 @@ class Controller:
     def abort(self, indices: np.ndarray) -> None:
         """Give back a reservation whose data never arrived (already expired ones: no-op)."""
         self._release_reserved(np.asarray(indices, dtype=np.int64))
-        self.cond.notify_all()
+        self._notify(everyone=True)  # room freed without an event
 
     def _release_reserved(self, indices: np.ndarray) -> int:
         indices = indices[indices >= 0]  # a free slot's owner is -1: never match it
@@ -354,7 +361,7 @@ class Controller:
         )
         if lease is not None:
             self._consume(self.tasks[lease.task], lease, indices, drop=False)
-        self.cond.notify_all()
+        self._notify()
 
     @staticmethod
     def _became_ready(
@@ -607,7 +614,7 @@ class Controller:
         if drop:
             self._drop_for_other_tasks(task, slots)
         evicted = self._evict_if_done(slots)
-        self.cond.notify_all()
+        self._notify()
         return evicted
 
     def _drop_for_other_tasks(self, task: str, slots: np.ndarray) -> None:
@@ -631,7 +638,7 @@ class Controller:
         del self._leases[lease_id]
         self._return(lease)
         self._emit(Released, task=task, lease=lease_id, indices=tuple(lease.indices.tolist()))
-        self.cond.notify_all()
+        self._notify()
 
     def expire(self, now: float | None = None) -> int:
         """Return the samples of every lease past its deadline; returns how many expired."""
@@ -649,7 +656,7 @@ class Controller:
         while self._reservations and self._reservations[0][0] <= now:
             count += self._release_reserved(self._reservations.popleft()[1]) > 0
         if count:
-            self.cond.notify_all()
+            self._notify(everyone=True)  # expired reservations free room without an event
         return count
 
     def next_deadline(self) -> float | None:
@@ -715,7 +722,7 @@ class Controller:
             if pooled:
                 self._release_reserved(indices)
         self._emit(StreamEnded, columns=tuple(columns))
-        self.cond.notify_all()
+        self._notify()
 
     def _nothing_more(self, state: TaskState) -> bool:
         """True when no sample that is not READY now can ever become READY for the task."""
@@ -846,16 +853,45 @@ class Controller:
             )
         self.version = version
         self._emit(VersionPublished, version=version)
-        self.cond.notify_all()
+        self._notify()
 
     def close(self) -> None:
         """Refuse further calls and wake every waiter (the caller closes ``log`` unlocked)."""
         self.closed = True
-        self.cond.notify_all()
+        self._notify(everyone=True)  # (no event)
 
     def _check_open(self) -> None:
         if self.closed:
             raise HubClosed("the hub was shut down")
+
+    # -- waking waiters ---------------------------------------------------------------------
+    def claim_cond(self, task: str) -> threading.Condition:
+        """The condition an in-process claim of ``task`` waits on (under ``cond``'s lock)."""
+        cond = self._claim_conds.get(task)
+        if cond is None:
+            cond = self._claim_conds[task] = threading.Condition(self._lock)
+        return cond
+
+    def woken_since(self, seq: int) -> Wake:
+        """Which waiters the changes after event ``seq`` may let proceed (-1: not known)."""
+        new = self.log.seq - seq
+        if seq >= 0 and new <= 0:
+            return NOBODY
+        if seq < 0 or self.ended or self.closed or new > len(self.log.history):
+            return EVERYONE  # once the stream ended, any change may end anyone's wait
+        events = islice(reversed(self.log.history), new)
+        return woken(events, {name: state.columns for name, state in self.tasks.items()})
+
+    def _notify(self, *, everyone: bool = False) -> None:
+        """Wake the in-process waiters the changes since the last call may let proceed."""
+        everyone = everyone or not self._claim_conds  # (no claim waits in-process: no scan)
+        wake = EVERYONE if everyone else self.woken_since(self._notified)
+        self._notified = self.log.seq
+        if wake.room:
+            self.cond.notify_all()
+        for task, cond in self._claim_conds.items():
+            if wake.claim(task):
+                cond.notify_all()
 
     def statistics(self) -> HubStats:
         """Counters of the control plane (``units`` is filled in by the caller)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -23,7 +22,7 @@ from flowrl._client.base import _split_by_unit
 from flowrl._client.config import HubConfig
 from flowrl._controller.controller import CellWrite, Controller
 from flowrl._controller.journal import attach_journal
-from flowrl._controller.wake import EVERYONE, NOBODY, Wake, woken
+from flowrl._controller.wake import EVERYONE, NOBODY, Wake
 from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
 from flowrl._transport import wire
@@ -272,16 +271,11 @@ class ControllerServer:
         """Which parked requests the state changes since they were last tried may let
         proceed (every mutation appends an event; room freed without one sets ``_seen_seq``
         to -1)."""
-        ctl = self.ctl
-        expired = ctl.expire() > 0  # leases (with events) or reservations (without)
-        seen, self._seen_seq = self._seen_seq, ctl.log.seq
-        new = ctl.log.seq - seen
-        if not self.parked or not (new or expired):
+        expired = self.ctl.expire() > 0  # leases (with events) or reservations (without)
+        seen, self._seen_seq = self._seen_seq, self.ctl.log.seq
+        if not self.parked:
             return NOBODY
-        if expired or seen < 0 or ctl.ended or new > len(ctl.log.history):
-            return EVERYONE
-        events = islice(reversed(ctl.log.history), new)
-        return woken(events, {name: state.columns for name, state in ctl.tasks.items()})
+        return EVERYONE if expired else self.ctl.woken_since(seen)
 
     def _retry_parked(self, wake: Wake) -> None:
         """Answer parked requests that can proceed now (only worth trying when ``wake``

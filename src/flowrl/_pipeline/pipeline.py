@@ -39,8 +39,8 @@ class Pipeline(msgspec.Struct, frozen=True):
     stages may run ahead of the policy version (see :class:`~flowrl.Staleness`).
     """
 
-    stages: tuple[StageSpec, ...]
-    columns: tuple[Column, ...] = ()
+    stages: Sequence[StageSpec]  # a tuple after construction
+    columns: Sequence[Column] = ()  # a tuple after construction
     staleness: Staleness | None = None
 
     def __post_init__(self) -> None:

@@ -337,19 +337,21 @@ class Controller:
                 t.tokens[slots] = np.maximum(t.tokens[slots], cell.lengths)
         if tokens is not None:
             t.tokens[slots] = tokens
+        owners = indices.astype(np.int64, copy=False)
         for state in self.tasks.values():
             done = self._became_ready(state, slots, fresh, new)
             if done.size:
                 state.status[done] = READY
-                # a new put's slots come in index order; an update's may not (ring wrap)
-                state.queue.push_back(t.owner[done] if new else np.sort(t.owner[done]))
+                # a new put's slots come in index order (and are all done: they are its
+                # indices, checked by slots_of); an update's may not (ring wrap)
+                state.queue.push_back(owners if new else np.sort(t.owner[done]))
         self._emit(
             Put,
             indices=tuple(indices.tolist()),
             columns=tuple(cells),
             new=new,
             partition=partition,
-            version=int(t.version[slots].min()) if new or version is not None else -1,
+            version=_put_version(self.version, version, t.version, slots, new),
             versions=tuple(version.tolist()) if isinstance(version, np.ndarray) else (),
             tokens=tuple(t.tokens[slots].tolist()),
             unit=int(t.unit[slots[0]]),
@@ -406,7 +408,7 @@ class Controller:
         self._check_open()
         state = self.task(task)
         cols = state.columns if columns is None else columns
-        for c in cols:
+        for c in () if columns is None else columns:  # (the task's own were checked)
             if c not in self.table.ready:
                 raise UnknownColumnError(f"unknown column {c!r} in claim() by task {task!r}")
             if c not in state.columns:
@@ -438,7 +440,9 @@ class Controller:
             return None
         if not isinstance(sampler, BalancedSampler):
             chosen = self._take(state, positions)
-            return self._meta(self._lease(state, chosen, time.time() + ttl, consumer), cols)
+            slots = chosen % self.table.capacity
+            lease = self._lease(state, chosen, time.time() + ttl, consumer, slots=slots)
+            return self._meta(lease, cols, slots)
         tokens = view.tokens[positions]  # the split balances them across the ranks
         groups = view.group[positions]
         chosen = self._take(state, positions)
@@ -494,8 +498,9 @@ class Controller:
         dp_rank: int = 0,
         round_id: int = 0,
         reserved: bool = False,
+        slots: np.ndarray | None = None,
     ) -> _Lease:
-        state.status[indices % self.table.capacity] = LEASED
+        state.status[indices % self.table.capacity if slots is None else slots] = LEASED
         lid = self._next_lease
         self._next_lease += 1
         lease = _Lease(lid, state.name, indices, deadline, consumer)
@@ -541,9 +546,13 @@ class Controller:
             if any(p is not None and not p.taken and p.id in self._leases for p in r.by_rank)
         ]
 
-    def _meta(self, lease: _Lease, columns: tuple[str, ...]) -> BatchMeta:
+    def _meta(
+        self, lease: _Lease, columns: tuple[str, ...], slots: np.ndarray | None = None
+    ) -> BatchMeta:
+        """The lease's handle (``slots``: its indices' slots, if known)."""
         t = self.table
-        slots = lease.indices % t.capacity
+        if slots is None:
+            slots = lease.indices % t.capacity
         # (a Python sum of a micro-batch's few values costs less than numpy's .sum())
         nbytes = sum(sum(t.nbytes[c][slots].tolist()) for c in columns)
         return BatchMeta(
@@ -703,8 +712,8 @@ class Controller:
         gone = slots[done]
         if gone.size == 0:
             return np.empty(0, dtype=np.int64)
-        indices = self.table.owner[gone].copy()
-        units = self.table.unit[gone].copy()
+        indices = self.table.owner[gone]  # (fancy indexing copies)
+        units = self.table.unit[gone]
         self.table.free(gone)
         self._emit(Evicted, indices=tuple(indices.tolist()))
         if self.on_evict is not None:
@@ -936,3 +945,18 @@ def _checked_positions(sampler: Sampler, selected: Any, most: int, candidates: i
             f"{candidates} candidates, at most n)"
         )
     return positions
+
+
+def _put_version(
+    current: int,
+    version: int | np.ndarray | None,
+    versions: np.ndarray,
+    slots: np.ndarray,
+    new: bool,
+) -> int:
+    """The ``Put`` event's version: the oldest the put gave its samples (-1: unchanged)."""
+    if version is None:
+        return current if new else -1
+    if isinstance(version, np.ndarray):
+        return int(versions[slots].min())
+    return int(version)

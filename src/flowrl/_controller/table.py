@@ -59,7 +59,7 @@ class SampleTable:
         if s0 + n <= cap and (self.owner[s0 : s0 + n] == -1).all():
             # Fastest path (the usual case: FIFO eviction): the next n slots, unwrapped.
             indices = np.arange(start, start + n, dtype=np.int64)
-            self._place(indices, slice(s0, s0 + n))
+            self._place(indices, slice(s0, s0 + n), start + n)
             return indices
         # Fast path: the next n slots in ring order are free.
         slots = (start + np.arange(n, dtype=np.int64)) % cap
@@ -75,9 +75,10 @@ class SampleTable:
 
     def place(self, indices: np.ndarray) -> None:
         """Occupy the slots of given fresh indices (allocation, or a journal's replay)."""
-        self._place(indices, indices % self.capacity)
+        self._place(indices, indices % self.capacity, int(indices.max()) + 1)
 
-    def _place(self, indices: np.ndarray, slots: np.ndarray | slice) -> None:
+    def _place(self, indices: np.ndarray, slots: np.ndarray | slice, end: int) -> None:
+        """``end``: one past the largest of ``indices``."""
         self.owner[slots] = indices
         self.committed[slots] = False
         for arr in self.ready.values():
@@ -85,7 +86,7 @@ class SampleTable:
         self.tokens[slots] = 0
         self.created[slots] = time.time()
         self.live += int(indices.size)
-        self.next_index = max(self.next_index, int(indices.max()) + 1)
+        self.next_index = max(self.next_index, end)
 
     def slots_of(self, indices: np.ndarray, *, committed: bool = True) -> np.ndarray:
         """Slots of live indices; raises UnknownIndexError naming the first bad index."""

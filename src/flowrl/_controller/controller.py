@@ -119,7 +119,10 @@ class Controller:
         self._lock = threading.RLock()
         self.cond = threading.Condition(self._lock)
         self._claim_conds: dict[str, threading.Condition] = {}  # per task, on cond's lock
-        self._notified = 0  # the last event whose waiters were notified
+        # Changes that may let anyone proceed without appending an event: room freed by an
+        # abort or an expired reservation, a close (see mark / woken_since).
+        self._eventless = 0
+        self._notified = self.mark()  # where the in-process waiters were last notified
         self.tasks: dict[str, TaskState] = {}
         self.version = 0
         self.ended = False
@@ -881,21 +884,28 @@ class Controller:
             cond = self._claim_conds[task] = threading.Condition(self._lock)
         return cond
 
-    def woken_since(self, seq: int) -> Wake:
-        """Which waiters the changes after event ``seq`` may let proceed (-1: not known)."""
+    def mark(self) -> tuple[int, int]:
+        """Where the controller's state is now, for :meth:`woken_since`."""
+        return self.log.seq, self._eventless
+
+    def woken_since(self, mark: tuple[int, int]) -> Wake:
+        """Which waiters the changes since ``mark`` may let proceed."""
+        seq, eventless = mark
         new = self.log.seq - seq
-        if seq >= 0 and new <= 0:
+        if new == 0 and eventless == self._eventless:
             return NOBODY
-        if seq < 0 or self.ended or self.closed or new > len(self.log.history):
+        if eventless != self._eventless or self.ended or new > len(self.log.history):
             return EVERYONE  # once the stream ended, any change may end anyone's wait
         events = islice(reversed(self.log.history), new)
         return woken(events, {name: state.columns for name, state in self.tasks.items()})
 
     def _notify(self, *, everyone: bool = False) -> None:
-        """Wake the in-process waiters the changes since the last call may let proceed."""
-        everyone = everyone or not self._claim_conds  # (no claim waits in-process: no scan)
-        wake = EVERYONE if everyone else self.woken_since(self._notified)
-        self._notified = self.log.seq
+        """Wake the in-process waiters the changes since the last call may let proceed;
+        ``everyone``: a change that appended no event (the zmq server learns of it too)."""
+        if everyone:
+            self._eventless += 1
+        wake = EVERYONE if not self._claim_conds else self.woken_since(self._notified)
+        self._notified = self.mark()
         if wake.room:
             self.cond.notify_all()
         for task, cond in self._claim_conds.items():

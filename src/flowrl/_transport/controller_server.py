@@ -22,7 +22,7 @@ from flowrl._client.base import _split_by_unit
 from flowrl._client.config import HubConfig
 from flowrl._controller.controller import CellWrite, Controller
 from flowrl._controller.journal import attach_journal
-from flowrl._controller.wake import EVERYONE, NOBODY, Wake
+from flowrl._controller.wake import NOBODY, Wake
 from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
 from flowrl._transport import wire
@@ -107,9 +107,7 @@ class ControllerServer:
         self._evictions: list[list[np.ndarray]] = [[] for _ in unit_control_addresses]
         self._evictions_size = 0
         self._evictions_due = math.inf  # when the oldest queued eviction must leave
-        # The last event parked requests were tried after; -1 after room was freed without
-        # an event (an abort), which lets every parked request try again.
-        self._seen_seq = 0
+        self._seen = self.ctl.mark()  # the state parked requests were last tried in
         self.running = True
 
     # -- loop -------------------------------------------------------------------------------
@@ -157,7 +155,7 @@ class ControllerServer:
         except Exception as exc:  # a bug must not take the hub down; the caller learns of it
             log.exception("controller failed on a request")
             reply = wire.error_of(exc)
-        if self.parked and self.ctl.log.seq != self._seen_seq:
+        if self.parked and self.ctl.mark() != self._seen:
             # Waiters first: a consumer blocked in claim learns of a put before its
             # producer does (the put's latency to the consumer is what a pipeline waits on).
             self._retry_parked(self._changes())
@@ -199,7 +197,6 @@ class ControllerServer:
             return wire.Done()
         if isinstance(msg, wire.Abort):
             ctl.abort(wire.ints(msg.indices))
-            self._seen_seq = -1  # freed room without an event: parked reserves may proceed
             return wire.Done()
         if isinstance(msg, wire.CheckUpdate):
             units = ctl.check_update(wire.ints(msg.indices), tuple(msg.columns))
@@ -245,7 +242,6 @@ class ControllerServer:
                 )
             if msg.give_back is not None:  # idempotent: a parked retry aborts nothing twice
                 ctl.abort(wire.ints(msg.give_back))
-                self._seen_seq = -1  # freed room without an event: parked reserves may proceed
             if ctl.table.free_slots() < msg.n and not ctl.ended:
                 return None  # (reserve raises EndOfStream once the stream ended)
             indices, unit = ctl.reserve(msg.n, units=msg.units, ahead=msg.ahead)
@@ -268,14 +264,11 @@ class ControllerServer:
         return None if meta is None else wire.MetaReply(meta=meta.to_wire())
 
     def _changes(self) -> Wake:
-        """Which parked requests the state changes since they were last tried may let
-        proceed (every mutation appends an event; room freed without one sets ``_seen_seq``
-        to -1)."""
-        expired = self.ctl.expire() > 0  # leases (with events) or reservations (without)
-        seen, self._seen_seq = self._seen_seq, self.ctl.log.seq
-        if not self.parked:
-            return NOBODY
-        return EVERYONE if expired else self.ctl.woken_since(seen)
+        """Which parked requests the state changes since they were last tried (expired
+        leases and reservations included) may let proceed."""
+        self.ctl.expire()
+        seen, self._seen = self._seen, self.ctl.mark()
+        return self.ctl.woken_since(seen) if self.parked else NOBODY
 
     def _retry_parked(self, wake: Wake) -> None:
         """Answer parked requests that can proceed now (only worth trying when ``wake``

@@ -13,7 +13,6 @@ from flowrl.sched.forecast import (
     kaplan_meier,
 )
 
-pytest.importorskip("statsmodels")
 
 
 def _lengths(step: int, n: int = 4000) -> np.ndarray:

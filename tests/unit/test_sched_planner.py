@@ -21,7 +21,6 @@ from flowrl.sched.solver import assign_greedy, assign_lp, solve_milp, solve_rela
 from flowrl.sim import ClusterSpec, Scheme, Simulator, Workload
 
 pytest.importorskip("highspy")
-pytest.importorskip("statsmodels")
 
 CLUSTER = ClusterSpec(gpus=32)
 CFG = PlannerConfig(model=CLUSTER.model, hw=CLUSTER.hw, bs_max=CLUSTER.bs_max)

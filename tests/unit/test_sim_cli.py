@@ -11,7 +11,6 @@ import flowrl.sim
 from flowrl.sim.cli import main
 
 pytest.importorskip("highspy")
-pytest.importorskip("statsmodels")
 
 
 def test_cli_json_and_plot(tmp_path, capsys) -> None:

@@ -22,7 +22,6 @@ from flowrl.events import (
 from flowrl.sim import ClusterSpec, Simulator, Workload, standard_schemes
 
 pytest.importorskip("highspy")
-pytest.importorskip("statsmodels")
 
 CLUSTER = ClusterSpec(gpus=16)
 WORK = Workload(requests_per_step=600, median=800, max_len=8192)

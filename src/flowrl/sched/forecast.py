@@ -6,7 +6,7 @@ distribution ... using an ARIMA model", updated as requests complete):
 1. **Across steps** — after each step we record quantiles of log response length at fixed
    probabilities (``QUANTILE_PROBS``). Each quantile's series (the last ``history`` steps) is
    forecast one step ahead by an ARIMA with drift (a random walk with drift, ``(0,1,0)``,
-   until 8 steps; ``(1,1,0)`` from 8, fitted by statsmodels OLS, see :func:`_arima_next`). The
+   until 8 steps; ``(1,1,0)`` from 8, fitted by least squares, see :func:`_arima_next`). The
    forecast quantiles, joined piecewise-linearly in normal-score space and
    extrapolated linearly beyond the outer ones, give the *prior* survival function of the
    next step. Before any step is seen the prior is ``lognormal(median, sigma)`` from config.
@@ -228,21 +228,14 @@ def bucket_relative_error(predicted: ArrayLike, actual: ArrayLike) -> float:
     return float(np.abs(p - a).sum() / tot) if tot > 0 else 0.0
 
 
-def _ols() -> type:
-    """statsmodels' ``OLS`` (imported on first use: statsmodels takes seconds to import)."""
-    from statsmodels.regression.linear_model import OLS
-
-    return OLS
-
-
 def _arima_next(series: F64) -> float:
     """One-step-ahead forecast of a short per-step statistic series, ARIMA(p, 1, 0) + drift.
 
     Below 8 points it is a random walk with drift (``p = 0``: last value + mean change);
     from 8 on, ``p = 1``: ``d_t = c + phi * d_{t-1} + e_t`` on the first differences, fitted
-    by conditional least squares (statsmodels ``OLS`` — the estimator of statsmodels'
-    ``AutoReg`` and of ``ARIMA((1, 1, 0), trend="t").fit(method="css")``, in a fraction of
-    a millisecond where a state-space likelihood fit takes a few hundred).
+    by conditional least squares (``numpy.linalg.lstsq``: the estimator of statsmodels'
+    ``OLS``, ``AutoReg`` and ``ARIMA((1, 1, 0), trend="t").fit(method="css")``, in a few
+    microseconds where a state-space likelihood fit takes a few hundred milliseconds).
     """
     n = len(series)
     if n == 1:
@@ -251,7 +244,7 @@ def _arima_next(series: F64) -> float:
     if n < 8 or np.ptp(diff[:-1]) < 1e-9:  # too short, or a constant regressor: no AR fit
         return float(series[-1] + diff.mean())
     design = np.column_stack([np.ones(len(diff) - 1), diff[:-1]])
-    c, phi = _ols()(diff[1:], design).fit().params
+    (c, phi), *_ = np.linalg.lstsq(design, diff[1:], rcond=None)
     return float(series[-1] + c + phi * diff[-1])
 
 
@@ -278,7 +271,6 @@ class LengthForecaster:
     def __init__(self, config: ForecastConfig | None = None) -> None:
         self.config = config or ForecastConfig()
         c = self.config
-        _ols()  # import now, not on the event thread in the middle of a run
         self._grid = np.arange(0.0, c.max_len + c.grid_step, c.grid_step)
         self._grid[-1] = float(c.max_len)
         self._history: list[F64] = []

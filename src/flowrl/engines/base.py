@@ -1,0 +1,285 @@
+"""The engine protocol: what a rollout stage samples with and what a trainer updates with.
+
+Two small ABCs, one per side of the RL loop, so a pipeline's stages stay the same whatever
+runs underneath (the built-in torch model, vLLM, DeepSpeed, Megatron-core, a Hugging Face
+model):
+
+- :class:`RolloutEngine` generates **per request, streaming**: requests are added at any
+  time, :meth:`~RolloutEngine.step` advances every running request and returns those that
+  finished in it, so a rollout stage puts each sample to the hub the moment it is done
+  instead of waiting for the slowest of a batch. Every token carries the policy version
+  that sampled it. :meth:`~RolloutEngine.update_weights` loads a new version *between
+  steps without dropping work*: running requests are interrupted, keep what they
+  generated as a prefix, and resume from it under the new weights (partial rollout with
+  per-token versions, as AReaL does).
+- :class:`UpdateEngine` trains on **packed micro-batches**: recomputes response log-probs
+  (:meth:`~UpdateEngine.logprobs`), runs forward/backward over a step's micro-batches and
+  one optimizer step with a caller-given loss (:meth:`~UpdateEngine.train_step`), and
+  exports its full weights by name (:meth:`~UpdateEngine.named_weights`, gathered when
+  sharded) for rollout engines, in this process or another.
+
+Records are frozen dataclasses over numpy arrays and torch tensors (they stay in a process;
+what crosses processes is the hub's columns and the weight-sync transport).
+
+Invariants every implementation keeps (the shared conformance tests assert them):
+
+- a :class:`Completion`'s ``tokens``, ``logprobs`` and ``versions`` have one entry per
+  response token and start with the request's prefix, unchanged;
+- a request is returned by :meth:`~RolloutEngine.step` or :meth:`~RolloutEngine.abort`
+  exactly once; :attr:`~RolloutEngine.pending` counts those added and not yet returned;
+- ``max_new_tokens`` bounds the whole response, prefix included; a response is
+  ``finished`` when it ends with ``eos_id`` or reaches ``max_new_tokens``;
+- after :meth:`~RolloutEngine.update_weights`, tokens sampled later carry the new version
+  and the interrupted requests' earlier tokens keep theirs.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, final
+
+import msgspec
+import numpy as np
+from numpy.typing import NDArray
+
+from flowrl.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported lazily: hub servers import flowrl without it
+    import torch
+
+__all__ = [
+    "Completion",
+    "GenerationRequest",
+    "LossFn",
+    "RolloutEngine",
+    "SamplingParams",
+    "TrainBatch",
+    "UpdateEngine",
+]
+
+_NO_TOKENS = np.empty(0, dtype=np.int64)
+_NO_LOGPROBS = np.empty(0, dtype=np.float32)
+
+
+@final
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How to sample: ``max_new_tokens`` bounds a whole response (a resumed prefix counts).
+
+    ``temperature`` 0 is greedy; log-probs are ``log_softmax(logits / temperature)`` in
+    float32 (of the unscaled logits when greedy), the quantity a trainer recomputes.
+    ``seed``: a request's random stream is seeded with ``seed + request id`` where the
+    engine supports it (reproducible per sample, whatever the batch it runs in).
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    eos_id: int | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ConfigError(
+                f"SamplingParams.max_new_tokens expects an int >= 1, got {self.max_new_tokens!r}"
+            )
+        if self.temperature < 0:
+            raise ConfigError(
+                f"SamplingParams.temperature expects >= 0 (0: greedy), got {self.temperature}"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"SamplingParams.top_p expects (0, 1], got {self.top_p}")
+
+
+@final
+@dataclass(frozen=True, slots=True, eq=False)
+class GenerationRequest:
+    """One response to generate. ``id``: the caller's key (a rollout stage uses the hub's
+    sample index). ``prefix``: tokens generated earlier for this request (an interrupted
+    or preempted generation), with their sampler log-probs and policy versions; the engine
+    continues after them and returns them at the head of the :class:`Completion`."""
+
+    id: int
+    prompt: NDArray[np.int64]
+    prefix: NDArray[np.int64] = field(default_factory=lambda: _NO_TOKENS)
+    prefix_logprobs: NDArray[np.float32] = field(default_factory=lambda: _NO_LOGPROBS)
+    prefix_versions: NDArray[np.int64] = field(default_factory=lambda: _NO_TOKENS)
+
+    def __post_init__(self) -> None:
+        n = len(self.prefix)
+        if len(self.prefix_logprobs) != n or len(self.prefix_versions) != n:
+            raise ConfigError(
+                f"request {self.id}: prefix has {n} tokens but {len(self.prefix_logprobs)} "
+                f"log-probs and {len(self.prefix_versions)} versions; pass one of each per token"
+            )
+        if len(self.prompt) == 0:
+            raise ConfigError(f"request {self.id}: the prompt is empty; pass at least one token")
+
+
+@final
+@dataclass(frozen=True, slots=True, eq=False)
+class Completion:
+    """A request's response so far: the whole of it when ``finished``, else the prefix an
+    interrupted request resumes from (:meth:`resume`). One entry per response token in
+    ``tokens`` (int64), ``logprobs`` (float32, the sampler's) and ``versions`` (int64)."""
+
+    id: int
+    tokens: NDArray[np.int64]
+    logprobs: NDArray[np.float32]
+    versions: NDArray[np.int64]
+    finished: bool
+
+    def resume(self, prompt: NDArray[np.int64]) -> GenerationRequest:
+        """The request that continues this response after ``prompt``."""
+        return GenerationRequest(self.id, prompt, self.tokens, self.logprobs, self.versions)
+
+
+class RolloutEngine(abc.ABC):
+    """Streaming generation (module docstring). Not thread-safe: one driver thread calls it.
+
+    Subclasses implement :meth:`add`, :meth:`step`, :meth:`abort`, :meth:`pending` and
+    :meth:`load_weights`; :meth:`update_weights` is built on them.
+    """
+
+    def __init__(self, *, version: int = 0) -> None:
+        self._version = version
+        self._prompts: dict[int, NDArray[np.int64]] = {}
+        self._params: dict[int, SamplingParams] = {}
+
+    @property
+    def version(self) -> int:
+        """The policy version of the weights new tokens are sampled with."""
+        return self._version
+
+    @property
+    @abc.abstractmethod
+    def pending(self) -> int:
+        """Requests added and not yet returned by :meth:`step` or :meth:`abort`."""
+
+    @abc.abstractmethod
+    def add(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> None:
+        """Queue requests; they start at the next :meth:`step`. Ids must not be pending."""
+
+    @abc.abstractmethod
+    def step(self) -> list[Completion]:
+        """Advance every running request (one decoding step, or one scheduler step of the
+        engine); returns the requests that finished in it, ``finished=True``."""
+
+    @abc.abstractmethod
+    def abort(self, ids: Iterable[int] | None = None) -> list[Completion]:
+        """Stop the given requests (all pending when ``None``) and return what each has:
+        ``finished=False`` unless it had already finished. Unknown ids are ignored."""
+
+    @abc.abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load named tensors (the update engine's names) into the sampling model, with no
+        request running. Called by :meth:`update_weights`."""
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        """Load ``version``'s weights between steps without dropping work: running requests
+        are interrupted and resumed from what they generated, their next tokens tagged with
+        ``version``. Returns how many requests were resumed."""
+        interrupted = self.abort()
+        self.load_weights(weights)
+        self._version = version
+        by_params: dict[SamplingParams, list[GenerationRequest]] = {}
+        for done in interrupted:
+            by_params.setdefault(self._params[done.id], []).append(
+                done.resume(self._prompts[done.id])
+            )
+        for params, requests in by_params.items():
+            self.add(requests, params)
+        return len(interrupted)
+
+    def _remember(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> None:
+        """Subclasses call this from :meth:`add`: what :meth:`update_weights` resumes from."""
+        for r in requests:
+            self._prompts[r.id] = r.prompt
+            self._params[r.id] = params
+
+    def _forget(self, ids: Iterable[int]) -> None:
+        """Subclasses call this for every request they return."""
+        for i in ids:
+            self._prompts.pop(i, None)
+            self._params.pop(i, None)
+
+    def close(self) -> None:  # noqa: B027 (engines without resources need nothing)
+        """Release the engine's resources (processes, GPU memory)."""
+
+
+@final
+@dataclass(frozen=True, slots=True, eq=False)
+class TrainBatch:
+    """A packed micro-batch of ``prompt + response`` sequences for a forward pass.
+
+    ``prompts`` and ``responses`` are ragged int64 token ids, packed, with
+    ``prompt_cu`` / ``response_cu`` int64 offsets (``B + 1``). Per-response-token
+    float32 tensors share ``response_cu``: ``old_logprobs`` (the proximal policy's,
+    recomputed), ``ref_logprobs`` (the frozen reference's, for a KL penalty) and
+    ``sample_logprobs`` (the sampler's, for a behaviour-policy correction). ``advantages``
+    is float32 per sample. What a loss does not use may be ``None``.
+    """
+
+    prompts: torch.Tensor
+    prompt_cu: torch.Tensor
+    responses: torch.Tensor
+    response_cu: torch.Tensor
+    advantages: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    sample_logprobs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.response_cu.numel()) - 1
+
+    @property
+    def n_tokens(self) -> int:
+        """Response tokens: what a loss is averaged over."""
+        return int(self.response_cu[-1])
+
+
+#: ``loss_fn(logprobs, batch) -> (loss, metrics)``: ``logprobs`` are the current weights'
+#: float32 log-probs of ``batch``'s response tokens (packed by ``response_cu``), with
+#: gradients; the loss is a scalar to minimise for this micro-batch, already weighted by
+#: the micro-batch's share of the step (``train_step`` sums the micro-batches' gradients).
+LossFn = Callable[["torch.Tensor", TrainBatch], "tuple[torch.Tensor, Mapping[str, float]]"]
+
+
+class UpdateEngine(abc.ABC):
+    """Trains the policy on packed micro-batches (module docstring)."""
+
+    def __init__(self, *, version: int = 0) -> None:
+        self._version = version
+
+    @property
+    def version(self) -> int:
+        """Optimizer steps taken (plus the start version): the version of the weights."""
+        return self._version
+
+    @abc.abstractmethod
+    def logprobs(self, batch: TrainBatch, *, temperature: float = 1.0) -> torch.Tensor:
+        """Float32 log-probs of ``batch``'s response tokens under the current weights, no
+        gradients (logprob recompute)."""
+
+    @abc.abstractmethod
+    def train_step(self, micro_batches: Sequence[TrainBatch], loss_fn: LossFn) -> dict[str, float]:
+        """Forward and backward over every micro-batch, one optimizer step; the version
+        advances by one. Returns the loss functions' metrics, averaged over micro-batches,
+        with ``loss`` and ``grad_norm``."""
+
+    @abc.abstractmethod
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full weights by name (gathered when sharded), on the CPU, for rollout
+        engines: every rank may call it, only rank 0's tensors are complete."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Model and optimizer state, for a checkpoint."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output."""
+
+    def close(self) -> None:  # noqa: B027 (engines without resources need nothing)
+        """Release the engine's resources (process groups, GPU memory)."""

@@ -14,7 +14,6 @@ from flowrl.sched.forecast import (
 )
 
 
-
 def _lengths(step: int, n: int = 4000) -> np.ndarray:
     rng = np.random.default_rng(step)
     return np.clip(np.exp(rng.normal(np.log(1500 * 1.1**step), 1.0, n)), 16, 32768).astype(int)

@@ -15,7 +15,6 @@ from flowrl._pipeline.sched_hooks import RolloutScheduler
 from flowrl.errors import ConfigError
 from flowrl.sched import BalancerConfig, ForecastConfig, ParallelMode, PlannerConfig
 
-
 GROUP = 4
 STEP_GROUPS = 4
 STEPS = 6

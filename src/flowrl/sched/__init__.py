@@ -7,7 +7,10 @@ Nothing here imports Ray, zmq or the hub: a real pipeline and the simulator
 - :mod:`~flowrl.sched.forecast` — online remaining-length distribution (ARIMA + Kaplan-Meier);
 - :mod:`~flowrl.sched.planner` — proactive planner (MILP over modes and length buckets);
 - :mod:`~flowrl.sched.balancer` — reactive balancer (congestion score, KV-headroom moves);
-- :mod:`~flowrl.sched.fusion` — long-tail migration threshold and consolidation.
+- :mod:`~flowrl.sched.fusion` — long-tail migration threshold and consolidation;
+- :mod:`~flowrl.sched.pipeline_schedule` — fused bidirectional pipeline schedules (RLHFuse
+  intra-stage fusion): problem, lower bounds, 1F1B baselines, validation, JSON file;
+- :mod:`~flowrl.sched.pipeline_search` — greedy, the paper's annealing, our search.
 """
 
 from __future__ import annotations
@@ -49,12 +52,26 @@ from flowrl.sched.fusion import (
     consolidation_size,
     select_targets,
 )
+from flowrl.sched.pipeline_schedule import (
+    SCHEDULE_FORMAT,
+    FusedProblem,
+    FusedSchedule,
+    PipelineModel,
+    ScheduledOp,
+    lower_bound,
+    one_f_one_b,
+    serial_1f1b,
+    timed,
+    validate_schedule,
+)
+from flowrl.sched.pipeline_search import anneal_schedule, greedy_schedule, search_schedule
 from flowrl.sched.planner import Plan, PlannerConfig, candidate_modes, plan, realize
 from flowrl.sched.problem import Evaluation, PlanProblem, build_problem, evaluate, feasible
 from flowrl.sched.snapshot import ClusterSnapshot, ReplicaView, RequestView
 from flowrl.sched.solver import Solution, assign_greedy, assign_lp, solve_milp, solve_relaxed
 
 __all__ = [
+    "SCHEDULE_FORMAT",
     "BalanceDecision",
     "BalancerConfig",
     "BalancerMemory",
@@ -62,6 +79,8 @@ __all__ = [
     "Evaluation",
     "ForecastConfig",
     "ForecastStatistics",
+    "FusedProblem",
+    "FusedSchedule",
     "FusionConfig",
     "HardwareSpec",
     "LengthDistribution",
@@ -69,14 +88,17 @@ __all__ = [
     "Migration",
     "ModelSpec",
     "ParallelMode",
+    "PipelineModel",
     "Plan",
     "PlanProblem",
     "PlannerConfig",
     "RemainingEstimate",
     "ReplicaView",
     "RequestView",
+    "ScheduledOp",
     "Solution",
     "ThresholdChoice",
+    "anneal_schedule",
     "assign_greedy",
     "assign_lp",
     "bucket_relative_error",
@@ -87,19 +109,26 @@ __all__ = [
     "consolidation_size",
     "evaluate",
     "feasible",
+    "greedy_schedule",
     "kaplan_meier",
     "kv_capacity_tokens",
     "kv_move_cost",
     "latency_per_token",
+    "lower_bound",
+    "one_f_one_b",
     "plan",
     "prefill_time",
     "realize",
     "rebalance",
     "saturated_concurrency",
     "saturated_token_rate",
+    "search_schedule",
     "select_targets",
+    "serial_1f1b",
     "solve_milp",
     "solve_relaxed",
     "step_time",
     "switch_time",
+    "timed",
+    "validate_schedule",
 ]

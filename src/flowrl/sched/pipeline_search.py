@@ -1,0 +1,388 @@
+"""Searching fused pipeline schedules (RLHFuse §5.2): greedy, the paper's annealing, ours.
+
+- :func:`greedy_schedule` — the paper's baseline: list scheduling that always runs a ready
+  op when a GPU stage is free (memory permitting), preferring the larger model, then
+  backward over forward, then the older micro-batch.
+- :func:`anneal_schedule` — the paper's Algorithm 1-3: simulated annealing over the op-order
+  matrix from the greedy schedule, neighbour = swap of two adjacent ops of a random stage
+  that keeps the schedule valid (no deadlock, memory), energy = makespan, initial temperature
+  = the start's makespan, ``T *= alpha`` per accepted move; then a second annealing on peak
+  memory that accepts only moves that do not lengthen the makespan.
+- :func:`search_schedule` — ours, for seconds on one core where the paper uses 768 cores.
+  Adjacent swaps face a plateau: from a list schedule or from serial 1F1B no single swap
+  shortens the makespan, so the paper's annealing needs very many neighbours (measured in
+  ``benchmarks/fused_schedules.py``). We search the space of *list schedules* instead, where
+  every point is valid by construction: (1) a portfolio of priority rules — the paper's
+  greedy; critical path (the longest chain left after the op first, HEFT's upward rank);
+  backward first then critical path — each under several caps on a model's in-flight
+  micro-batches per stage (none; 1F1B's warm-up ``min(P - s, M)``, x2, x3; under a memory
+  limit, the limit split between the models so that each runs in memory reserved for it and
+  cannot deadlock); (2) ``samples`` randomised critical-path schedules (random keys: each
+  op's rank plus uniform noise of a random width, under a random cap); (3) it stops as soon
+  as the makespan reaches :func:`~flowrl.sched.pipeline_schedule.lower_bound`, whose default
+  (Jackson) form is tighter than the paper's, so "optimal" is claimed more rarely and more
+  honestly; (4) the paper's memory phase. Budgets are counted, never timed: a result
+  depends only on its inputs and seed.
+
+Invariants (asserted by tests): every schedule returned passes
+:func:`~flowrl.sched.pipeline_schedule.validate_schedule` (memory limit included); the
+annealing never returns a longer makespan than its start; the memory phase never lengthens
+the makespan; :func:`search_schedule` is no worse than :func:`greedy_schedule` and
+deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Callable, Sequence
+
+from flowrl.errors import ConfigError
+from flowrl.sched.pipeline_schedule import (
+    FusedProblem,
+    FusedSchedule,
+    Layout,
+    Order,
+    layout,
+    lower_bound,
+    order_of,
+    peaks,
+    simulate,
+    timed,
+)
+
+__all__ = ["anneal_schedule", "greedy_schedule", "search_schedule"]
+
+Priority = Callable[[int], tuple[float, ...]]
+
+
+def _list_schedule(
+    problem: FusedProblem, lay: Layout, priority: Priority, cap: Sequence[int] | None = None
+) -> Order | None:
+    """Non-delay list scheduling: a free stage starts its ready op of least ``priority``
+    whose activation fits the memory limit (and, with ``cap``, keeps its model's in-flight
+    micro-batches on that stage within ``cap[op]``). None when memory deadlocks."""
+    n_st = problem.gpu_stages
+    limit = math.inf if problem.memory_limit is None else problem.memory_limit + 1e-9
+    ready: list[list[int]] = [[] for _ in range(n_st)]
+    for i in range(lay.n):
+        if lay.pred[i] < 0:
+            ready[lay.gpu[i]].append(i)
+    level = [0.0] * n_st
+    inflight: dict[tuple[int, int], int] = {}
+    busy = [False] * n_st
+    order: Order = [[] for _ in range(n_st)]
+    events: list[tuple[float, int]] = []
+    now = 0.0
+    done = 0
+    while done < lay.n:
+        for g in range(n_st):
+            if busy[g] or not ready[g]:
+                continue
+            best, best_key = -1, None
+            for op in ready[g]:
+                k = lay.key[op][0]
+                if lay.mem[op] > 0 and (
+                    level[g] + lay.mem[op] > limit
+                    or (cap is not None and inflight.get((g, k), 0) >= cap[op])
+                ):
+                    continue
+                key = priority(op)
+                if best_key is None or key < best_key:
+                    best, best_key = op, key
+            if best < 0:
+                continue
+            ready[g].remove(best)
+            level[g] += lay.mem[best]
+            k = lay.key[best][0]
+            inflight[(g, k)] = inflight.get((g, k), 0) + (1 if lay.key[best][4] == 0 else -1)
+            busy[g] = True
+            order[g].append(best)
+            heapq.heappush(events, (now + lay.dur[best], best))
+        if not events:
+            return None
+        now, op = heapq.heappop(events)
+        batch = [op]
+        while events and events[0][0] <= now:
+            batch.append(heapq.heappop(events)[1])
+        for op in batch:
+            done += 1
+            busy[lay.gpu[op]] = False
+            nxt = lay.succ[op]
+            if nxt >= 0:
+                ready[lay.gpu[nxt]].append(nxt)
+    return order
+
+
+def _size(problem: FusedProblem, k: int) -> float:
+    m = problem.models[k]
+    return m.stages * (m.forward_s + m.backward_s)
+
+
+def greedy_schedule(problem: FusedProblem) -> FusedSchedule:
+    """The paper's greedy: larger model first, then backward, then the older micro-batch."""
+    lay = layout(problem)
+    size = [_size(problem, k) for k in range(len(problem.models))]
+
+    def rule(op: int) -> tuple[float, ...]:
+        k, _p, mb, _s, phase = lay.key[op]
+        return (-size[k], -phase, mb)
+
+    order = _list_schedule(problem, lay, rule)
+    if order is None:  # memory deadlock: one micro-batch at a time always fits
+        order = _list_schedule(problem, lay, rule, cap=[1] * lay.n)
+    if order is None:
+        raise ConfigError("no list schedule fits the memory limit")  # pragma: no cover
+    return timed(problem, order, method="greedy")
+
+
+def _inflight_caps(problem: FusedProblem, lay: Layout, share: float | None) -> list[int]:
+    """Per-op cap on its model's in-flight micro-batches on its stage.
+
+    ``share=None``: 1F1B's own warm-up (``min(P - s, M)``). Otherwise the stage's memory is
+    split between the models: the first model (on each stage the one whose pipeline is
+    deeper there) gets ``share`` of it, the others the rest, each at least one micro-batch
+    and at most its 1F1B warm-up. Each model then runs within memory reserved for it, so
+    list scheduling cannot deadlock on memory (a model's oldest micro-batch always moves).
+    """
+    natural = []
+    for k, _p, _mb, s, _ph in lay.key:
+        m = problem.models[k]
+        natural.append(min(m.stages - s, m.microbatches))
+    if share is None or problem.memory_limit is None:
+        return natural
+    limit = problem.memory_limit
+    caps = list(natural)
+    by_stage: dict[int, dict[int, int]] = {}
+    for i, (k, *_rest) in enumerate(lay.key):
+        by_stage.setdefault(lay.gpu[i], {})[k] = natural[i]
+    stage_caps: dict[tuple[int, int], int] = {}
+    for g, nat in by_stage.items():
+        first = max(nat, key=lambda k: nat[k])
+        rest = [k for k in nat if k != first]
+        act = {k: max(problem.models[k].activation, 1e-12) for k in nat}
+        room = limit - sum(act[k] for k in rest)  # the others keep one micro-batch each
+        c_first = min(nat[first], int(limit * share / act[first]), int(room / act[first] + 1e-9))
+        stage_caps[(g, first)] = max(1, c_first)
+        left = (limit - stage_caps[(g, first)] * act[first]) / max(len(rest), 1)
+        for k in rest:
+            stage_caps[(g, k)] = max(1, min(nat[k], int(left / act[k] + 1e-9)))
+    for i, (k, *_rest) in enumerate(lay.key):
+        caps[i] = stage_caps[(lay.gpu[i], k)]
+    return caps
+
+
+def _cap_sets(problem: FusedProblem, lay: Layout) -> list[tuple[str, list[int] | None]]:
+    """In-flight caps tried by the search: none, 1F1B's warm-up (x1, x2, x3) and, under a
+    memory limit, the limit split between the models (see :func:`_inflight_caps`)."""
+    natural = _inflight_caps(problem, lay, None)
+    mbs = [problem.models[k].microbatches for k, *_r in lay.key]
+    caps: list[tuple[str, list[int] | None]] = [("", None), ("/1f1b-cap", natural)]
+    for f in (2, 3):
+        scaled = [min(c * f, m) for c, m in zip(natural, mbs, strict=True)]
+        caps.append((f"/1f1b-cap*{f}", scaled))
+    if problem.memory_limit is not None:
+        for share in (0.5, 0.7, 0.85):
+            caps.append((f"/split{share:g}", _inflight_caps(problem, lay, share)))
+    return caps
+
+
+def _portfolio(
+    problem: FusedProblem, lay: Layout, caps: list[tuple[str, list[int] | None]]
+) -> list[tuple[str, Order]]:
+    """Start orders from each list-scheduling rule under each cap (those that fit memory)."""
+    size = [_size(problem, k) for k in range(len(problem.models))]
+
+    def paper(op: int) -> tuple[float, ...]:
+        k, _p, mb, _s, phase = lay.key[op]
+        return (-size[k], -phase, mb)
+
+    def critical(op: int) -> tuple[float, ...]:
+        _k, _p, mb, _s, phase = lay.key[op]
+        return (-(lay.tail[op] + lay.dur[op]), mb, -phase)
+
+    def backward_critical(op: int) -> tuple[float, ...]:
+        _k, _p, mb, _s, phase = lay.key[op]
+        return (-phase, -(lay.tail[op] + lay.dur[op]), mb)
+
+    rules = (("greedy", paper), ("critical-path", critical), ("backward-first", backward_critical))
+    out = []
+    for rule_name, rule in rules:
+        for cap_name, cap in caps:
+            order = _list_schedule(problem, lay, rule, cap)
+            if order is not None:
+                out.append((rule_name + cap_name, order))
+    return out
+
+
+def _dependent(lay: Layout, a: int, b: int) -> bool:
+    """``a`` and ``b`` are the F and B of one micro-batch on one stage (a swap deadlocks)."""
+    return lay.key[a][:4] == lay.key[b][:4]
+
+
+def _swap_fits(lay: Layout, seq: list[int], j: int, limit: float) -> bool:
+    """Memory stays within ``limit`` after swapping positions ``j, j+1`` of ``seq``."""
+    a, b = seq[j], seq[j + 1]
+    if limit == math.inf or lay.mem[b] <= lay.mem[a]:
+        return True  # the new prefix at j is no higher than the old one at j+1
+    return sum(lay.mem[op] for op in seq[:j]) + lay.mem[b] <= limit + 1e-9
+
+
+def _anneal(
+    lay: Layout, order: Order, limit: float, *, iterations: int, alpha: float, rng: random.Random
+) -> Order:
+    """Algorithm 1 with Algorithms 2 (adjacent swap on a random stage, retried until valid)
+    and 3 (makespan) over op orders; ``iterations`` counts neighbours evaluated."""
+    cur = [list(s) for s in order]
+    finish = simulate(lay, cur)
+    if finish is None:
+        raise ConfigError("the start schedule deadlocks")
+    e_cur = max(finish)
+    best, e_best = [list(s) for s in cur], e_cur
+    temp = e_cur
+    for _ in range(iterations):
+        if temp <= 1e-9 * e_best:
+            break
+        g = rng.randrange(len(cur))
+        seq = cur[g]
+        j = rng.randrange(len(seq) - 1)
+        if _dependent(lay, seq[j], seq[j + 1]) or not _swap_fits(lay, seq, j, limit):
+            continue
+        seq[j], seq[j + 1] = seq[j + 1], seq[j]
+        nf = simulate(lay, cur)
+        if nf is None:  # deadlock: not a valid neighbour
+            seq[j], seq[j + 1] = seq[j + 1], seq[j]
+            continue
+        e_new = max(nf)
+        if e_new < e_best:
+            best, e_best = [list(s) for s in cur], e_new
+        if e_new <= e_cur or math.exp((e_cur - e_new) / temp) > rng.random():
+            e_cur = e_new
+            temp *= alpha
+        else:
+            seq[j], seq[j + 1] = seq[j + 1], seq[j]
+    return best
+
+
+def _memory_phase(lay: Layout, order: Order, *, iterations: int, rng: random.Random) -> Order:
+    """The paper's second annealing: energy = peak memory (max, then sum over stages), moves
+    accepted only if the makespan does not grow. Moves swap an ``F`` with the ``B`` right
+    after it (the only adjacent swaps that can lower a peak)."""
+    finish = simulate(lay, order)
+    if finish is None:
+        raise ConfigError("the start schedule deadlocks")
+    span = max(finish)
+    cur = [list(s) for s in order]
+
+    def energy(o: Order) -> tuple[float, float]:
+        p = peaks(lay, o)
+        return max(p), sum(p)
+
+    e_cur = energy(cur)
+    best, e_best = [list(s) for s in cur], e_cur
+    temp = max(e_cur[0], 1e-9)
+    for _ in range(iterations):
+        seq = cur[rng.randrange(len(cur))]
+        cands = [
+            j
+            for j in range(len(seq) - 1)
+            if lay.mem[seq[j]] > 0 > lay.mem[seq[j + 1]] and not _dependent(lay, seq[j], seq[j + 1])
+        ]
+        if not cands:
+            continue
+        j = cands[rng.randrange(len(cands))]
+        seq[j], seq[j + 1] = seq[j + 1], seq[j]
+        nf = simulate(lay, cur)
+        if nf is None or max(nf) > span + 1e-9:
+            seq[j], seq[j + 1] = seq[j + 1], seq[j]
+            continue
+        e_new = energy(cur)
+        if e_new < e_best:
+            best, e_best = [list(s) for s in cur], e_new
+        delta = (e_cur[0] - e_new[0]) + (e_cur[1] - e_new[1]) / len(cur)
+        if delta >= 0 or math.exp(delta / temp) > rng.random():
+            e_cur = e_new
+            temp *= 0.99
+        else:
+            seq[j], seq[j + 1] = seq[j + 1], seq[j]
+    return best
+
+
+def _limit(problem: FusedProblem) -> float:
+    return math.inf if problem.memory_limit is None else problem.memory_limit
+
+
+def anneal_schedule(
+    problem: FusedProblem,
+    start: FusedSchedule | None = None,
+    *,
+    iterations: int = 2000,
+    alpha: float = 0.995,
+    memory_iterations: int = 0,
+    seed: int = 0,
+) -> FusedSchedule:
+    """The paper's simulated annealing (Algorithms 1-3) from ``start`` (default: greedy),
+    then ``memory_iterations`` of its memory phase. Budgets count evaluated neighbours."""
+    if iterations < 0 or memory_iterations < 0 or not 0 < alpha < 1:
+        raise ConfigError(
+            f"anneal_schedule needs iterations >= 0, memory_iterations >= 0 and 0 < alpha < 1, "
+            f"got {iterations}, {memory_iterations}, {alpha}"
+        )
+    if start is not None and start.problem != problem:
+        raise ConfigError("anneal_schedule's start schedule is for a different problem")
+    lay = layout(problem)
+    begin = start if start is not None else greedy_schedule(problem)
+    rng = random.Random(seed)
+    order = _anneal(
+        lay, order_of(begin), _limit(problem), iterations=iterations, alpha=alpha, rng=rng
+    )
+    if memory_iterations:
+        order = _memory_phase(lay, order, iterations=memory_iterations, rng=rng)
+    return timed(problem, order, method="anneal")
+
+
+def search_schedule(
+    problem: FusedProblem,
+    *,
+    samples: int = 32,
+    memory_iterations: int = 200,
+    seed: int = 0,
+) -> FusedSchedule:
+    """Ours: the rule portfolio, then ``samples`` randomised list schedules, stopping at the
+    lower bound, then the memory phase (see the module docstring)."""
+    if samples < 0 or memory_iterations < 0:
+        raise ConfigError(
+            f"search_schedule needs samples >= 0 and memory_iterations >= 0, "
+            f"got {samples}, {memory_iterations}"
+        )
+    lay = layout(problem)
+    bound = lower_bound(problem)
+    caps = _cap_sets(problem, lay)
+    best_name, span = "", math.inf
+    best: Order | None = None
+    for name, order in _portfolio(problem, lay, caps):
+        finish = simulate(lay, order)
+        if finish is not None and max(finish) < span - 1e-12:
+            best_name, best, span = name, order, max(finish)
+    rng = random.Random(seed)
+    scale = max(lay.dur)
+    drawn = 0
+    while drawn < samples and span > bound * (1 + 1e-9):
+        drawn += 1
+        width = rng.choice((0.5, 1.0, 2.0, 4.0)) * scale
+        noise = [rng.random() * width for _ in range(lay.n)]
+        cap_name, cap = caps[rng.randrange(len(caps))]
+
+        def noisy(op: int, noise: list[float] = noise) -> tuple[float, ...]:
+            return (noise[op] - lay.tail[op] - lay.dur[op],)
+
+        drawn_order = _list_schedule(problem, lay, noisy, cap)
+        finish = None if drawn_order is None else simulate(lay, drawn_order)
+        if finish is not None and max(finish) < span - 1e-12:
+            best_name, best, span = f"randomised{cap_name}", drawn_order, max(finish)
+    if best is None:
+        return greedy_schedule(problem)
+    if memory_iterations:
+        best = _memory_phase(lay, best, iterations=memory_iterations, rng=rng)
+    return timed(problem, best, method=f"search:{best_name}")

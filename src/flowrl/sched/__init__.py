@@ -10,7 +10,9 @@ Nothing here imports Ray, zmq or the hub: a real pipeline and the simulator
 - :mod:`~flowrl.sched.fusion` — long-tail migration threshold and consolidation;
 - :mod:`~flowrl.sched.pipeline_schedule` — fused bidirectional pipeline schedules (RLHFuse
   intra-stage fusion): problem, lower bounds, 1F1B baselines, validation, JSON file;
-- :mod:`~flowrl.sched.pipeline_search` — greedy, the paper's annealing, our search.
+- :mod:`~flowrl.sched.pipeline_search` — greedy, the paper's annealing, our search;
+- :mod:`~flowrl.sched.hex_alloc` — heterogeneous GPU allocation (AReaL-Hex): rollout MILP,
+  training-parallelism search, train/rollout split.
 """
 
 from __future__ import annotations
@@ -52,6 +54,18 @@ from flowrl.sched.fusion import (
     consolidation_size,
     select_targets,
 )
+from flowrl.sched.hex_alloc import (
+    GpuPool,
+    HexPlan,
+    HexWorkload,
+    ReplicaConfig,
+    RolloutPlan,
+    TrainPlan,
+    allocate,
+    replica_configs,
+    search_training,
+    solve_rollout,
+)
 from flowrl.sched.pipeline_schedule import (
     SCHEDULE_FORMAT,
     FusedProblem,
@@ -82,7 +96,10 @@ __all__ = [
     "FusedProblem",
     "FusedSchedule",
     "FusionConfig",
+    "GpuPool",
     "HardwareSpec",
+    "HexPlan",
+    "HexWorkload",
     "LengthDistribution",
     "LengthForecaster",
     "Migration",
@@ -93,11 +110,15 @@ __all__ = [
     "PlanProblem",
     "PlannerConfig",
     "RemainingEstimate",
+    "ReplicaConfig",
     "ReplicaView",
     "RequestView",
+    "RolloutPlan",
     "ScheduledOp",
     "Solution",
     "ThresholdChoice",
+    "TrainPlan",
+    "allocate",
     "anneal_schedule",
     "assign_greedy",
     "assign_lp",
@@ -120,13 +141,16 @@ __all__ = [
     "prefill_time",
     "realize",
     "rebalance",
+    "replica_configs",
     "saturated_concurrency",
     "saturated_token_rate",
     "search_schedule",
+    "search_training",
     "select_targets",
     "serial_1f1b",
     "solve_milp",
     "solve_relaxed",
+    "solve_rollout",
     "step_time",
     "switch_time",
     "timed",

@@ -12,7 +12,9 @@ Nothing here imports Ray, zmq or the hub: a real pipeline and the simulator
   intra-stage fusion): problem, lower bounds, 1F1B baselines, validation, JSON file;
 - :mod:`~flowrl.sched.pipeline_search` — greedy, the paper's annealing, our search;
 - :mod:`~flowrl.sched.hex_alloc` — heterogeneous GPU allocation (AReaL-Hex): rollout MILP,
-  training-parallelism search, train/rollout split.
+  training-parallelism search, train/rollout split;
+- :mod:`~flowrl.sched.fabric` — RFabric: optical-core topologies per traffic phase and the
+  policy that reconfigures them in the slack between phases.
 """
 
 from __future__ import annotations
@@ -37,6 +39,16 @@ from flowrl.sched.costmodel import (
     saturated_token_rate,
     step_time,
     switch_time,
+)
+from flowrl.sched.fabric import (
+    FabricDecision,
+    FabricPolicy,
+    FabricSpec,
+    Topology,
+    materialize,
+    phase_demand,
+    template,
+    transfer_time,
 )
 from flowrl.sched.forecast import (
     ForecastConfig,
@@ -91,6 +103,9 @@ __all__ = [
     "BalancerMemory",
     "ClusterSnapshot",
     "Evaluation",
+    "FabricDecision",
+    "FabricPolicy",
+    "FabricSpec",
     "ForecastConfig",
     "ForecastStatistics",
     "FusedProblem",
@@ -117,6 +132,7 @@ __all__ = [
     "ScheduledOp",
     "Solution",
     "ThresholdChoice",
+    "Topology",
     "TrainPlan",
     "allocate",
     "anneal_schedule",
@@ -136,7 +152,9 @@ __all__ = [
     "kv_move_cost",
     "latency_per_token",
     "lower_bound",
+    "materialize",
     "one_f_one_b",
+    "phase_demand",
     "plan",
     "prefill_time",
     "realize",
@@ -153,6 +171,8 @@ __all__ = [
     "solve_rollout",
     "step_time",
     "switch_time",
+    "template",
     "timed",
+    "transfer_time",
     "validate_schedule",
 ]

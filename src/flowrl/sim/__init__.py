@@ -8,18 +8,23 @@ from __future__ import annotations
 
 from flowrl.sim.cluster import ClusterSpec
 from flowrl.sim.engine import SimResult, Simulator, StepResult
+from flowrl.sim.network import FabricRun, FabricWorkload, flow_time, run_fabric
 from flowrl.sim.schemes import Scheme, latency_mode, standard_schemes, throughput_mode
 from flowrl.sim.workload import StepRequests, Workload
 
 __all__ = [
     "ClusterSpec",
+    "FabricRun",
+    "FabricWorkload",
     "Scheme",
     "SimResult",
     "Simulator",
     "StepRequests",
     "StepResult",
     "Workload",
+    "flow_time",
     "latency_mode",
+    "run_fabric",
     "standard_schemes",
     "throughput_mode",
 ]

@@ -160,3 +160,28 @@ def test_bad_input_is_refused() -> None:
     bad[0, 1] = 1
     with pytest.raises(ConfigError, match="symmetric"):
         Topology(bad, 0).check(spec)
+
+
+def test_policy_subscribes_to_the_generation_simulator_safely() -> None:
+    """On the discrete-event simulator's real event stream (training acks and publishes at
+    the same instant: no slack before the weight sync) the paper's rule never reconfigures,
+    and the policy profiled that slack from the events alone."""
+    from flowrl.sim import ClusterSpec, Simulator, Workload, standard_schemes
+
+    cluster = ClusterSpec(gpus=16)
+    spec = FabricSpec(gpus=1024, eps_ports=32, ocs_delay_s=0.05)
+    policy = FabricPolicy(spec, VOLUMES)
+    seen: list[float] = []
+    sim = Simulator(
+        cluster,
+        Workload(requests_per_step=200, median=400, max_len=2048),
+        standard_schemes(cluster)["static-throughput"],
+        steps=3,
+        tick_s=0.5,
+        observers=(policy.observe, lambda ev: seen.append(ev.t)),
+    )
+    sim.run()
+    assert seen == sorted(seen)
+    assert policy.slack("sync") == 0.0
+    assert policy.reconfigurations == 0
+    assert all(not d.reconfigure for d in policy.decisions())

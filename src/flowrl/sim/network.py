@@ -140,9 +140,9 @@ def run_fabric(
     seq = 0
     clock = 0.0
 
-    def emit(ev: object) -> None:
+    def emit(ev: Claimed | Acked | VersionPublished) -> None:
         nonlocal clock
-        t = float(ev.t)  # type: ignore[attr-defined]
+        t = ev.t
         if t < clock:  # pragma: no cover - the loop below emits in time order
             raise AssertionError("events out of order")
         clock = t
@@ -150,7 +150,11 @@ def run_fabric(
             policy.observe(ev)
 
     def topology() -> Topology:
-        return policy.topology if policy is not None else static  # type: ignore[return-value]
+        if policy is not None:
+            return policy.topology
+        if static is None:  # pragma: no cover - excluded on entry
+            raise ConfigError("run_fabric needs exactly one of policy= or static=")
+        return static
 
     def stall_for(phase: str, since: int) -> tuple[float, float]:
         if policy is None:

@@ -79,7 +79,6 @@ from flowrl.sched.hex_alloc import (
     solve_rollout,
 )
 from flowrl.sched.pipeline_schedule import (
-    SCHEDULE_FORMAT,
     FusedProblem,
     FusedSchedule,
     PipelineModel,
@@ -97,7 +96,6 @@ from flowrl.sched.snapshot import ClusterSnapshot, ReplicaView, RequestView
 from flowrl.sched.solver import Solution, assign_greedy, assign_lp, solve_milp, solve_relaxed
 
 __all__ = [
-    "SCHEDULE_FORMAT",
     "BalanceDecision",
     "BalancerConfig",
     "BalancerMemory",

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -84,30 +83,11 @@ def describe(plan: HexPlan, wall: float) -> dict[str, object]:
     }
 
 
-def _quiet_highs() -> None:
-    """highspy prints a banner on stdout when the first solver is built; send it to stderr
-    so that --json stays parseable."""
-    try:
-        import highspy
-    except ImportError:  # pragma: no cover
-        return
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        highspy.Highs()
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
 def main(argv: list[str] | None = None) -> dict[str, object]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
-    _quiet_highs()
     models = ["7B"] if args.quick else list(MODELS)
     clusters = ["24xH800+24xH20", "32xH800+32xH20"] if args.quick else list(CLUSTERS)
     rows = []

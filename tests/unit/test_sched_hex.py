@@ -5,6 +5,8 @@ search is never slower than the paper's bisection, bad input is refused."""
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -167,3 +169,15 @@ def test_bad_input_is_refused() -> None:
     tiny = HardwareSpec(hbm_bytes=1e9)
     with pytest.raises(ConfigError, match="no GPU type"):
         allocate([GpuPool(name="t", hw=tiny, count=8, price_per_hour=1.0)], _workload())
+
+
+def test_a_solve_prints_nothing_on_stdout() -> None:
+    """HiGHS's banner (printed from C on the first solver) would corrupt a caller's --json."""
+    pytest.importorskip("highspy")
+    code = (
+        "import numpy as np; from flowrl.sched import _highs; "
+        "r = _highs.solve(np.array([1.0]), np.array([[1.0]]), np.array([1.0]), "
+        "np.array([np.inf]), np.array([0.0]), np.array([10.0])); print(r.ok)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout == "True\n"

@@ -6,6 +6,9 @@ lazily (it is an optional dependency: the ``sched`` extra).
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
 from dataclasses import dataclass
 from typing import final
 
@@ -54,6 +57,7 @@ def solve(
             "the planner's MILP needs highspy; install the 'sched' extra (pip install highspy)"
         ) from exc
     csc = sparse.csc_matrix(a)
+    _silence_banner(highspy)
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("threads", 1)
@@ -100,3 +104,18 @@ def solve(
         bound = float(info.objective_function_value) if has_point else float("nan")
     obj = float(info.objective_function_value) if has_point else float("inf")
     return LpResult(ok=bool(has_point), x=x, objective=obj, bound=bound, status=status)
+
+
+@functools.cache
+def _silence_banner(highspy: object) -> None:
+    """HiGHS prints its banner to stdout (fd 1, from C) when the first solver is built,
+    before ``output_flag`` can be set; build that first one with fd 1 pointed at stderr, so
+    the stdout of a caller (a benchmark's ``--json``) stays its own."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        highspy.Highs()  # type: ignore[attr-defined]
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)

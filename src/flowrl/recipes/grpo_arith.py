@@ -28,21 +28,26 @@ iterates a ``flowrl.Loader``::
 * the trainer: clipped GRPO objective with a k3 KL penalty, one AdamW step per
   ``prompts_per_step * group_size`` samples, then publishes the weights (a new version).
 
-At the end it writes ``timeline.png`` (stage activity from the hub's event stream) and
-``metrics.jsonl`` to ``--out``, and prints a JSON summary (with the scheduler's statistics
-under ``sched``). A synchronous run (``max_staleness`` 0) with one rollout worker (the
+Each run writes into a fresh folder ``OUT/<timestamp>/``: ``config.json``, one
+``metrics.jsonl`` line per step, a checkpoint every ``--checkpoint-every`` steps and at the
+end (``--resume RUN`` continues from the latest), and ``timeline.png`` (stage activity from
+the hub's event stream). It logs a line every ``--log-every`` steps on stderr and prints a
+JSON summary (with the scheduler's statistics under ``sched``) as the last line of stdout.
+A configuration that cannot make progress is refused before the warm-up (``GRPOConfig``),
+and a trainer that gets no batch for ``--stall-timeout`` seconds fails with a diagnosis.
+A synchronous run (``max_staleness`` 0) with one rollout worker (the
 default) is reproducible for a seed; with several, which worker samples which prompt
 depends on timing, and so does each micro-batch's random stream.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
+import sys
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import IO, Any, cast
 
 import msgspec
 import numpy as np
@@ -62,7 +67,26 @@ from flowrl import (
     WeightStore,
 )
 from flowrl._pipeline.sched_hooks import RolloutScheduler
+from flowrl.errors import ConfigError, Timeout
 from flowrl.models import TinyLM, TinyLMConfig, generate
+from flowrl.recipes.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    new_run_dir,
+    read_config,
+    save_checkpoint,
+    write_config,
+)
+from flowrl.recipes.cli import config_errors, parse_config
+from flowrl.recipes.grpo_config import (
+    MAX_SEQ_LEN,
+    N_HEADS,
+    GRPOConfig,
+    check_resumable,
+    groups_per_put,
+)
+from flowrl.recipes.progress import bar, format_step, log, log_to_stderr
+from flowrl.recipes.stall import next_batch
 from flowrl.rl import (
     build_batch,
     generate_resumable,
@@ -81,33 +105,15 @@ from flowrl.sched import (
 )
 from flowrl.tasks import EOS_ID, VOCAB_SIZE, ArithTask, pretrain, verify
 
-__all__ = ["GRPOConfig", "build_pipeline", "build_scheduler", "main", "run"]
-
-
-class GRPOConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Every knob of the run; ``max_staleness`` 0 is synchronous (and reproducible)."""
-
-    seed: int = 0
-    steps: int = 200
-    prompts_per_step: int = 16
-    group_size: int = 8
-    rollout_batch: int = 32
-    rollout_workers: int = 1
-    schedule: bool = True
-    max_staleness: int = 1
-    max_digits: int = 2
-    d_model: int = 64
-    clean_steps: int = 1000
-    noisy_steps: int = 200
-    noise: float = 0.6
-    lr: float = 2e-4
-    clip_eps: float = 0.2
-    kl_coef: float = 0.01
-    temperature: float = 1.0
-    append_every: int = 2
-    eval_size: int = 512
-    out: str = "runs/grpo"
-    progress: bool = True
+__all__ = [
+    "GRPOConfig",
+    "build_pipeline",
+    "build_scheduler",
+    "main",
+    "rollout_stage",
+    "run",
+    "update_policy",
+]
 
 
 def build_scheduler(cfg: GRPOConfig, max_new: int) -> RolloutScheduler:
@@ -122,9 +128,9 @@ def build_scheduler(cfg: GRPOConfig, max_new: int) -> RolloutScheduler:
         params=12.0 * 2 * cfg.d_model**2 + VOCAB_SIZE * cfg.d_model,
         layers=2,
         hidden=cfg.d_model,
-        n_heads=4,
-        n_kv_heads=4,
-        head_dim=cfg.d_model // 4,
+        n_heads=N_HEADS,
+        n_kv_heads=N_HEADS,
+        head_dim=cfg.d_model // N_HEADS,
         dtype_bytes=4,
     )
     hw = HardwareSpec(
@@ -150,72 +156,26 @@ def build_pipeline(
     store: WeightStore,
     reference: TinyLM,
     scheduler: RolloutScheduler | None = None,
+    *,
+    start_step: int = 0,
 ) -> Pipeline:
-    """The five stages, closed over the run's config, weights, reference and scheduler."""
+    """The five stages, closed over the run's config, weights, reference and scheduler.
+
+    ``start_step``: the stream of problems starts at this step's (a resumed run).
+    """
     task = ArithTask(digits=(1, cfg.max_digits), seed=cfg.seed)
     max_new = task.max_response_len + 1
     g = cfg.group_size
-    per_call = max(cfg.rollout_batch // g, 1)
-
-    @flowrl.stage(outputs=[Column.ragged("prompt", "int64")], batch_size=per_call * g)
-    def prompts() -> Any:
-        group = 0
-        while True:  # a put never spans two training steps: one partition per step
-            n = min(per_call, cfg.prompts_per_step - group % cfg.prompts_per_step)
-            problems = task.sample(n)
-            ids = [np.asarray(p.prompt_ids, dtype=np.int64) for p in problems for _ in range(g)]
-            groups = np.repeat(np.arange(group, group + n), g)
-            step = group // cfg.prompts_per_step
-            group += n
-            yield Rows({"prompt": ids}, groups=groups, partition=f"step-{step}")
-
-    @flowrl.stage(
-        inputs=["prompt"],
-        outputs=[
-            Column.ragged("response", "int64"),
-            Column.ragged("sample_logprobs", "float32"),
-            Column.ragged("response_versions", "int64"),
-        ],
-        batch_size=cfg.rollout_batch,
-        min_batch=1,
-        workers=cfg.rollout_workers,
-        sampler=None if scheduler is None else scheduler.sampler,
+    per_put = groups_per_put(cfg)
+    prompts = prompts_stage(cfg, task, start_step)
+    rollout = rollout_stage(
+        cfg,
+        store,
+        reference,
+        scheduler,
+        max_new,
+        first_sample=start_step * cfg.prompts_per_step * g,
     )
-    class Rollout:
-        def setup(self, ctx: StageContext) -> None:
-            if scheduler is not None:
-                scheduler.bind(ctx.worker)
-            self.model = copy.deepcopy(reference).eval()
-            self.version = store.pull(self.model, -1)
-            self.hub = ctx.hub
-
-        def __call__(self, batch: flowrl.Batch) -> Rows:
-            self.version = store.pull(self.model, self.version)  # between micro-batches
-            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + int(batch.indices[0]))
-            with torch.no_grad():
-                out = generate_resumable(
-                    self.model,
-                    self.hub,
-                    batch.meta,
-                    batch.ragged("prompt").tolist(),
-                    max_new,
-                    version=self.version,
-                    eos_id=EOS_ID,
-                    temperature=cfg.temperature,
-                    generator=gen,
-                    append_every=cfg.append_every,
-                )
-            return Rows(
-                {
-                    "response": out.responses,
-                    "sample_logprobs": out.logprobs,
-                    "response_versions": out.versions,
-                },
-                # A resumed response mixes versions: each sample counts as old as its
-                # oldest token, so the staleness bound holds for every token.
-                version=out.sample_versions(self.version),
-                tokens=out.responses.lengths,  # response lengths, for the forecaster
-            )
 
     @flowrl.stage(
         inputs=["prompt", "response"],
@@ -257,20 +217,112 @@ def build_pipeline(
     @flowrl.stage(
         inputs=["reward"],
         outputs=[Column.scalar("advantage", "float32")],
-        batch_size=per_call * g,
+        batch_size=per_put * g,
         sampler=GroupSampler(g),
     )
     def advantage(batch: flowrl.Batch) -> dict[str, Any]:
         adv = group_advantages(batch.torch("reward"), torch.from_numpy(batch.meta.groups))
         return {"advantage": adv.numpy()}
 
-    stages = cast("tuple[StageSpec, ...]", (prompts, Rollout, reward, Logprob, advantage))
+    stages = cast("tuple[StageSpec, ...]", (prompts, rollout, reward, Logprob, advantage))
     return Pipeline(
         stages,
         staleness=Staleness(
             max_staleness=cfg.max_staleness, samples_per_version=cfg.prompts_per_step * g
         ),
     )
+
+
+def prompts_stage(cfg: GRPOConfig, task: ArithTask, start_step: int) -> StageSpec:
+    """The source: G copies of each problem, one group id per problem, one partition per step.
+
+    It puts :func:`groups_per_put` groups at a time (a divisor of the step's groups: a put
+    never spans two steps). ``start_step``: skip the problems of the steps before it.
+    """
+    g, per_step, per_put = cfg.group_size, cfg.prompts_per_step, groups_per_put(cfg)
+    first_group = start_step * per_step
+    task.sample(first_group)  # the stream of problems continues where the run stopped
+
+    @flowrl.stage(outputs=[Column.ragged("prompt", "int64")], batch_size=per_put * g)
+    def prompts() -> Any:
+        group = first_group
+        while True:
+            problems = task.sample(per_put)
+            ids = [np.asarray(p.prompt_ids, dtype=np.int64) for p in problems for _ in range(g)]
+            groups = np.repeat(np.arange(group, group + per_put), g)
+            step = group // per_step
+            group += per_put
+            yield Rows({"prompt": ids}, groups=groups, partition=f"step-{step}")
+
+    return prompts
+
+
+def rollout_stage(
+    cfg: GRPOConfig,
+    store: WeightStore,
+    reference: TinyLM,
+    scheduler: RolloutScheduler | None,
+    max_new: int,
+    *,
+    first_sample: int = 0,
+) -> StageSpec:
+    """The rollout workers: sample responses with the newest published weights.
+
+    Each micro-batch's random stream is seeded by its first sample's position in the run's
+    stream (``first_sample`` + its hub index), so a resumed synchronous run samples what
+    the uninterrupted run would have.
+    """
+
+    @flowrl.stage(
+        inputs=["prompt"],
+        outputs=[
+            Column.ragged("response", "int64"),
+            Column.ragged("sample_logprobs", "float32"),
+            Column.ragged("response_versions", "int64"),
+        ],
+        batch_size=cfg.rollout_batch,
+        min_batch=1,
+        workers=cfg.rollout_workers,
+        sampler=None if scheduler is None else scheduler.sampler,
+    )
+    class Rollout:
+        def setup(self, ctx: StageContext) -> None:
+            if scheduler is not None:
+                scheduler.bind(ctx.worker)
+            self.model = copy.deepcopy(reference).eval()
+            self.version = store.pull(self.model, -1)
+            self.hub = ctx.hub
+
+        def __call__(self, batch: flowrl.Batch) -> Rows:
+            self.version = store.pull(self.model, self.version)  # between micro-batches
+            position = first_sample + int(batch.indices[0])
+            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + position)
+            with torch.no_grad():
+                out = generate_resumable(
+                    self.model,
+                    self.hub,
+                    batch.meta,
+                    batch.ragged("prompt").tolist(),
+                    max_new,
+                    version=self.version,
+                    eos_id=EOS_ID,
+                    temperature=cfg.temperature,
+                    generator=gen,
+                    append_every=cfg.append_every,
+                )
+            return Rows(
+                {
+                    "response": out.responses,
+                    "sample_logprobs": out.logprobs,
+                    "response_versions": out.versions,
+                },
+                # A resumed response mixes versions: each sample counts as old as its
+                # oldest token, so the staleness bound holds for every token.
+                version=out.sample_versions(self.version),
+                tokens=out.responses.lengths,  # response lengths, for the forecaster
+            )
+
+    return cast(StageSpec, Rollout)
 
 
 STAGE_NAMES = ("Rollout", "reward", "Logprob", "advantage", "trainer")
@@ -306,61 +358,79 @@ def evaluate(model: TinyLM, problems: list[Any], max_new: int) -> dict[str, floa
     return scores
 
 
-def run(cfg: GRPOConfig) -> dict[str, Any]:
-    """Run the job; returns the summary (also written as the last line of metrics.jsonl)."""
+def run(cfg: GRPOConfig, *, resume: str | Path | None = None) -> dict[str, Any]:
+    """Run the job; returns the summary (also written as the last line of metrics.jsonl).
+
+    ``resume``: the folder of an earlier run; it continues from its latest checkpoint up
+    to ``cfg.steps`` (``cfg`` must agree with the run's ``config.json`` but for the
+    fields in ``RESUMABLE_FIELDS``).
+    """
     torch.manual_seed(cfg.seed)
     # One intra-op thread: several stage threads compute at once, and these tiny ops run
     # 10x slower when threads oversubscribe a 2-core machine.
     torch.set_num_threads(1)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
+    run_dir, state = _open_run(cfg, resume)
+    log.info("run folder: %s", run_dir)
 
     task = ArithTask(digits=(1, cfg.max_digits), seed=cfg.seed)
     held_out = ArithTask(digits=(1, cfg.max_digits), seed=10_000 + cfg.seed).sample(cfg.eval_size)
     max_new = task.max_response_len + 1
-    model = TinyLM(
-        TinyLMConfig(
-            vocab_size=VOCAB_SIZE,
-            d_model=cfg.d_model,
-            n_layers=2,
-            n_heads=4,
-            d_ff=4 * cfg.d_model,
-            max_seq_len=24,
+    model = build_model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    if state is None:
+        warm_up(cfg, model, task)
+        eval_before = evaluate(model, held_out, max_new)
+        log.info(
+            "held-out accuracy before RL: %.3f sampled, %.3f greedy",
+            eval_before["sampled"],
+            eval_before["greedy"],
         )
-    )
-    # Warm-up: learn the task, then unlearn part of it on noisy answers, so the policy's
-    # samples are right only some of the time and GRPO has a signal to climb.
-    pretrain(model, task, cfg.clean_steps, lr=3e-3, noise=0.0, seed=cfg.seed)
-    pretrain(model, task, cfg.noisy_steps, lr=3e-4, noise=cfg.noise, seed=cfg.seed + 1)
+        reference = copy.deepcopy(model).requires_grad_(False)
+        start, version, metrics = 0, 0, []
+    else:
+        reference = copy.deepcopy(model).requires_grad_(False)
+        model.load_state_dict(state["model"])
+        reference.load_state_dict(state["reference"])
+        opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        eval_before = state["eval_before"]
+        start, version, metrics = state["step"], state["version"], list(state["metrics"])
+        log.info("resumed at step %d (policy version %d)", start, version)
     model.eval()
-    eval_before = evaluate(model, held_out, max_new)
-    reference = copy.deepcopy(model).requires_grad_(False)
 
-    store = WeightStore(model)
+    store = WeightStore(model, version=version)
     scheduler = build_scheduler(cfg, max_new) if cfg.schedule else None
-    pipe = build_pipeline(cfg, store, reference, scheduler)
-    hub = flowrl.Hub(pipe.columns, config=flowrl.HubConfig(capacity=8192))
+    pipe = build_pipeline(cfg, store, reference, scheduler, start_step=start)
+    hub = flowrl.Hub(pipe.columns, config=flowrl.HubConfig(capacity=cfg.hub_capacity))
+    if version:
+        hub.publish_version(version)  # admission control counts from the resumed version
     timeline = Timeline()
     hub.subscribe(timeline)
     if scheduler is not None:
         hub.subscribe(scheduler.observe, strict=True)  # a policy: failures fail the run
     batch_size = cfg.prompts_per_step * cfg.group_size
     loader = Loader(
-        hub, task="trainer", columns=TRAIN_COLUMNS, batch_size=batch_size, groups=cfg.group_size
+        hub,
+        task="trainer",
+        columns=TRAIN_COLUMNS,
+        batch_size=batch_size,
+        groups=cfg.group_size,
+        timeout=cfg.stall_timeout,
     )
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    metrics: list[dict[str, Any]] = []
+    metrics_file = _metrics_file(run_dir, metrics)
     t_rl = time.time()
-    run_ = pipe.start(hub, loaders=[loader], max_samples=cfg.steps * batch_size)
-    bar = _progress(cfg)
+    run_ = pipe.start(hub, loaders=[loader], max_samples=(cfg.steps - start) * batch_size)
+    steps_bar = bar(cfg.steps, "grpo", enabled=cfg.progress)
+    steps_bar.update(start)
     step_start = t_rl
+    checkpoint = None
     try:
-        for step in range(cfg.steps):
+        for step in range(start, cfg.steps):
             t_wait = time.perf_counter()
-            batch = next(loader)
+            batch = next_batch(loader, hub, timeline, step=step)
             waited = time.perf_counter() - t_wait
-            m = _train_step(cfg, model, opt, batch)
+            m = update_policy(cfg, model, opt, batch)
             lag = store.version - batch.meta.versions
             token_lag = store.version - batch.packed("response_versions")[0]
             version = store.publish(model)
@@ -372,7 +442,7 @@ def run(cfg: GRPOConfig) -> dict[str, Any]:
                 lag_max=int(lag.max()),
                 token_lag_mean=float(token_lag.mean()) if token_lag.size else 0.0,
                 wait_s=waited,
-                samples_per_s=(step + 1) * batch_size / (time.time() - t_rl),
+                samples_per_s=(step + 1 - start) * batch_size / (time.time() - t_rl),
                 busy={  # stage busy fractions over this step, from the event stream
                     name: round(timeline.busy_fraction(name, step_start, time.time()), 3)
                     for name in STAGE_NAMES
@@ -380,21 +450,47 @@ def run(cfg: GRPOConfig) -> dict[str, Any]:
             )
             step_start = time.time()
             metrics.append(m)
-            bar.set_postfix(reward=f"{m['reward']:.3f}", lag=f"{m['lag_mean']:.2f}")
-            bar.update(1)
-    finally:
-        bar.close()
+            metrics_file.write(json.dumps(m) + "\n")
+            metrics_file.flush()
+            steps_bar.set_postfix(reward=f"{m['reward']:.3f}", lag=f"{m['lag_mean']:.2f}")
+            steps_bar.update(1)
+            done = step + 1
+            if cfg.log_every and (done % cfg.log_every == 0 or done == cfg.steps):
+                log.info("%s", format_step(m, cfg.steps))
+            if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+                snapshot = {
+                    "step": done,
+                    "version": version,
+                    "model": model.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "reference": reference.state_dict(),
+                    "torch_rng": torch.get_rng_state(),
+                    "eval_before": eval_before,
+                    "metrics": metrics,
+                    "config": msgspec.to_builtins(cfg),
+                }
+                checkpoint = save_checkpoint(run_dir, done, snapshot)
+        steps_bar.close()
         loader.close()
         run_.stop()
         result = run_.result(timeout=60)
+    except BaseException:
+        steps_bar.close()
+        metrics_file.close()
+        _abandon(run_, loader, hub)
+        raise
     t_end = time.time()
     model.eval()
     eval_after = evaluate(model, held_out, max_new)
     busy = {name: timeline.busy_fraction(name, t_rl, t_end) for name in timeline.spans()}
-    timeline.save_png(str(out / "timeline.png"), title="flowrl GRPO: stage activity")
+    timeline.save_png(str(run_dir / "timeline.png"), title="flowrl GRPO: stage activity")
+    session = metrics[len(metrics) - (cfg.steps - start) :]
     window = max(1, min(20, cfg.steps // 5))
     summary = {
         "steps": cfg.steps,
+        "run_dir": str(run_dir),
+        "resumed_from": None if resume is None else start,
+        "checkpoint": None if checkpoint is None else str(checkpoint),
         "reward_first": float(np.mean([m["reward"] for m in metrics[:window]])),
         "reward_last": float(np.mean([m["reward"] for m in metrics[-window:]])),
         "eval_sampled_before": eval_before["sampled"],
@@ -403,27 +499,111 @@ def run(cfg: GRPOConfig) -> dict[str, Any]:
         "eval_greedy_after": eval_after["greedy"],
         "wall_s": time.perf_counter() - t_start,
         "rl_wall_s": t_end - t_rl,
-        "samples_per_s": cfg.steps * batch_size / (t_end - t_rl),
-        "update_idle_fraction": float(sum(m["wait_s"] for m in metrics) / (t_end - t_rl)),
+        "samples_per_s": len(session) * batch_size / (t_end - t_rl),
+        "update_idle_fraction": float(sum(m["wait_s"] for m in session) / (t_end - t_rl)),
         "stage_busy_fraction": busy,
-        "lag_mean": float(np.mean([m["lag_mean"] for m in metrics])),
-        "lag_max": max(m["lag_max"] for m in metrics),
+        "lag_mean": float(np.mean([m["lag_mean"] for m in session])),
+        "lag_max": max(m["lag_max"] for m in session),
         "max_staleness": cfg.max_staleness,
         "stage_samples": {n: s.samples for n, s in result.stages.items()},
-        "timeline_png": str(out / "timeline.png"),
+        "timeline_png": str(run_dir / "timeline.png"),
         "sched": None if scheduler is None else msgspec.to_builtins(scheduler.statistics()),
     }
-    with open(out / "metrics.jsonl", "w") as f:
-        for m in metrics:
-            f.write(json.dumps(m) + "\n")
-        f.write(json.dumps({"summary": summary}) + "\n")
+    metrics_file.write(json.dumps({"summary": summary}) + "\n")
+    metrics_file.close()
     hub.close()
+    log.info(
+        "done: reward %.3f -> %.3f, held-out greedy accuracy %.3f -> %.3f; outputs in %s",
+        summary["reward_first"],
+        summary["reward_last"],
+        summary["eval_greedy_before"],
+        summary["eval_greedy_after"],
+        run_dir,
+    )
     return summary
 
 
-def _train_step(
+def build_model(cfg: GRPOConfig) -> TinyLM:
+    """The policy, freshly initialised (from the global torch seed)."""
+    return TinyLM(
+        TinyLMConfig(
+            vocab_size=VOCAB_SIZE,
+            d_model=cfg.d_model,
+            n_layers=2,
+            n_heads=N_HEADS,
+            d_ff=4 * cfg.d_model,
+            max_seq_len=MAX_SEQ_LEN,
+        )
+    )
+
+
+def warm_up(cfg: GRPOConfig, model: TinyLM, task: ArithTask) -> None:
+    """Learn the task, then unlearn part of it on noisy answers, so the policy's samples
+    are right only some of the time and GRPO has a signal to climb."""
+    total = cfg.clean_steps + cfg.noisy_steps
+    log.info(
+        "warm-up: %d supervised steps on correct answers, then %d on answers %.0f%% of which "
+        "have a wrong digit",
+        cfg.clean_steps,
+        cfg.noisy_steps,
+        100 * cfg.noise,
+    )
+    with bar(total, "warm-up", enabled=cfg.progress) as warm_bar:
+        pretrain(
+            model, task, cfg.clean_steps, lr=3e-3, noise=0.0, seed=cfg.seed, on_step=warm_bar.update
+        )
+        pretrain(
+            model,
+            task,
+            cfg.noisy_steps,
+            lr=3e-4,
+            noise=cfg.noise,
+            seed=cfg.seed + 1,
+            on_step=warm_bar.update,
+        )
+
+
+def _open_run(cfg: GRPOConfig, resume: str | Path | None) -> tuple[Path, dict[str, Any] | None]:
+    """A fresh run folder, or the resumed run's folder and its latest checkpoint."""
+    if resume is None:
+        run_dir = new_run_dir(cfg.out)
+        write_config(run_dir, cfg)
+        return run_dir, None
+    run_dir = Path(resume)
+    check_resumable(read_config(run_dir), cfg)
+    state = load_checkpoint(latest_checkpoint(run_dir))
+    if cfg.steps <= state["step"]:
+        raise ConfigError(
+            f"--steps {cfg.steps}: the run in {run_dir} has done {state['step']} steps "
+            f"already; pass --steps N with N > {state['step']} to continue it"
+        )
+    write_config(run_dir, cfg)
+    return run_dir, state
+
+
+def _metrics_file(run_dir: Path, metrics: list[dict[str, Any]]) -> IO[str]:
+    """``metrics.jsonl`` holding the lines of ``metrics`` (a resumed run's so far)."""
+    f = open(run_dir / "metrics.jsonl", "w")  # noqa: SIM115 - closed by run()
+    for m in metrics:
+        f.write(json.dumps(m) + "\n")
+    return f
+
+
+def _abandon(run_: Any, loader: Loader, hub: flowrl.Hub) -> None:
+    """Stop everything after a failure; the failure that got us here is the one raised."""
+    loader.close()
+    run_.stop()
+    try:
+        run_.result(timeout=60)
+    except BaseException as exc:  # the first failure is the one raised
+        log.debug("the pipeline also failed while stopping: %s", exc)
+    hub.close()
+
+
+def update_policy(
     cfg: GRPOConfig, model: TinyLM, opt: torch.optim.Optimizer, batch: flowrl.Batch
 ) -> dict[str, Any]:
+    """One optimizer step on a training batch (clipped GRPO with a k3 KL penalty)."""
     model.train()
     ids, mask, starts, cu = _model_inputs(batch)
     old, _ = batch.packed("old_logprobs", torch=True)
@@ -448,23 +628,31 @@ def _train_step(
     return m
 
 
-def _progress(cfg: GRPOConfig) -> Any:
-    from tqdm import tqdm
+PROG = "flowrl run grpo"
+DESCRIPTION = """\
+GRPO on CPU, streaming through the embedded hub: a small transformer learns multi-digit
+addition (a supervised warm-up, then RL steps; see docs/grpo.md).
 
-    return tqdm(total=cfg.steps, desc="grpo", unit="step", disable=not cfg.progress)
+Each run writes OUT/<timestamp>/: config.json, metrics.jsonl (one line per step),
+checkpoints/ and timeline.png. Progress bars and log lines go to stderr; the last line of
+stdout is the JSON summary.
+
+examples:
+  flowrl run grpo                                   one-step-off streaming (max staleness 1)
+  flowrl run grpo --max-staleness 0                 synchronous, reproducible for a --seed
+  flowrl run grpo --resume runs/grpo/20260101-120000 --steps 400   continue a run"""
 
 
 def main(argv: list[str] | None = None) -> int:
-    defaults = GRPOConfig()
-    parser = argparse.ArgumentParser(prog="flowrl run grpo", description=__doc__.splitlines()[0])
-    for field in GRPOConfig.__struct_fields__:
-        value = getattr(defaults, field)
-        flag = "--" + field.replace("_", "-")
-        if isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
-        else:
-            parser.add_argument(flag, type=type(value), default=value)
-    args = parser.parse_args(argv)
-    summary = run(GRPOConfig(**vars(args)))
+    """``flowrl run grpo [options]``: run the job, print the JSON summary on stdout."""
+    cfg, resume = parse_config(
+        GRPOConfig, argv, prog=PROG, description=DESCRIPTION, read_saved=read_config
+    )
+    try:
+        with log_to_stderr(), config_errors(PROG):
+            summary = run(cfg, resume=resume)
+    except Timeout as exc:  # the run stalled: the message is the diagnosis
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(summary))
     return 0

@@ -143,9 +143,7 @@ def test_a_checkpointed_run_resumes_where_it_stopped(tmp_path: Path, capsys) -> 
 
     def states(summary: dict) -> dict[int, dict]:
         folder = Path(summary["run_dir"]) / "checkpoints"
-        return {
-            int(p.stem[5:]): torch.load(p, weights_only=True) for p in folder.glob("step-*.pt")
-        }
+        return {int(p.stem[5:]): torch.load(p, weights_only=True) for p in folder.glob("step-*.pt")}
 
     w, r = states(whole), states(resumed)
     assert sorted(w) == sorted(r) == [2, 4]

@@ -84,9 +84,7 @@ class Timeline(Observer):
         lanes = [(task, sorted({c for _, _, c in spans[task]})) for task in spans]
         rows = sum(len(consumers) for _, consumers in lanes)
         fig = Figure(figsize=(11, 1.9 + 0.28 * rows + 0.25 * len(lanes)), layout="constrained")
-        strip, ax = fig.subplots(
-            2, 1, sharex=True, gridspec_kw={"height_ratios": [1, 2 + rows]}
-        )
+        strip, ax = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [1, 2 + rows]})
         _draw_lanes(ax, spans, lanes, t0, t1)
         _draw_versions(strip, versions, t0)
         rate = f", {len(versions) / (t1 - t0):.1f}/s" if versions else ""

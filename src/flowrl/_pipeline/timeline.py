@@ -79,7 +79,7 @@ class Timeline(Observer):
         if not spans:
             raise ValueError("Timeline.figure: no activity was recorded")
         t0 = min(a for s in spans.values() for a, _, _ in s)
-        t1 = max(b for s in spans.values() for _, b, _ in s)
+        t1 = max([b for s in spans.values() for _, b, _ in s] + [t for t, _ in versions])
         t1 = max(t1, t0 + 1e-3)
         lanes = [(task, sorted({c for _, _, c in spans[task]})) for task in spans]
         rows = sum(len(consumers) for _, consumers in lanes)

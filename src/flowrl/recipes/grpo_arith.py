@@ -43,6 +43,7 @@ depends on timing, and so does each micro-batch's random stream.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import sys
 import time
@@ -370,41 +371,21 @@ def run(cfg: GRPOConfig, *, resume: str | Path | None = None) -> dict[str, Any]:
     # 10x slower when threads oversubscribe a 2-core machine.
     torch.set_num_threads(1)
     t_start = time.perf_counter()
-    run_dir, state = _open_run(cfg, resume)
+    run_dir, checkpoint = _open_run(cfg, resume)
     log.info("run folder: %s", run_dir)
-
     task = ArithTask(digits=(1, cfg.max_digits), seed=cfg.seed)
     held_out = ArithTask(digits=(1, cfg.max_digits), seed=10_000 + cfg.seed).sample(cfg.eval_size)
     max_new = task.max_response_len + 1
-    model = build_model(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    if state is None:
-        warm_up(cfg, model, task)
-        eval_before = evaluate(model, held_out, max_new)
-        log.info(
-            "held-out accuracy before RL: %.3f sampled, %.3f greedy",
-            eval_before["sampled"],
-            eval_before["greedy"],
-        )
-        reference = copy.deepcopy(model).requires_grad_(False)
-        start, version, metrics = 0, 0, []
-    else:
-        reference = copy.deepcopy(model).requires_grad_(False)
-        model.load_state_dict(state["model"])
-        reference.load_state_dict(state["reference"])
-        opt.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])
-        eval_before = state["eval_before"]
-        start, version, metrics = state["step"], state["version"], list(state["metrics"])
-        log.info("resumed at step %d (policy version %d)", start, version)
-    model.eval()
+    trainer = _Trainer.start(cfg, task, held_out, max_new, checkpoint)
+    start = trainer.step
 
-    store = WeightStore(model, version=version)
+    store = WeightStore(trainer.model, version=trainer.version)
     scheduler = build_scheduler(cfg, max_new) if cfg.schedule else None
-    pipe = build_pipeline(cfg, store, reference, scheduler, start_step=start)
+    pipe = build_pipeline(cfg, store, trainer.reference, scheduler, start_step=start)
     hub = flowrl.Hub(pipe.columns, config=flowrl.HubConfig(capacity=cfg.hub_capacity))
-    if version:
-        hub.publish_version(version)  # admission control counts from the resumed version
+    pipe.register(hub)  # now, not when the pipeline thread starts: a stall report lists all
+    if trainer.version:
+        hub.publish_version(trainer.version)  # admission control counts from here
     timeline = Timeline()
     hub.subscribe(timeline)
     if scheduler is not None:
@@ -418,58 +399,43 @@ def run(cfg: GRPOConfig, *, resume: str | Path | None = None) -> dict[str, Any]:
         groups=cfg.group_size,
         timeout=cfg.stall_timeout,
     )
-    metrics_file = _metrics_file(run_dir, metrics)
+    metrics_file = _metrics_file(run_dir, trainer.metrics)
     t_rl = time.time()
     run_ = pipe.start(hub, loaders=[loader], max_samples=(cfg.steps - start) * batch_size)
     steps_bar = bar(cfg.steps, "grpo", enabled=cfg.progress)
     steps_bar.update(start)
+    saved = None
     step_start = t_rl
-    checkpoint = None
     try:
-        for step in range(start, cfg.steps):
+        while trainer.step < cfg.steps:
             t_wait = time.perf_counter()
-            batch = next_batch(loader, hub, timeline, step=step)
+            batch = next_batch(loader, hub, timeline, step=trainer.step)
             waited = time.perf_counter() - t_wait
-            m = update_policy(cfg, model, opt, batch)
-            lag = store.version - batch.meta.versions
-            token_lag = store.version - batch.packed("response_versions")[0]
-            version = store.publish(model)
-            hub.publish_version(version)
+            m = update_policy(cfg, trainer.model, trainer.opt, batch)
+            m.update(_batch_lag(store.version, batch))
+            trainer.version = store.publish(trainer.model)
+            hub.publish_version(trainer.version)
             m.update(
-                step=step,
-                version=version,
-                lag_mean=float(lag.mean()),
-                lag_max=int(lag.max()),
-                token_lag_mean=float(token_lag.mean()) if token_lag.size else 0.0,
+                step=trainer.step,
+                version=trainer.version,
                 wait_s=waited,
-                samples_per_s=(step + 1 - start) * batch_size / (time.time() - t_rl),
+                samples_per_s=(trainer.step + 1 - start) * batch_size / (time.time() - t_rl),
                 busy={  # stage busy fractions over this step, from the event stream
                     name: round(timeline.busy_fraction(name, step_start, time.time()), 3)
                     for name in STAGE_NAMES
                 },
             )
             step_start = time.time()
-            metrics.append(m)
+            trainer.finish_step(m)
             metrics_file.write(json.dumps(m) + "\n")
             metrics_file.flush()
             steps_bar.set_postfix(reward=f"{m['reward']:.3f}", lag=f"{m['lag_mean']:.2f}")
             steps_bar.update(1)
-            done = step + 1
+            done = trainer.step
             if cfg.log_every and (done % cfg.log_every == 0 or done == cfg.steps):
                 log.info("%s", format_step(m, cfg.steps))
             if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
-                snapshot = {
-                    "step": done,
-                    "version": version,
-                    "model": model.state_dict(),
-                    "optimizer": opt.state_dict(),
-                    "reference": reference.state_dict(),
-                    "torch_rng": torch.get_rng_state(),
-                    "eval_before": eval_before,
-                    "metrics": metrics,
-                    "config": msgspec.to_builtins(cfg),
-                }
-                checkpoint = save_checkpoint(run_dir, done, snapshot)
+                saved = save_checkpoint(run_dir, done, trainer.state_dict(cfg))
         steps_bar.close()
         loader.close()
         run_.stop()
@@ -480,30 +446,18 @@ def run(cfg: GRPOConfig, *, resume: str | Path | None = None) -> dict[str, Any]:
         _abandon(run_, loader, hub)
         raise
     t_end = time.time()
-    model.eval()
-    eval_after = evaluate(model, held_out, max_new)
-    busy = {name: timeline.busy_fraction(name, t_rl, t_end) for name in timeline.spans()}
     timeline.save_png(str(run_dir / "timeline.png"), title="flowrl GRPO: stage activity")
-    session = metrics[len(metrics) - (cfg.steps - start) :]
-    window = max(1, min(20, cfg.steps // 5))
     summary = {
         "steps": cfg.steps,
         "run_dir": str(run_dir),
         "resumed_from": None if resume is None else start,
-        "checkpoint": None if checkpoint is None else str(checkpoint),
-        "reward_first": float(np.mean([m["reward"] for m in metrics[:window]])),
-        "reward_last": float(np.mean([m["reward"] for m in metrics[-window:]])),
-        "eval_sampled_before": eval_before["sampled"],
-        "eval_sampled_after": eval_after["sampled"],
-        "eval_greedy_before": eval_before["greedy"],
-        "eval_greedy_after": eval_after["greedy"],
+        "checkpoint": None if saved is None else str(saved),
+        **_rewards_and_accuracy(trainer, evaluate(trainer.model, held_out, max_new), cfg.steps),
         "wall_s": time.perf_counter() - t_start,
-        "rl_wall_s": t_end - t_rl,
-        "samples_per_s": len(session) * batch_size / (t_end - t_rl),
-        "update_idle_fraction": float(sum(m["wait_s"] for m in session) / (t_end - t_rl)),
-        "stage_busy_fraction": busy,
-        "lag_mean": float(np.mean([m["lag_mean"] for m in session])),
-        "lag_max": max(m["lag_max"] for m in session),
+        **_session_figures(trainer.metrics[start:], batch_size, t_end - t_rl),
+        "stage_busy_fraction": {
+            name: timeline.busy_fraction(name, t_rl, t_end) for name in timeline.spans()
+        },
         "max_staleness": cfg.max_staleness,
         "stage_samples": {n: s.samples for n, s in result.stages.items()},
         "timeline_png": str(run_dir / "timeline.png"),
@@ -521,6 +475,119 @@ def run(cfg: GRPOConfig, *, resume: str | Path | None = None) -> dict[str, Any]:
         run_dir,
     )
     return summary
+
+
+@dataclasses.dataclass
+class _Trainer:
+    """The trainer's side of a run: the policy, its optimizer, the frozen reference, and
+    how far it got — what a checkpoint holds."""
+
+    model: TinyLM
+    opt: torch.optim.Optimizer
+    reference: TinyLM
+    eval_before: dict[str, float]
+    step: int = 0
+    version: int = 0
+    metrics: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def start(
+        cls,
+        cfg: GRPOConfig,
+        task: ArithTask,
+        held_out: list[Any],
+        max_new: int,
+        checkpoint: dict[str, Any] | None,
+    ) -> _Trainer:
+        """A warmed-up policy, or the checkpoint's."""
+        model = build_model(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        if checkpoint is None:
+            warm_up(cfg, model, task)
+            model.eval()
+            eval_before = evaluate(model, held_out, max_new)
+            log.info(
+                "held-out accuracy before RL: %.3f sampled, %.3f greedy",
+                eval_before["sampled"],
+                eval_before["greedy"],
+            )
+            return cls(model, opt, copy.deepcopy(model).requires_grad_(False), eval_before)
+        model.load_state_dict(checkpoint["model"])
+        model.eval()
+        reference = copy.deepcopy(model).requires_grad_(False)
+        reference.load_state_dict(checkpoint["reference"])
+        opt.load_state_dict(checkpoint["optimizer"])
+        torch.set_rng_state(checkpoint["torch_rng"])
+        log.info(
+            "resumed at step %d (policy version %d)", checkpoint["step"], checkpoint["version"]
+        )
+        return cls(
+            model,
+            opt,
+            reference,
+            checkpoint["eval_before"],
+            checkpoint["step"],
+            checkpoint["version"],
+            list(checkpoint["metrics"]),
+        )
+
+    def finish_step(self, metrics: dict[str, Any]) -> None:
+        self.metrics.append(metrics)
+        self.step += 1
+
+    def state_dict(self, cfg: GRPOConfig) -> dict[str, Any]:
+        """The checkpoint after ``self.step`` steps (plain data: loads ``weights_only``)."""
+        return {
+            "step": self.step,
+            "version": self.version,
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "reference": self.reference.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "eval_before": self.eval_before,
+            "metrics": self.metrics,
+            "config": msgspec.to_builtins(cfg),
+        }
+
+
+def _batch_lag(version: int, batch: flowrl.Batch) -> dict[str, Any]:
+    """How many versions behind ``version`` the batch's samples (and tokens) are."""
+    lag = version - batch.meta.versions
+    token_lag = version - batch.packed("response_versions")[0]
+    return {
+        "lag_mean": float(lag.mean()),
+        "lag_max": int(lag.max()),
+        "token_lag_mean": float(token_lag.mean()) if token_lag.size else 0.0,
+    }
+
+
+def _rewards_and_accuracy(
+    trainer: _Trainer, eval_after: dict[str, float], steps: int
+) -> dict[str, float]:
+    """Mean batch reward of the run's first and last steps; held-out accuracy."""
+    window = max(1, min(20, steps // 5))
+    rewards = [m["reward"] for m in trainer.metrics]
+    return {
+        "reward_first": float(np.mean(rewards[:window])),
+        "reward_last": float(np.mean(rewards[-window:])),
+        "eval_sampled_before": trainer.eval_before["sampled"],
+        "eval_sampled_after": eval_after["sampled"],
+        "eval_greedy_before": trainer.eval_before["greedy"],
+        "eval_greedy_after": eval_after["greedy"],
+    }
+
+
+def _session_figures(
+    session: list[dict[str, Any]], batch_size: int, rl_wall_s: float
+) -> dict[str, Any]:
+    """Throughput, the trainer's idle share and version lag over this process's steps."""
+    return {
+        "rl_wall_s": rl_wall_s,
+        "samples_per_s": len(session) * batch_size / rl_wall_s,
+        "update_idle_fraction": float(sum(m["wait_s"] for m in session) / rl_wall_s),
+        "lag_mean": float(np.mean([m["lag_mean"] for m in session])),
+        "lag_max": max(m["lag_max"] for m in session),
+    }
 
 
 def build_model(cfg: GRPOConfig) -> TinyLM:

@@ -42,34 +42,19 @@ depends on timing, and so does each micro-batch's random stream.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import json
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any
 
 import msgspec
 import numpy as np
 import torch
 
 import flowrl
-from flowrl import (
-    Column,
-    GroupSampler,
-    Loader,
-    Pipeline,
-    Rows,
-    StageContext,
-    StageSpec,
-    Staleness,
-    Timeline,
-    WeightStore,
-)
-from flowrl._pipeline.sched_hooks import RolloutScheduler
+from flowrl import Loader, Timeline, WeightStore
 from flowrl.errors import ConfigError, Timeout
-from flowrl.models import TinyLM, TinyLMConfig, generate
 from flowrl.recipes.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -79,32 +64,18 @@ from flowrl.recipes.checkpoint import (
     write_config,
 )
 from flowrl.recipes.cli import config_errors, parse_config
-from flowrl.recipes.grpo_config import (
-    MAX_SEQ_LEN,
-    N_HEADS,
-    GRPOConfig,
-    check_resumable,
-    groups_per_put,
+from flowrl.recipes.grpo_config import GRPOConfig, check_resumable
+from flowrl.recipes.grpo_stages import (
+    STAGE_NAMES,
+    TRAIN_COLUMNS,
+    build_pipeline,
+    build_scheduler,
+    rollout_stage,
 )
+from flowrl.recipes.grpo_trainer import Trainer, evaluate, update_policy
 from flowrl.recipes.progress import bar, format_step, log, log_to_stderr
 from flowrl.recipes.stall import next_batch
-from flowrl.rl import (
-    build_batch,
-    generate_resumable,
-    group_advantages,
-    grpo_loss,
-    token_logprobs,
-)
-from flowrl.sched import (
-    BalancerConfig,
-    ForecastConfig,
-    HardwareSpec,
-    ModelSpec,
-    ParallelMode,
-    PlannerConfig,
-    kv_capacity_tokens,
-)
-from flowrl.tasks import EOS_ID, VOCAB_SIZE, ArithTask, pretrain, verify
+from flowrl.tasks import ArithTask
 
 __all__ = [
     "GRPOConfig",
@@ -115,248 +86,6 @@ __all__ = [
     "run",
     "update_policy",
 ]
-
-
-def build_scheduler(cfg: GRPOConfig, max_new: int) -> RolloutScheduler:
-    """The scheduling layer with the rollout workers as its instances.
-
-    A CPU worker runs one "mode"; the cost model is a TinyLM-shaped model on a CPU-core-like
-    device, so the planner's predictions are in the right units (they only compare workers).
-    Response lengths are a few tokens, hence one-token length buckets.
-    """
-    model = ModelSpec(
-        name="tinylm",
-        params=12.0 * 2 * cfg.d_model**2 + VOCAB_SIZE * cfg.d_model,
-        layers=2,
-        hidden=cfg.d_model,
-        n_heads=N_HEADS,
-        n_kv_heads=N_HEADS,
-        head_dim=cfg.d_model // N_HEADS,
-        dtype_bytes=4,
-    )
-    hw = HardwareSpec(
-        hbm_bytes=1e9, hbm_bw=1e10, flops=2e10, link_bw=1e10, net_bw=1e10, gpus_per_node=1
-    )
-    mode = ParallelMode(name="cpu", gpus=1, tp=1)
-    return RolloutScheduler(
-        task="Rollout",
-        workers=cfg.rollout_workers,
-        mode=mode,
-        planner=PlannerConfig(
-            model=model, hw=hw, bs_max=cfg.rollout_batch, bucket=1, method="greedy"
-        ),
-        balancer=BalancerConfig(move_running=False),
-        forecast=ForecastConfig(median=3.0, sigma=0.5, max_len=max_new, grid_step=1, bucket=1),
-        kv_capacity=kv_capacity_tokens(mode, model, hw),
-        bs_max=cfg.rollout_batch,
-    )
-
-
-def build_pipeline(
-    cfg: GRPOConfig,
-    store: WeightStore,
-    reference: TinyLM,
-    scheduler: RolloutScheduler | None = None,
-    *,
-    start_step: int = 0,
-) -> Pipeline:
-    """The five stages, closed over the run's config, weights, reference and scheduler.
-
-    ``start_step``: the stream of problems starts at this step's (a resumed run).
-    """
-    task = ArithTask(digits=(1, cfg.max_digits), seed=cfg.seed)
-    max_new = task.max_response_len + 1
-    g = cfg.group_size
-    per_put = groups_per_put(cfg)
-    prompts = prompts_stage(cfg, task, start_step)
-    rollout = rollout_stage(
-        cfg,
-        store,
-        reference,
-        scheduler,
-        max_new,
-        first_sample=start_step * cfg.prompts_per_step * g,
-    )
-
-    @flowrl.stage(
-        inputs=["prompt", "response"],
-        outputs=[Column.scalar("reward", "float32")],
-        batch_size=cfg.rollout_batch,
-        min_batch=1,
-    )
-    def reward(batch: flowrl.Batch) -> dict[str, Any]:
-        pairs = zip(batch.ragged("prompt"), batch.ragged("response"), strict=True)
-        scores = [verify(p.tolist(), r.tolist()) for p, r in pairs]
-        return {"reward": np.array(scores, dtype=np.float32)}
-
-    @flowrl.stage(
-        inputs=["prompt", "response"],
-        outputs=[
-            Column.ragged("old_logprobs", "float32"),
-            Column.ragged("ref_logprobs", "float32"),
-        ],
-        batch_size=cfg.rollout_batch,
-        min_batch=1,
-    )
-    class Logprob:
-        def setup(self) -> None:
-            self.model = copy.deepcopy(reference).eval()
-            self.version = -1
-
-        def __call__(self, batch: flowrl.Batch) -> dict[str, Any]:
-            self.version = store.pull(self.model, self.version)
-            ids, mask, starts, cu = _model_inputs(batch)
-            with torch.no_grad():
-                old = token_logprobs(self.model, ids, mask, starts, cu, temperature=cfg.temperature)
-                ref = token_logprobs(reference, ids, mask, starts, cu, temperature=cfg.temperature)
-            cu_np = cu.numpy()
-            return {
-                "old_logprobs": flowrl.RaggedArray(old.numpy(), cu_np),
-                "ref_logprobs": flowrl.RaggedArray(ref.numpy(), cu_np.copy()),
-            }
-
-    @flowrl.stage(
-        inputs=["reward"],
-        outputs=[Column.scalar("advantage", "float32")],
-        batch_size=per_put * g,
-        sampler=GroupSampler(g),
-    )
-    def advantage(batch: flowrl.Batch) -> dict[str, Any]:
-        adv = group_advantages(batch.torch("reward"), torch.from_numpy(batch.meta.groups))
-        return {"advantage": adv.numpy()}
-
-    stages = cast("tuple[StageSpec, ...]", (prompts, rollout, reward, Logprob, advantage))
-    return Pipeline(
-        stages,
-        staleness=Staleness(
-            max_staleness=cfg.max_staleness, samples_per_version=cfg.prompts_per_step * g
-        ),
-    )
-
-
-def prompts_stage(cfg: GRPOConfig, task: ArithTask, start_step: int) -> StageSpec:
-    """The source: G copies of each problem, one group id per problem, one partition per step.
-
-    It puts :func:`groups_per_put` groups at a time (a divisor of the step's groups: a put
-    never spans two steps). ``start_step``: skip the problems of the steps before it.
-    """
-    g, per_step, per_put = cfg.group_size, cfg.prompts_per_step, groups_per_put(cfg)
-    first_group = start_step * per_step
-    task.sample(first_group)  # the stream of problems continues where the run stopped
-
-    @flowrl.stage(outputs=[Column.ragged("prompt", "int64")], batch_size=per_put * g)
-    def prompts() -> Any:
-        group = first_group
-        while True:
-            problems = task.sample(per_put)
-            ids = [np.asarray(p.prompt_ids, dtype=np.int64) for p in problems for _ in range(g)]
-            groups = np.repeat(np.arange(group, group + per_put), g)
-            step = group // per_step
-            group += per_put
-            yield Rows({"prompt": ids}, groups=groups, partition=f"step-{step}")
-
-    return prompts
-
-
-def rollout_stage(
-    cfg: GRPOConfig,
-    store: WeightStore,
-    reference: TinyLM,
-    scheduler: RolloutScheduler | None,
-    max_new: int,
-    *,
-    first_sample: int = 0,
-) -> StageSpec:
-    """The rollout workers: sample responses with the newest published weights.
-
-    Each micro-batch's random stream is seeded by its first sample's position in the run's
-    stream (``first_sample`` + its hub index), so a resumed synchronous run samples what
-    the uninterrupted run would have.
-    """
-
-    @flowrl.stage(
-        inputs=["prompt"],
-        outputs=[
-            Column.ragged("response", "int64"),
-            Column.ragged("sample_logprobs", "float32"),
-            Column.ragged("response_versions", "int64"),
-        ],
-        batch_size=cfg.rollout_batch,
-        min_batch=1,
-        workers=cfg.rollout_workers,
-        sampler=None if scheduler is None else scheduler.sampler,
-    )
-    class Rollout:
-        def setup(self, ctx: StageContext) -> None:
-            if scheduler is not None:
-                scheduler.bind(ctx.worker)
-            self.model = copy.deepcopy(reference).eval()
-            self.version = store.pull(self.model, -1)
-            self.hub = ctx.hub
-
-        def __call__(self, batch: flowrl.Batch) -> Rows:
-            self.version = store.pull(self.model, self.version)  # between micro-batches
-            position = first_sample + int(batch.indices[0])
-            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + position)
-            with torch.no_grad():
-                out = generate_resumable(
-                    self.model,
-                    self.hub,
-                    batch.meta,
-                    batch.ragged("prompt").tolist(),
-                    max_new,
-                    version=self.version,
-                    eos_id=EOS_ID,
-                    temperature=cfg.temperature,
-                    generator=gen,
-                    append_every=cfg.append_every,
-                )
-            return Rows(
-                {
-                    "response": out.responses,
-                    "sample_logprobs": out.logprobs,
-                    "response_versions": out.versions,
-                },
-                # A resumed response mixes versions: each sample counts as old as its
-                # oldest token, so the staleness bound holds for every token.
-                version=out.sample_versions(self.version),
-                tokens=out.responses.lengths,  # response lengths, for the forecaster
-            )
-
-    return cast(StageSpec, Rollout)
-
-
-STAGE_NAMES = ("Rollout", "reward", "Logprob", "advantage", "trainer")
-TRAIN_COLUMNS = [
-    "prompt",
-    "response",
-    "response_versions",
-    "old_logprobs",
-    "ref_logprobs",
-    "advantage",
-    "reward",
-]
-
-
-def _model_inputs(batch: flowrl.Batch) -> tuple[torch.Tensor, ...]:
-    prompts = [torch.from_numpy(p.copy()) for p in batch.ragged("prompt")]
-    responses = [torch.from_numpy(r.copy()) for r in batch.ragged("response")]
-    return build_batch(prompts, responses)
-
-
-def evaluate(model: TinyLM, problems: list[Any], max_new: int) -> dict[str, float]:
-    """Accuracy on held-out problems, sampled at temperature 1 and greedy."""
-    prompts = [p.prompt_ids for p in problems]
-    scores = {}
-    for name, temperature in (("sampled", 1.0), ("greedy", 0.0)):
-        gen = torch.Generator().manual_seed(12345)
-        with torch.no_grad():
-            out = generate(
-                model, prompts, max_new, temperature=temperature, eos_id=EOS_ID, generator=gen
-            )
-        pairs = zip(problems, out.responses(), strict=True)
-        scores[name] = float(np.mean([verify(p.prompt_ids, r) for p, r in pairs]))
-    return scores
 
 
 def run(cfg: GRPOConfig, *, resume: str | Path | None = None) -> dict[str, Any]:
@@ -376,7 +105,7 @@ def run(cfg: GRPOConfig, *, resume: str | Path | None = None) -> dict[str, Any]:
     task = ArithTask(digits=(1, cfg.max_digits), seed=cfg.seed)
     held_out = ArithTask(digits=(1, cfg.max_digits), seed=10_000 + cfg.seed).sample(cfg.eval_size)
     max_new = task.max_response_len + 1
-    trainer = _Trainer.start(cfg, task, held_out, max_new, checkpoint)
+    trainer = Trainer.start(cfg, task, held_out, max_new, checkpoint)
     start = trainer.step
 
     store = WeightStore(trainer.model, version=trainer.version)
@@ -477,79 +206,6 @@ def run(cfg: GRPOConfig, *, resume: str | Path | None = None) -> dict[str, Any]:
     return summary
 
 
-@dataclasses.dataclass
-class _Trainer:
-    """The trainer's side of a run: the policy, its optimizer, the frozen reference, and
-    how far it got — what a checkpoint holds."""
-
-    model: TinyLM
-    opt: torch.optim.Optimizer
-    reference: TinyLM
-    eval_before: dict[str, float]
-    step: int = 0
-    version: int = 0
-    metrics: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-
-    @classmethod
-    def start(
-        cls,
-        cfg: GRPOConfig,
-        task: ArithTask,
-        held_out: list[Any],
-        max_new: int,
-        checkpoint: dict[str, Any] | None,
-    ) -> _Trainer:
-        """A warmed-up policy, or the checkpoint's."""
-        model = build_model(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-        if checkpoint is None:
-            warm_up(cfg, model, task)
-            model.eval()
-            eval_before = evaluate(model, held_out, max_new)
-            log.info(
-                "held-out accuracy before RL: %.3f sampled, %.3f greedy",
-                eval_before["sampled"],
-                eval_before["greedy"],
-            )
-            return cls(model, opt, copy.deepcopy(model).requires_grad_(False), eval_before)
-        model.load_state_dict(checkpoint["model"])
-        model.eval()
-        reference = copy.deepcopy(model).requires_grad_(False)
-        reference.load_state_dict(checkpoint["reference"])
-        opt.load_state_dict(checkpoint["optimizer"])
-        torch.set_rng_state(checkpoint["torch_rng"])
-        log.info(
-            "resumed at step %d (policy version %d)", checkpoint["step"], checkpoint["version"]
-        )
-        return cls(
-            model,
-            opt,
-            reference,
-            checkpoint["eval_before"],
-            checkpoint["step"],
-            checkpoint["version"],
-            list(checkpoint["metrics"]),
-        )
-
-    def finish_step(self, metrics: dict[str, Any]) -> None:
-        self.metrics.append(metrics)
-        self.step += 1
-
-    def state_dict(self, cfg: GRPOConfig) -> dict[str, Any]:
-        """The checkpoint after ``self.step`` steps (plain data: loads ``weights_only``)."""
-        return {
-            "step": self.step,
-            "version": self.version,
-            "model": self.model.state_dict(),
-            "optimizer": self.opt.state_dict(),
-            "reference": self.reference.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "eval_before": self.eval_before,
-            "metrics": self.metrics,
-            "config": msgspec.to_builtins(cfg),
-        }
-
-
 def _batch_lag(version: int, batch: flowrl.Batch) -> dict[str, Any]:
     """How many versions behind ``version`` the batch's samples (and tokens) are."""
     lag = version - batch.meta.versions
@@ -562,7 +218,7 @@ def _batch_lag(version: int, batch: flowrl.Batch) -> dict[str, Any]:
 
 
 def _rewards_and_accuracy(
-    trainer: _Trainer, eval_after: dict[str, float], steps: int
+    trainer: Trainer, eval_after: dict[str, float], steps: int
 ) -> dict[str, float]:
     """Mean batch reward of the run's first and last steps; held-out accuracy."""
     window = max(1, min(20, steps // 5))
@@ -588,46 +244,6 @@ def _session_figures(
         "lag_mean": float(np.mean([m["lag_mean"] for m in session])),
         "lag_max": max(m["lag_max"] for m in session),
     }
-
-
-def build_model(cfg: GRPOConfig) -> TinyLM:
-    """The policy, freshly initialised (from the global torch seed)."""
-    return TinyLM(
-        TinyLMConfig(
-            vocab_size=VOCAB_SIZE,
-            d_model=cfg.d_model,
-            n_layers=2,
-            n_heads=N_HEADS,
-            d_ff=4 * cfg.d_model,
-            max_seq_len=MAX_SEQ_LEN,
-        )
-    )
-
-
-def warm_up(cfg: GRPOConfig, model: TinyLM, task: ArithTask) -> None:
-    """Learn the task, then unlearn part of it on noisy answers, so the policy's samples
-    are right only some of the time and GRPO has a signal to climb."""
-    total = cfg.clean_steps + cfg.noisy_steps
-    log.info(
-        "warm-up: %d supervised steps on correct answers, then %d on answers %.0f%% of which "
-        "have a wrong digit",
-        cfg.clean_steps,
-        cfg.noisy_steps,
-        100 * cfg.noise,
-    )
-    with bar(total, "warm-up", enabled=cfg.progress) as warm_bar:
-        pretrain(
-            model, task, cfg.clean_steps, lr=3e-3, noise=0.0, seed=cfg.seed, on_step=warm_bar.update
-        )
-        pretrain(
-            model,
-            task,
-            cfg.noisy_steps,
-            lr=3e-4,
-            noise=cfg.noise,
-            seed=cfg.seed + 1,
-            on_step=warm_bar.update,
-        )
 
 
 def _open_run(cfg: GRPOConfig, resume: str | Path | None) -> tuple[Path, dict[str, Any] | None]:
@@ -665,34 +281,6 @@ def _abandon(run_: Any, loader: Loader, hub: flowrl.Hub) -> None:
     except BaseException as exc:  # the first failure is the one raised
         log.debug("the pipeline also failed while stopping: %s", exc)
     hub.close()
-
-
-def update_policy(
-    cfg: GRPOConfig, model: TinyLM, opt: torch.optim.Optimizer, batch: flowrl.Batch
-) -> dict[str, Any]:
-    """One optimizer step on a training batch (clipped GRPO with a k3 KL penalty)."""
-    model.train()
-    ids, mask, starts, cu = _model_inputs(batch)
-    old, _ = batch.packed("old_logprobs", torch=True)
-    ref, _ = batch.packed("ref_logprobs", torch=True)
-    logprobs = token_logprobs(model, ids, mask, starts, cu, temperature=cfg.temperature)
-    loss, m = grpo_loss(
-        logprobs,
-        old,
-        batch.torch("advantage"),
-        cu,
-        ref_logprobs=ref,
-        clip_eps=cfg.clip_eps,
-        kl_coef=cfg.kl_coef,
-    )
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    model.eval()
-    m["loss"] = loss.item()
-    m["reward"] = float(batch.numpy("reward").mean())
-    return m
 
 
 PROG = "flowrl run grpo"

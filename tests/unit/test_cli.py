@@ -89,3 +89,13 @@ def test_a_put_is_a_divisor_of_the_steps_groups(prompts, group, batch, expected)
     per_put = groups_per_put(cfg)
     assert per_put == expected
     assert prompts % per_put == 0 and (per_put == 1 or per_put * group <= batch)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"), [(["run", "nope"], "invalid choice: 'nope'"), ([], "required: command")]
+)
+def test_an_unknown_recipe_or_no_command_is_a_usage_error(capsys, argv, says) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert says in capsys.readouterr().err

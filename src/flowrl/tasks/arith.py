@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import random
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import final
 
@@ -166,10 +166,12 @@ def pretrain(
     lr: float = 3e-3,
     noise: float = 0.5,
     seed: int = 0,
+    on_step: Callable[[], object] | None = None,
 ) -> list[float]:
     """Supervised warm-up on noisy answers (loss on response tokens only); returns losses.
 
     AdamW at ``lr`` with a short linear warm-up and cosine decay to ``lr / 10``.
+    ``on_step`` is called after every step (e.g. a progress bar's ``update``).
 
     ``model(ids, attention_mask=mask)`` must return logits ``(B, T, vocab)``.
     """
@@ -211,4 +213,6 @@ def pretrain(
         opt.step()
         sched.step()
         losses.append(loss.item())
+        if on_step is not None:
+            on_step()
     return losses

@@ -1,0 +1,51 @@
+"""A trainer that stops getting batches fails with a diagnosis instead of waiting forever.
+
+:func:`next_batch` takes the trainer's next batch from a :class:`~flowrl.Loader` built
+with ``timeout=`` (the stall timeout); when none comes in time it raises
+:class:`~flowrl.errors.Timeout` with what the hub holds for each task (ready, leased,
+consumed), which stages have work in hand and for how long, the policy version and how
+full the hub is.
+"""
+
+from __future__ import annotations
+
+import time
+
+from flowrl._client.base import HubClient
+from flowrl._pipeline.loader import Loader
+from flowrl._pipeline.timeline import Timeline
+from flowrl._store.batch import Batch
+from flowrl.errors import Timeout
+
+__all__ = ["diagnose", "next_batch"]
+
+
+def next_batch(loader: Loader, hub: HubClient, timeline: Timeline, *, step: int) -> Batch:
+    """``next(loader)``; on the loader's timeout, a :class:`Timeout` with :func:`diagnose`."""
+    try:
+        return next(loader)
+    except Timeout as exc:
+        raise Timeout(
+            f"the trainer waited {loader.timeout:g}s (--stall-timeout) for the "
+            f"{loader.batch_size} samples of step {step + 1} and none came: the run stopped "
+            f"making progress. {diagnose(hub, timeline)}. Raise --stall-timeout if one step "
+            "legitimately takes longer."
+        ) from exc
+
+
+def diagnose(hub: HubClient, timeline: Timeline) -> str:
+    """What each task of ``hub`` holds and is doing, in one paragraph."""
+    stats = hub.statistics()
+    now = time.time()
+    busy = timeline.in_flight()
+    parts = []
+    for task, t in stats.tasks.items():
+        doing = "idle"
+        if busy.get(task):
+            starts = busy[task]
+            doing = f"{len(starts)} batch(es) in hand, the oldest for {now - min(starts):.1f}s"
+        parts.append(f"{task}: {t.ready} ready, {t.leased} leased, {t.consumed} consumed ({doing})")
+    return (
+        f"Hub at policy version {stats.version}, {stats.live} of {stats.capacity} samples "
+        f"live, stream {'ended' if stats.ended else 'open'}; per task: " + "; ".join(parts)
+    )

@@ -69,8 +69,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     ``temperature`` 0 is greedy; log-probs are ``log_softmax(logits / temperature)`` in
     float32 (of the unscaled logits when greedy), the quantity a trainer recomputes.
-    ``seed``: a request's random stream is seeded with ``seed + request id`` where the
-    engine supports it (reproducible per sample, whatever the batch it runs in).
+    ``seed``: a request's random stream is seeded from ``seed``, the request id and its
+    prefix length where the engine supports it (reproducible per sample, whatever the batch
+    it runs in; a resumed request does not replay the draws it started with).
     """
 
     max_new_tokens: int
@@ -241,8 +242,10 @@ class TrainBatch:
 
 #: ``loss_fn(logprobs, batch) -> (loss, metrics)``: ``logprobs`` are the current weights'
 #: float32 log-probs of ``batch``'s response tokens (packed by ``response_cu``), with
-#: gradients; the loss is a scalar to minimise for this micro-batch, already weighted by
-#: the micro-batch's share of the step (``train_step`` sums the micro-batches' gradients).
+#: gradients; the loss is a scalar to minimise, *averaged over this micro-batch's response
+#: tokens* (a token mean, as ``flowrl.rl.grpo_loss`` computes it). ``train_step`` weights
+#: each micro-batch by its share of the step's response tokens (over every data-parallel
+#: rank), so the step minimises the token mean of the whole step, however it is split.
 LossFn = Callable[["torch.Tensor", TrainBatch], "tuple[torch.Tensor, Mapping[str, float]]"]
 
 
@@ -265,8 +268,10 @@ class UpdateEngine(abc.ABC):
     @abc.abstractmethod
     def train_step(self, micro_batches: Sequence[TrainBatch], loss_fn: LossFn) -> dict[str, float]:
         """Forward and backward over every micro-batch, one optimizer step; the version
-        advances by one. Returns the loss functions' metrics, averaged over micro-batches,
-        with ``loss`` and ``grad_norm``."""
+        advances by one. Each micro-batch's loss is weighted by its share of the step's
+        response tokens (:data:`LossFn`). Returns the loss functions' metrics averaged over
+        micro-batches with the same weights, with ``loss`` (the step's token-mean loss) and
+        ``grad_norm`` (before clipping)."""
 
     @abc.abstractmethod
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

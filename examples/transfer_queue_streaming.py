@@ -47,7 +47,9 @@ def main() -> None:
     tq.init({"flowrl": {"placement": args.placement, "fetch_timeout": 30.0}})
     try:
         if args.placement == "zmq":
-            worker = multiprocessing.get_context("spawn").Process(target=rollout, args=(args.samples,))
+            worker = multiprocessing.get_context("spawn").Process(
+                target=rollout, args=(args.samples,)
+            )
             worker.start()
         else:
             rollout(args.samples)

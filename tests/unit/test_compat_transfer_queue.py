@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
 import pytest
 
 tensordict = pytest.importorskip("tensordict", reason="needs the compat extra (tensordict)")
@@ -37,7 +36,9 @@ def test_kv_tutorial_flow(q) -> None:
         {"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": torch.ones(1, 3)},
         batch_size=1,
     )
-    q.kv_put(key="0_0", partition_id="Train", fields=one, tag={"global_steps": 0, "status": "running"})
+    q.kv_put(
+        key="0_0", partition_id="Train", fields=one, tag={"global_steps": 0, "status": "running"}
+    )
     ids = torch.tensor([[4, 5, 6], [7, 8, 9], [10, 11, 12], [13, 14, 15]])
     batch = TensorDict({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, batch_size=4)
     keys = ["1_0", "1_1", "1_2", "2_0"]
@@ -54,7 +55,12 @@ def test_kv_tutorial_flow(q) -> None:
     listed = q.kv_list()
     assert list(listed) == ["Train"]
     assert listed["Train"]["0_0"] == {"global_steps": 0, "status": "finish"}  # tags merge
-    assert [listed["Train"][k]["status"] for k in keys] == ["running", "finish", "running", "finish"]
+    assert [listed["Train"][k]["status"] for k in keys] == [
+        "running",
+        "finish",
+        "running",
+        "finish",
+    ]
 
     all_keys = list(listed["Train"])
     got = q.kv_batch_get(keys=all_keys, partition_id="Train", select_fields="input_ids")
@@ -100,14 +106,18 @@ def test_kv_put_dict_of_one_sample_and_value_kinds(q) -> None:
     single = q.kv_batch_get(keys="c", partition_id="q")
     assert single["reward"].tolist() == [2.0] and single["prompt"] == ["x"]
     got["reward"][0] = 9.0  # reads are the caller's copies
-    assert q.kv_batch_get(keys="a", partition_id="p", select_fields="reward")["reward"].item() == 0.5
+    assert (
+        q.kv_batch_get(keys="a", partition_id="p", select_fields="reward")["reward"].item() == 0.5
+    )
 
 
 def test_client_put_get_meta_get_data_per_task_and_partition(q) -> None:
     """tutorial/01 and 03: insert, fetch by task, write back, fetch the new field."""
     client = q.get_client()
     prompts = torch.arange(8 * 4).reshape(8, 4)
-    inserted = client.put(data=TensorDict({"prompts": prompts}, batch_size=8), partition_id="train_0")
+    inserted = client.put(
+        data=TensorDict({"prompts": prompts}, batch_size=8), partition_id="train_0"
+    )
     client.put(data=TensorDict({"prompts": prompts[:2]}, batch_size=2), partition_id="train_1")
     assert inserted.size == 8 and inserted.field_names == ["prompts"]
     assert torch.equal(client.get_data(inserted)["prompts"].values().reshape(8, 4), prompts)
@@ -253,9 +263,13 @@ def test_bad_input_is_refused_and_changes_nothing(q) -> None:
             keys=["d"], partition_id="p", fields=TensorDict({"y": torch.ones(1, 2).bfloat16()}, [1])
         )
     with pytest.raises(SchemaError, match="keeps the kind"):  # x is a scalar column
-        q.kv_batch_put(keys=["d"], partition_id="p", fields=TensorDict({"x": torch.ones(1, 2)}, [1]))
+        q.kv_batch_put(
+            keys=["d"], partition_id="p", fields=TensorDict({"x": torch.ones(1, 2)}, [1])
+        )
     with pytest.raises(SchemaError, match="reserved"):
-        q.kv_batch_put(keys=["d"], partition_id="p", fields=TensorDict({"_tq_x": torch.ones(1)}, [1]))
+        q.kv_batch_put(
+            keys=["d"], partition_id="p", fields=TensorDict({"_tq_x": torch.ones(1)}, [1])
+        )
     with pytest.raises(ConfigError, match="distinct"):
         q.kv_batch_put(keys=["d", "d"], partition_id="p", tags=[{}, {}])
     with pytest.raises(ConfigError, match="neither"):

@@ -19,7 +19,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 
@@ -60,8 +60,8 @@ class _State:
     """What ``init`` made in this process and ``close`` undoes."""
 
     client: TransferQueueClient | None = None
-    owned: list[Callable[[], None]] = []  # noqa: RUF012 (reset by close)
-    config: dict[str, Any] = {}  # noqa: RUF012
+    owned: list[Callable[[], object]] = []
+    config: dict[str, Any] = {}
 
 
 def init(conf: Any = None, *, hub: HubClient | None = None) -> dict[str, Any]:
@@ -108,8 +108,7 @@ def get_client() -> TransferQueueClient:
     """This process's client (``init`` first)."""
     if _State.client is None:
         raise ConfigError(
-            "TransferQueue (flowrl compat) is not initialised in this process; call "
-            "tq.init() first"
+            "TransferQueue (flowrl compat) is not initialised in this process; call tq.init() first"
         )
     return _State.client
 
@@ -261,7 +260,7 @@ def _find_on_ray() -> dict[str, str] | None:
         actor = ray.get_actor(_RAY_ACTOR, namespace=_RAY_NAMESPACE)
     except ValueError:
         return None
-    return json.loads(ray.get(actor.get.remote()))
+    return json.loads(cast(str, ray.get(actor.get.remote())))
 
 
 # -- config ------------------------------------------------------------------------------------
@@ -329,4 +328,3 @@ def _seconds(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
         raise ConfigError(f"tq.init(): {what} must be a number of seconds >= 0, got {value!r}")
     return float(value)
-

@@ -155,7 +155,9 @@ class TransferQueueClient:
                 "(TransferQueueClient.fetch_timeout)"
             ) from e
         self.hub.ack(claimed)
-        return BatchMeta(claimed, [partition] * len(claimed), fields, fetch_custom=self._custom_meta)
+        return BatchMeta(
+            claimed, [partition] * len(claimed), fields, fetch_custom=self._custom_meta
+        )
 
     def get_data(self, metadata: BatchMeta) -> Any:
         """The fields of ``metadata``'s samples as a TensorDict (TransferQueue's layout)."""
@@ -223,7 +225,9 @@ class TransferQueueClient:
         listed = set(self.directory.listing(None))
         stats = self.hub.statistics().tasks
         listed.update(
-            name.removeprefix(_ALL) for name, s in stats.items() if name.startswith(_ALL) and s.ready
+            name.removeprefix(_ALL)
+            for name, s in stats.items()
+            if name.startswith(_ALL) and s.ready
         )
         return sorted(listed)
 
@@ -255,8 +259,7 @@ class TransferQueueClient:
             n, columns, values = field_columns(fields, "kv_batch_put()", self._schema_for(fields))
             if n != len(keys):
                 raise SchemaError(
-                    f"kv_batch_put(): {len(keys)} keys but the fields TensorDict has batch "
-                    f"size {n}"
+                    f"kv_batch_put(): {len(keys)} keys but the fields TensorDict has batch size {n}"
                 )
         known = np.asarray(self.directory.lookup(partition, keys), dtype=np.int64)
         indices = known.copy()
@@ -391,7 +394,7 @@ class TransferQueueClient:
     def _schema_for(self, data: Any) -> Mapping[str, Column]:
         """The hub's columns, with those of ``data``'s fields that other processes declared."""
         if _is_tensordict(data):
-            self._know_columns([k for k in data.keys() if isinstance(k, str)], required=False)
+            self._know_columns([k for k in data.keys() if isinstance(k, str)], required=False)  # noqa: SIM118 (iterating a TensorDict gives rows)
         return self.hub.schema.by_name
 
     def _register(self, task: str, columns: list[str]) -> None:
@@ -512,4 +515,3 @@ def _check_fields(fields: Any, where: str) -> list[str]:
     if len(set(fields)) != len(fields):
         raise ConfigError(f"{where}: duplicate field names in {list(fields)}")
     return list(fields)
-

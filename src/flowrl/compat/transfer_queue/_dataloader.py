@@ -116,8 +116,8 @@ class StreamingDataset(_torch_data().IterableDataset):  # type: ignore[misc]
         self.task_name = task_name
         self.dp_rank = dp_rank
         self.should_check_consumption_status = should_check_consumption_status
-        self.fetch_batch_fn = fetch_batch_fn or default_fetch_batch_fn
-        self.process_batch_fn = process_batch_fn or chunk_batch_fn
+        self.fetch_batch_fn: Callable[..., Any] = fetch_batch_fn or default_fetch_batch_fn
+        self.process_batch_fn: Callable[..., Any] = process_batch_fn or chunk_batch_fn
         self.sampling_config = {"dp_rank": dp_rank, "task_name": task_name}
         self.buffer: list[tuple[Any, BatchMeta]] = []
         self.batch_index = 0
@@ -145,7 +145,7 @@ class StreamingDataset(_torch_data().IterableDataset):  # type: ignore[misc]
                 self.batch_index += 1
                 yield from self.process_batch_fn(td, meta, micro_batch_size=self.micro_batch_size)
                 continue
-            td, meta = self.fetch_batch_fn(
+            fetched, fetched_meta = self.fetch_batch_fn(
                 tq_client=client,
                 data_fields=self.data_fields,
                 batch_size=self.batch_size,
@@ -154,10 +154,10 @@ class StreamingDataset(_torch_data().IterableDataset):  # type: ignore[misc]
                 sampling_config=self.sampling_config,
                 batch_index=self.batch_index,
             )
-            if td is None:
+            if fetched is None:
                 time.sleep(_EMPTY_SLEEP_S)
             else:
-                self.buffer.append((td, meta))
+                self.buffer.append((fetched, fetched_meta))
 
     def reset(self) -> None:
         self.batch_index = 0

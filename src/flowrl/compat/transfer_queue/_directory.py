@@ -154,7 +154,7 @@ class DirectoryServer:
 
     def __init__(self, directory: KeyDirectory, address: str) -> None:
         self.directory = directory
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         if address.endswith(":0"):  # tcp on a free port
@@ -198,7 +198,7 @@ class RemoteDirectory:
             raise ConfigError(f"a key directory address looks like 'ipc://...', got {address!r}")
         self.address = address
         self._lock = threading.Lock()
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(address)
 

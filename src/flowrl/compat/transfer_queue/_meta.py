@@ -113,7 +113,9 @@ class BatchMeta:
         """Split into ``chunks`` parts of sizes differing by at most one (TransferQueue's)."""
         if not isinstance(chunks, int) or chunks < 1:
             raise ConfigError(f"chunk() expects a positive int, got {chunks!r}")
-        return [self._with(part, self._fields) for part in np.array_split(np.arange(len(self)), chunks)]
+        return [
+            self._with(part, self._fields) for part in np.array_split(np.arange(len(self)), chunks)
+        ]
 
     def _with(self, positions: np.ndarray, fields: Sequence[str]) -> BatchMeta:
         custom = None if self._custom is None else [self._custom[i] for i in positions]
@@ -191,7 +193,10 @@ class KVBatchMeta:
             return cls()
         first = parts[0]
         for d in parts[1:]:
-            if set(d.fields or ()) != set(first.fields or ()) or d.partition_id != first.partition_id:
+            if (
+                set(d.fields or ()) != set(first.fields or ())
+                or d.partition_id != first.partition_id
+            ):
                 raise ConfigError(
                     "KVBatchMeta.concat: every part must have the same fields and partition_id"
                 )

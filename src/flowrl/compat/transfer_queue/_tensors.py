@@ -65,7 +65,7 @@ def field_columns(
     n = int(fields.batch_size[0])
     columns: list[Column] = []
     values: dict[str, Any] = {}
-    for name in fields.keys():
+    for name in fields.keys():  # noqa: SIM118 (iterating a TensorDict gives rows)
         if not isinstance(name, str):
             raise SchemaError(f"{where}: nested TensorDict keys are not supported, got {name!r}")
         check_field_name(name, where)
@@ -114,7 +114,8 @@ def _to_column(name: str, value: Any, n: int, where: str, td: Any) -> tuple[Colu
                     "(pad it to a dense [B, L, ...] tensor instead)"
                 )
             ragged = RaggedArray(
-                value.values().detach().cpu().numpy(), value.offsets().detach().cpu().numpy()
+                value.values().detach().cpu().numpy(),
+                value.offsets().detach().cpu().numpy(),  # type: ignore[attr-defined]
             )
             return Column.ragged(name, dtype), ragged
         arr = value.detach().cpu().numpy()

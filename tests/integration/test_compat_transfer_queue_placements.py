@@ -69,9 +69,9 @@ def test_zmq_placement_second_process_joins() -> None:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_ray_placement_task_joins() -> None:
+def test_ray_placement_task_joins(ray_runtime) -> None:
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1")
+    ray_runtime.single()
     try:
         tq.init({"flowrl": {"placement": "ray"}})
 
@@ -90,4 +90,3 @@ def test_ray_placement_task_joins() -> None:
         assert got["x"].tolist() == [2, 0]
     finally:
         tq.close()
-        ray.shutdown()

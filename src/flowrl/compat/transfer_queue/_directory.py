@@ -21,7 +21,7 @@ import msgspec
 import zmq
 
 from flowrl._schema.columns import Column
-from flowrl.errors import ConfigError, FlowRLError, TransportError
+from flowrl.errors import ConfigError, TransportError
 
 __all__ = ["DirectoryServer", "KeyDirectory", "RemoteDirectory"]
 
@@ -58,6 +58,7 @@ class KeyDirectory:
 
     def bind(self, partition: str, keys: Sequence[str], indices: Sequence[int]) -> list[int]:
         """Name samples by keys; a key named meanwhile keeps its sample. Returns each key's."""
+        _check_lengths("bind", keys, indices)
         with self._lock:
             known = self._keys.setdefault(partition, {})
             out = []
@@ -76,6 +77,8 @@ class KeyDirectory:
         fields: Sequence[str],
     ) -> None:
         """Merge a tag into each sample's and record fields written to all of them."""
+        if tags is not None:
+            _check_lengths("update", tags, indices)
         with self._lock:
             for i, index in enumerate(indices):
                 entry = self._entries.get(index)
@@ -131,6 +134,13 @@ class KeyDirectory:
             return [self._columns[n] for n in names if n in self._columns]
 
 
+def _check_lengths(where: str, names: Sequence[Any], indices: Sequence[int]) -> None:
+    if len(names) != len(indices):
+        raise ConfigError(
+            f"key directory {where}: {len(names)} entries for {len(indices)} sample indices"
+        )
+
+
 class _Call(msgspec.Struct, frozen=True):
     method: Method
     args: list[Any]
@@ -182,7 +192,7 @@ class DirectoryServer:
             if call.method in _ARG_TYPES:
                 args = [msgspec.convert(args[0], _ARG_TYPES[call.method])]
             return _Reply(value=getattr(self.directory, call.method)(*args))
-        except (msgspec.ValidationError, msgspec.DecodeError, TypeError, FlowRLError) as e:
+        except Exception as e:  # answered, never lost: the caller raises it
             return _Reply(error=f"{type(e).__name__}: {e}")
 
     def close(self) -> None:

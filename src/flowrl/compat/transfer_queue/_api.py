@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
@@ -219,7 +220,7 @@ def _join(placement: str) -> tuple[HubClient, RemoteDirectory] | None:
 
     raw = os.environ.get(ADDRESS_ENV)
     addresses = json.loads(raw) if raw else None
-    if addresses is None and placement == "ray":
+    if addresses is None and (placement == "ray" or "ray" in sys.modules):  # a Ray worker?
         addresses = _find_on_ray()
     if addresses is None:
         return None

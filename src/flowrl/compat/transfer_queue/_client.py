@@ -22,11 +22,13 @@ import functools
 import hashlib
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, final
 
 import numpy as np
 
 from flowrl._client.base import HubClient
+from flowrl._client.inproc import Hub
 from flowrl._controller.meta import BatchMeta as HubMeta
 from flowrl._schema.columns import Column
 from flowrl._schema.ragged import RaggedArray
@@ -78,6 +80,10 @@ class TransferQueueClient:
         self.polling_mode = polling_mode
         self.fetch_timeout = fetch_timeout
         self._tasks: set[str] = set()  # hub tasks this client registered
+        # Over a transport, get_meta's ack goes out from a worker thread, overlapping the
+        # caller's get_data; a failed ack is raised by this client's next call.
+        self._acks: ThreadPoolExecutor | None = None
+        self._acked: list[Future[None]] = []
 
     # -- low-level API: put / get_meta / get_data --------------------------------------------
     def put(
@@ -154,7 +160,7 @@ class TransferQueueClient:
                 f"fields {fields} ready for task {task_name!r} after {self.fetch_timeout} s "
                 "(TransferQueueClient.fetch_timeout)"
             ) from e
-        self.hub.ack(claimed)
+        self._ack(claimed)
         return BatchMeta(
             claimed, [partition] * len(claimed), fields, fetch_custom=self._custom_meta
         )
@@ -212,6 +218,7 @@ class TransferQueueClient:
         them as not consumed).
         """
         partition = _check_partition(partition_id, "check_consumption_status()")
+        self._raise_failed_ack(wait=True)  # this client's acks count
         stats = self.hub.statistics().tasks
         everything = stats.get(_ALL + partition)
         prefix = f"tq:{task_name}:{partition}:"
@@ -339,11 +346,36 @@ class TransferQueueClient:
             self._drop(np.asarray(gone, dtype=np.int64))
 
     def close(self) -> None:
-        """Close this client's connections (the hub itself is closed by ``tq.close()``)."""
-        if isinstance(self.directory, RemoteDirectory):
-            self.directory.close()
+        """Wait for acks in flight; close this client's connections (the hub itself is
+        closed by ``tq.close()``)."""
+        try:
+            self._raise_failed_ack(wait=True)
+        finally:
+            if self._acks is not None:
+                self._acks.shutdown()
+            if isinstance(self.directory, RemoteDirectory):
+                self.directory.close()
 
     # -- internals -------------------------------------------------------------------------
+    def _ack(self, claimed: HubMeta) -> None:
+        """Consume a claim now (in-process) or from the ack thread (other placements)."""
+        self._raise_failed_ack()
+        if isinstance(self.hub, Hub):
+            self.hub.ack(claimed)
+            return
+        if self._acks is None:
+            self._acks = ThreadPoolExecutor(1, thread_name_prefix="flowrl-tq-ack")
+        self._acked.append(self._acks.submit(self.hub.ack, claimed))
+
+    def _raise_failed_ack(self, wait: bool = False) -> None:
+        pending = []
+        for done in self._acked:
+            if wait or done.done():
+                done.result()  # raises the ack's error
+            else:
+                pending.append(done)
+        self._acked = pending
+
     def _insert(
         self, partition: str, n: int, columns: list[Column], values: dict[str, Any]
     ) -> np.ndarray:

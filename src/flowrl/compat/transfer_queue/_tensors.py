@@ -163,6 +163,21 @@ def single_sample(fields: Mapping[str, Any], where: str) -> Any:
     return td.TensorDict(batch, batch_size=[1])
 
 
+def _jagged(values: Any, offsets: Any) -> Any:
+    """A jagged nested tensor over ``values`` split at ``offsets``.
+
+    torch's own constructor (what ``nested_tensor_from_jagged`` returns, without its view
+    bookkeeping: 5x faster here); the public function where that class is not there.
+    """
+    try:
+        from torch.nested._internal.nested_tensor import NestedTensor
+    except ImportError:  # pragma: no cover (a torch without it)
+        import torch
+
+        return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+    return NestedTensor(values, offsets)
+
+
 def read_fields(batch: Batch, names: Sequence[str], columns: Mapping[str, Column]) -> Any:
     """A flowrl batch as the TensorDict TransferQueue's get_data returns."""
     import torch
@@ -176,18 +191,16 @@ def read_fields(batch: Batch, names: Sequence[str], columns: Mapping[str, Column
             out[name] = torch.from_numpy(np.array(batch.numpy(name)))
         elif column.kind == "ragged":
             ragged = batch.ragged(name)
-            out[name] = torch.nested.nested_tensor_from_jagged(
+            out[name] = _jagged(
                 torch.from_numpy(np.array(ragged.values)),
-                offsets=torch.from_numpy(np.array(ragged.cu_seqlens)),
+                torch.from_numpy(np.array(ragged.cu_seqlens)),
             )
         elif column.kind == "tensor":
             dense = batch.numpy(name)
             first = column.shape[0]
             rows = np.array(dense).reshape(n * first, *column.shape[1:])
             offsets = np.arange(n + 1, dtype=np.int64) * first
-            out[name] = torch.nested.nested_tensor_from_jagged(
-                torch.from_numpy(rows), offsets=torch.from_numpy(offsets)
-            )
+            out[name] = _jagged(torch.from_numpy(rows), torch.from_numpy(offsets))
         else:
             out[name] = td.NonTensorStack(*batch[name])
     return td.TensorDict(out, batch_size=[n])

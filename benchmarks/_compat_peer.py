@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--json", action="store_true", help="print one JSON object (always)")
     args = parser.parse_args(argv)
     try:
         result = run_compat(args.samples, args.seq_len, args.batch, args.placement)

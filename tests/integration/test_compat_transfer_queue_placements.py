@@ -94,16 +94,16 @@ def test_ray_placement_task_joins(ray_runtime) -> None:
         tq.close()
 
 
-@pytest.mark.parametrize("placement", ["inproc", "zmq"])
-def test_compat_benchmark_runs_and_checks_what_it_read(placement: str) -> None:
+@pytest.mark.parametrize("where", ["inproc", "zmq"])
+def test_compat_benchmark_runs_and_checks_what_it_read(where: str) -> None:
     """The --peer benchmark's compat side at a tiny size (it compares every sample read
     with what was put, and fails otherwise)."""
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "_compat_peer.py"
-    args = ["--placement", placement, "--samples", "64", "--seq-len", "16", "--batch", "8"]
+    args = ["--placement", where, "--samples", "64", "--seq-len", "16", "--batch", "8"]
     out = subprocess.run(
         [sys.executable, str(script), *args], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout[out.stdout.index("{") :])
-    assert report["placement"] == placement and report["samples"] == 64
+    assert report["placement"] == where and report["samples"] == 64
     assert report["put_samples_per_s"] > 0 and report["get_samples_per_s"] > 0

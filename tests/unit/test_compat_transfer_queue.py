@@ -300,3 +300,26 @@ def test_init_refuses_unsupported_config() -> None:
         tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": 0}}})
     with pytest.raises(ConfigError, match="not initialised"):
         tq.get_client()
+
+
+def test_two_clients_name_the_same_fields_in_another_order(q) -> None:
+    """Regression: a consumer task's columns were registered in the caller's field order, so
+    a second client asking for the same fields in another order was refused."""
+    first = q.get_client()
+    first.put(TensorDict({"a": torch.arange(4), "b": torch.arange(4)}, [4]), partition_id="p")
+    second = q.TransferQueueClient(first.hub, first.directory, fetch_timeout=0.2)
+    assert first.get_meta(["a", "b"], 2, "p", task_name="t").size == 2
+    rest = second.get_meta(["b", "a"], 2, "p", task_name="t")  # the same consumer
+    assert rest.size == 2 and rest.field_names == ["a", "b"]
+
+
+def test_clear_samples_forgets_their_keys(q) -> None:
+    """Regression: clear_samples evicted keyed samples but kv_list still listed their keys."""
+    fields = TensorDict({"x": torch.arange(3)}, batch_size=3)
+    q.kv_batch_put(keys=["a", "b", "c"], partition_id="p", fields=fields)
+    client = q.get_client()
+    meta = client.get_meta(["x"], 2, "p", task_name="t")
+    client.clear_samples(meta)
+    assert len(q.kv_list("p")["p"]) == 1 and live(q) == 1
+    left = next(iter(q.kv_list("p")["p"]))
+    assert q.kv_batch_get(keys=left, partition_id="p")["x"].shape == (1,)

@@ -35,6 +35,9 @@ def test_keys_tags_fields_and_columns(directory) -> None:
     assert directory.listing("val") == {}
     assert directory.remove("train", ["a", "zz"]) == [10]
     assert list(directory.listing("train")["train"]) == ["b", "c"]
+    directory.bind("train", ["d"], [30])
+    directory.forget([30, 99])  # by index: an unknown one is ignored
+    assert list(directory.listing("train")["train"]) == ["b", "c"]
     directory.remove_partition("train")
     assert directory.listing(None) == {}
     ids = Column.ragged("ids", "int64")

@@ -206,10 +206,11 @@ class TransferQueueClient:
         self.directory.remove_partition(partition)
 
     def clear_samples(self, metadata: BatchMeta) -> None:
-        """Evict ``metadata``'s samples (for every task)."""
+        """Evict ``metadata``'s samples (for every task) and forget their keys."""
         if not isinstance(metadata, BatchMeta):
             raise ConfigError(f"clear_samples() expects a BatchMeta, got {metadata!r}")
         self._drop(metadata.handle.indices)
+        self.directory.forget(metadata.global_indexes)
 
     def check_consumption_status(self, task_name: str, partition_id: str) -> bool:
         """Whether ``task_name`` consumed every sample of the partition that is ready for it.
@@ -438,7 +439,7 @@ class TransferQueueClient:
         self, task: str, fields: list[str], partition: str, deadline: float
     ) -> None:
         """Register the consumer task once its fields are known (waits for a producer)."""
-        columns = [*fields, _marker(partition)]
+        columns = [*sorted(fields), _marker(partition)]  # one order for every client
         while not self._know_columns(columns, required=False):
             if time.monotonic() >= deadline:
                 raise Timeout(f"fields {fields} of partition {partition!r} were never put")

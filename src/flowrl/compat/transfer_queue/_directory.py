@@ -29,8 +29,8 @@ _POLL_MS = 100
 _RPC_TIMEOUT_MS = 60_000
 
 Method = Literal[
-    "lookup", "bind", "update", "describe", "listing", "remove", "remove_partition", "declare",
-    "columns",
+    "lookup", "bind", "update", "describe", "listing", "remove", "forget", "remove_partition",
+    "declare", "columns",
 ]  # fmt: skip
 
 
@@ -116,6 +116,14 @@ class KeyDirectory:
             for index in gone:
                 self._entries.pop(index, None)
             return gone
+
+    def forget(self, indices: Sequence[int]) -> None:
+        """Forget the keys and tags of samples (evicted by index, not by key)."""
+        with self._lock:
+            for index in indices:
+                entry = self._entries.pop(index, None)
+                if entry is not None and entry.key is not None:
+                    self._keys[entry.partition].pop(entry.key, None)
 
     def remove_partition(self, partition: str) -> None:
         with self._lock:
@@ -252,6 +260,9 @@ class RemoteDirectory:
 
     def remove(self, partition: str, keys: Sequence[str]) -> list[int]:
         return self._call("remove", partition, list(keys))
+
+    def forget(self, indices: Sequence[int]) -> None:
+        self._call("forget", list(indices))
 
     def remove_partition(self, partition: str) -> None:
         self._call("remove_partition", partition)

@@ -107,3 +107,29 @@ def test_compat_benchmark_runs_and_checks_what_it_read(where: str) -> None:
     report = json.loads(out.stdout[out.stdout.index("{") :])
     assert report["placement"] == where and report["samples"] == 64
     assert report["put_samples_per_s"] > 0 and report["get_samples_per_s"] > 0
+
+
+def test_zmq_streaming_dataloader_worker_process_joins() -> None:
+    """A DataLoader worker (a forked process) joins the hub instead of using the parent's
+    sockets, and the parent's iteration sees every sample once."""
+    tq.init({"flowrl": {"placement": "zmq", "fetch_timeout": 30.0}})
+    try:
+        tq.get_client().put(TensorDict({"ids": torch.arange(12)}, [12]), partition_id="train")
+        dataset = tq.StreamingDataset(
+            config=None,
+            batch_size=4,
+            micro_batch_size=2,
+            data_fields=["ids"],
+            partition_id="train",
+            task_name="update_actor",
+            dp_rank=0,
+            should_check_consumption_status=True,
+        )
+        seen = [
+            i
+            for batch, _ in tq.StreamingDataLoader(dataset, num_workers=1)
+            for i in batch["ids"].tolist()
+        ]
+        assert sorted(seen) == list(range(12))
+    finally:
+        tq.close()

@@ -241,12 +241,14 @@ def test_verl_v1_replay_buffer_flow(q) -> None:
     listed = q.kv_list()["train"]
     finished = [k for k, t in listed.items() if t.get("is_prompt") and t["status"] == "finished"]
     assert finished == uids and listed["u0"]["global_steps"] == 3
-    trajectories = [k for k in listed if "_" in k]
+    trajectories = sorted(k for k in listed if "_" in k)  # the two loops ran concurrently
+    assert trajectories == ["u0_0", "u0_1", "u1_0", "u1_1", "u1_2"]
+    assert [listed[k]["uid"] for k in trajectories] == ["u0", "u0", "u1", "u1", "u1"]
     data = q.kv_batch_get(keys=trajectories, partition_id="train", select_fields=["rm_scores"])
     sums = [float(s.sum()) for s in data["rm_scores"]]
-    assert sums == [1.0, 4.0, 1.0, 4.0, 9.0]
+    assert sums == [1.0, 4.0, 1.0, 4.0, 9.0]  # trajectory i has i + 1 scores of i + 1
     q.kv_clear(partition_id="train", keys=[*uids, *trajectories])
-    assert q.kv_list("train") == {"train": {}} or q.kv_list("train") == {}
+    assert q.kv_list("train") == {"train": {}}
     assert live(q) == 0
 
 
@@ -323,3 +325,27 @@ def test_clear_samples_forgets_their_keys(q) -> None:
     assert len(q.kv_list("p")["p"]) == 1 and live(q) == 1
     left = next(iter(q.kv_list("p")["p"]))
     assert q.kv_batch_get(keys=left, partition_id="p")["x"].shape == (1,)
+
+
+def test_dataloader_workers_need_a_hub_they_can_join(q) -> None:
+    q.get_client().put(TensorDict({"ids": torch.arange(4)}, [4]), partition_id="train")
+    dataset = q.StreamingDataset(None, 2, 2, ["ids"], "train", "t", 0, True)
+    with pytest.raises(ConfigError, match="placement"):
+        list(q.StreamingDataLoader(dataset, num_workers=1))
+
+
+def test_batch_meta_pickles_without_its_client(q) -> None:
+    """Regression: a BatchMeta held its client (zmq sockets), so a DataLoader worker could
+    not hand it to its parent (torch pickles what workers yield)."""
+    import pickle
+
+    client = q.get_client()
+    client.put(TensorDict({"x": torch.arange(2)}, [2]), partition_id="p")
+    meta = client.get_meta(["x"], 2, "p", task_name="t")
+    meta.update_custom_meta([{"a": 1}, {"a": 2}])
+    client.set_custom_meta(meta)
+    fresh = client.get_meta(["x"], 2, "p", task_name="u")
+    copy = pickle.loads(pickle.dumps(fresh))
+    assert copy.global_indexes == fresh.global_indexes and copy.field_names == ["x"]
+    assert copy.custom_meta == [{"a": 1}, {"a": 2}]  # fetched through this process's client
+    assert client.get_data(copy)["x"].tolist() == client.get_data(fresh)["x"].tolist()

@@ -63,6 +63,12 @@ class _State:
     client: TransferQueueClient | None = None
     owned: list[Callable[[], object]] = []
     config: dict[str, Any] = {}
+    pid = 0  # the process that made them: a forked child (a DataLoader worker) starts afresh
+
+
+def _forked() -> bool:
+    """Whether the state was inherited through fork (its sockets are the parent's)."""
+    return _State.client is not None and _State.pid != os.getpid()
 
 
 def init(conf: Any = None, *, hub: HubClient | None = None) -> dict[str, Any]:
@@ -75,6 +81,8 @@ def init(conf: Any = None, *, hub: HubClient | None = None) -> dict[str, Any]:
     ``placement`` (``inproc`` | ``zmq`` | ``ray``), ``fetch_timeout`` (seconds get_meta
     waits), ``lease_timeout``. ``hub``: serve an existing flowrl hub instead.
     """
+    if _forked():  # leave the parent's client and servers alone; join them instead
+        _State.client, _State.owned = None, []
     if _State.client is not None:
         return _State.config
     config = _parse(conf)
@@ -91,6 +99,7 @@ def init(conf: Any = None, *, hub: HubClient | None = None) -> dict[str, Any]:
         hub, directory = _start(options["placement"], config, hub)
         _State.client = TransferQueueClient(hub, directory, **client_args)
     _State.config = config
+    _State.pid = os.getpid()
     return config
 
 
@@ -107,7 +116,7 @@ def close() -> None:
 
 def get_client() -> TransferQueueClient:
     """This process's client (``init`` first)."""
-    if _State.client is None:
+    if _State.client is None or _forked():
         raise ConfigError(
             "TransferQueue (flowrl compat) is not initialised in this process; call tq.init() first"
         )

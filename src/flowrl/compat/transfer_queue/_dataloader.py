@@ -10,12 +10,12 @@ give ranks of one data-parallel group identical batches: see docs/transfer_queue
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from flowrl._client.inproc import Hub
-from flowrl.compat.transfer_queue._api import get_client, init
+from flowrl.compat.transfer_queue._api import ADDRESS_ENV, get_client, init
 from flowrl.compat.transfer_queue._client import TransferQueueClient
 from flowrl.compat.transfer_queue._meta import BatchMeta
 from flowrl.errors import ConfigError
@@ -123,12 +123,11 @@ class StreamingDataset(_torch_data().IterableDataset):  # type: ignore[misc]
         self.batch_index = 0
 
     def _client(self) -> TransferQueueClient:
-        worker = _torch_data().get_worker_info()
-        if worker is not None and isinstance(get_client().hub, Hub):
+        if _torch_data().get_worker_info() is not None and ADDRESS_ENV not in os.environ:
             raise ConfigError(
-                "StreamingDataLoader(num_workers>0) needs a hub other processes can reach; "
-                "init with {'flowrl': {'placement': 'zmq'}} (the in-process hub lives in "
-                "the parent process only)"
+                "StreamingDataLoader(num_workers>0) needs a hub its worker processes can "
+                "join: tq.init({'flowrl': {'placement': 'zmq'}}) before building it (an "
+                "in-process hub lives in the parent process only)"
             )
         init(self.config)  # joins the hub in a DataLoader worker; a no-op where it runs
         return get_client()

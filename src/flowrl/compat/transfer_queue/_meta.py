@@ -128,6 +128,14 @@ class BatchMeta:
             extra_info=self.extra_info,
         )
 
+    def __getstate__(self) -> tuple[Any, ...]:
+        """Pickled (a DataLoader worker hands batches to its parent) without the client."""
+        return (self.handle, self.partition_ids, self._fields, self._custom, self.extra_info)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self.handle, self.partition_ids, self._fields, self._custom, self.extra_info = state
+        self._fetch = _custom_meta_here
+
     def __repr__(self) -> str:
         return (
             f"BatchMeta(size={len(self)}, field_names={self._fields}, "
@@ -216,6 +224,13 @@ class KVBatchMeta:
             fields=self.fields,
             extra_info=self.extra_info,
         )
+
+
+def _custom_meta_here(indices: list[int]) -> list[dict[str, Any]]:
+    """custom_meta of samples through this process's client (of an unpickled BatchMeta)."""
+    from flowrl.compat.transfer_queue._api import get_client
+
+    return get_client().directory.describe(indices)[0]
 
 
 def _length(value: Any) -> int | str:

@@ -34,7 +34,12 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
 * ``--peer``: runs the TransferQueue package on the same payload in a subprocess and
   reports ``peer`` figures and ``put_get_speedup_vs_transferqueue``: samples / (put time +
   consumer-loop time) for flowrl over the same for TransferQueue (its put, get_meta and
-  get_data).
+  get_data). ``compat``: flowrl's TransferQueue-compatible client
+  (``flowrl.compat.transfer_queue``, benchmarks/_compat_peer.py) driven exactly as the peer
+  drives TransferQueue (TensorDicts in and out, ``put`` / ``get_meta`` / ``get_data``), per
+  placement (``inproc``, ``zmq``), each with ``put_get_speedup_vs_transferqueue``
+  (TransferQueue's put + get seconds over the compat client's, same payload, same run) and
+  the put and get speedups apart.
 
 Read ratios from one run; absolute numbers drift on a shared 2-core machine.
 Usage: python benchmarks/hub_throughput.py --json [--transport zmq] [--peer]
@@ -365,19 +370,12 @@ def _echo(address: str) -> None:
     ctx.term()
 
 
-def peer(samples: int, seq_len: int, batch: int) -> dict:
-    script = Path(__file__).with_name("_transferqueue_peer.py")
+def peer(samples: int, seq_len: int, batch: int, script: str = "_transferqueue_peer.py",
+         *extra: str) -> dict:  # fmt: skip
+    """Run a peer script (in a fresh process: each starts its own servers) for its JSON."""
+    args = ["--samples", str(samples), "--seq-len", str(seq_len), "--batch", str(batch), *extra]
     out = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            "--samples",
-            str(samples),
-            "--seq-len",
-            str(seq_len),
-            "--batch",
-            str(batch),
-        ],
+        [sys.executable, str(Path(__file__).with_name(script)), *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -385,6 +383,22 @@ def peer(samples: int, seq_len: int, batch: int) -> dict:
     if out.returncode != 0:
         return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
     return json.loads(out.stdout[out.stdout.index("{") :])  # the peer prints one JSON object
+
+
+def compat_vs_peer(samples: int, seq_len: int, batch: int, tq: dict) -> dict:
+    """flowrl.compat.transfer_queue on the peer's protocol, per placement, and its speedup
+    over TransferQueue: samples / (put time + get time), as for the peer itself."""
+    out: dict = {}
+    for placement in ("inproc", "zmq"):
+        got = peer(samples, seq_len, batch, "_compat_peer.py", "--placement", placement)
+        out[placement] = got
+        if "put_s" in got and "put_s" in tq:
+            got["put_get_speedup_vs_transferqueue"] = (tq["put_s"] + tq["get_s"]) / (
+                got["put_s"] + got["get_s"]
+            )
+            got["put_speedup_vs_transferqueue"] = tq["put_s"] / got["put_s"]
+            got["get_speedup_vs_transferqueue"] = tq["get_s"] / got["get_s"]
+    return out
 
 
 def main() -> None:
@@ -417,6 +431,7 @@ def main() -> None:
         if "put_samples_per_s" in tq:
             tq_rate = 1 / (1 / tq["put_samples_per_s"] + 1 / tq["get_samples_per_s"])
             result["put_get_speedup_vs_transferqueue"] = result["put_get_samples_per_s"] / tq_rate
+        result["compat"] = compat_vs_peer(args.samples, args.seq_len, args.batch, tq)
     if args.json:
         print(json.dumps(result))
     else:

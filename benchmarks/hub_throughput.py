@@ -34,7 +34,8 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
 * zmq only: ``stage_rounds_per_s``: one stage worker thread doing what a pipeline stage
   does per micro-batch of one sample (``claim``, ``get`` of its input column, ``put`` of
   its output column with ``indices=meta, ack=meta``), one round at a time, every input
-  already put (2,000 rounds after 200 of warm-up; fewer for --samples under 4,000).
+  already put (2,000 rounds after 200 of warm-up; fewer for --samples under 4,000), and
+  ``stage_round_p50_ms`` (the median round: steadier than the rate on a shared machine).
   ``stage_round_vs_echo`` is that rate over ``zmq_echo_round_trips_per_s`` measured in
   the same run. A round is 7 network legs at the least (claim 2, get 2, put 3: producer
   -> unit -> controller -> producer), 3.5 echoes' worth, so that ratio is 1 / 3.5 = 0.29
@@ -339,10 +340,15 @@ def stage_rounds(rounds: int = 2000) -> dict:
 
         for _ in range(200):  # connections, code paths
             one_round()
-        t0 = time.perf_counter()
-        for _ in range(rounds):
+        times = np.empty(rounds)
+        for i in range(rounds):
+            t0 = time.perf_counter()
             one_round()
-        return {"stage_rounds_per_s": rounds / (time.perf_counter() - t0)}
+            times[i] = time.perf_counter() - t0
+        return {
+            "stage_rounds_per_s": rounds / times.sum(),
+            "stage_round_p50_ms": float(np.median(times) * 1e3),
+        }
     finally:
         hub.close()
 

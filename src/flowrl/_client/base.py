@@ -600,12 +600,13 @@ class HubClient(abc.ABC):
 
 
 def _ackable(meta: Any, target: np.ndarray | None, where: str) -> tuple[str, int]:
-    """(task, lease) of the claim a put acks; its samples must be the put's."""
+    """(task, lease) of the claim a put acks; its samples must be the put's (they are
+    when the put names the claim itself: ``indices=meta``, no lookup needed)."""
     if not isinstance(meta, BatchMeta) or meta.lease == 0:
         raise ConfigError(f"{where}: ack= expects the BatchMeta a claim returned, got {meta!r}")
     if target is None:
         raise ConfigError(f"{where}: ack= needs indices= (new samples were never claimed)")
-    if not np.isin(target, meta.indices).all():
+    if target is not meta.indices and not np.isin(target, meta.indices).all():
         raise LeaseError(f"{where}: ack= names a claim that does not hold every sample put")
     return meta.task, meta.lease
 

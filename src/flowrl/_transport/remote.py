@@ -473,11 +473,13 @@ class RemoteHub(HubClient):
     def _units_for_update(
         self, indices: Any, target: np.ndarray, columns: tuple[str, ...]
     ) -> np.ndarray:
-        # A handle (a claim's, above all: a stage's output) names its samples' units: the
-        # write goes there at once, and the commit checks what check_update would have (a
-        # put refused then leaves the unit its bytes, as one refused for its lease does).
-        if isinstance(indices, BatchMeta):
-            return indices.units
+        # A handle (a claim's, above all: a stage's output) names its samples' units: a
+        # write to one unit goes there at once, the unit refuses samples it does not hold
+        # (evicted), and the commit checks what check_update would have (a put refused
+        # there leaves the unit its bytes, as one refused for its lease does).
+        units = indices.units if isinstance(indices, BatchMeta) else None
+        if units is not None and units.size and (units == units[0]).all():
+            return units
         return self._check_update(target, columns)
 
     def _check_update(self, indices: np.ndarray, columns: tuple[str, ...]) -> np.ndarray:
@@ -513,6 +515,7 @@ class RemoteHub(HubClient):
             commit=_commit_request(commit),
             controller=self.address,
             reply_to=self._routing_id(),
+            update=not commit.new,
         )
         if wait:
             self._recv(unit, self._send(unit, msg, frames), self.rpc_timeout, or_controller=True)

@@ -238,6 +238,9 @@ class Write(_Msg, frozen=True, tag="write"):
     commit: msgspec.Raw = NO_COMMIT
     controller: str = ""
     reply_to: bytes = b""
+    # A put to existing samples: the unit refuses it (UnknownIndexError, nothing stored)
+    # unless it holds every one of them, so a write to an evicted sample leaves nothing.
+    update: bool = False
 
     @property
     def has_commit(self) -> bool:
@@ -424,6 +427,7 @@ def write_request(
     commit: Commit | None = None,
     controller: str = "",
     reply_to: bytes = b"",
+    update: bool = False,
 ) -> Write:
     """A :class:`Write` of ``arrays`` (declared as ``columns``), with its commit if any;
     ConfigError for a value msgpack cannot carry, as :func:`encode`."""
@@ -434,6 +438,7 @@ def write_request(
         commit=NO_COMMIT if commit is None else msgspec.Raw(encode(commit)),
         controller=controller,
         reply_to=reply_to,
+        update=update,
     )
 
 

@@ -428,3 +428,15 @@ def test_agent_loop_manager_refuses_bad_config() -> None:
     with pytest.raises(ConfigError, match=r"every uid must appear rollout\.n=2 times"):
         manager.generate_sequences(bad)
     hub.close()
+
+
+def test_example_runs() -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "verl_grpo_step.py"
+    spec = importlib.util.spec_from_file_location("verl_grpo_step", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main() == 4

@@ -205,3 +205,16 @@ def test_example_runs() -> None:
         assert module.main() == 6  # 3 rollouts of 2 groups
     finally:
         del sys.modules[spec.name]
+
+
+def test_integrations_import_neither_verl_nor_slime() -> None:
+    """`import flowrl.integrations.*` stays light: verl is imported only when used."""
+    import subprocess
+
+    code = (
+        "import sys, flowrl, flowrl.integrations.verl as v, flowrl.integrations.slime as s\n"
+        "assert 'verl' not in sys.modules and 'slime' not in sys.modules\n"
+        "for m in (v, s):\n"
+        "    assert all(hasattr(m, n) for n in m.__all__)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -427,6 +427,11 @@ def test_agent_loop_manager_refuses_bad_config() -> None:
     bad = _prompts(["a"], base=1)[:1]
     with pytest.raises(ConfigError, match=r"every uid must appear rollout\.n=2 times"):
         manager.generate_sequences(bad)
+    assert hub.statistics().live == 0 and manager._uid_of == {}  # nothing changed
+    val = _prompts(["a"], base=1)
+    val.meta_info["validate"] = True
+    with pytest.raises(ConfigError, match="training rollouts only"):
+        manager.generate_sequences(val)
     hub.close()
 
 

@@ -253,7 +253,9 @@ def _nested(r: RaggedArray) -> Any:
 
 
 def _unnest(t: Any) -> RaggedArray:
-    return RaggedArray(t.values().numpy(), t.offsets().numpy())
+    offsets = t.offsets().numpy()
+    start, end = int(offsets[0]), int(offsets[-1])  # a view of a chunk may not start at 0
+    return RaggedArray(t.values().numpy()[start:end], offsets - start)
 
 
 # -- checks and helpers -------------------------------------------------------------------

@@ -101,6 +101,11 @@ class HubAgentLoopManager:
         ``position_ids``, ``response_mask``, ``uid`` and the extra columns)."""
         import torch
 
+        if prompts.meta_info.get("validate", False):
+            raise ConfigError(
+                "HubAgentLoopManager serves training rollouts only; run validation with "
+                "verl's own manager (trainer.val_before_train=False, trainer.test_freq=-1)"
+            )
         start = time.monotonic()
         if self.feed_prompts:
             self._put_prompts(prompts)
@@ -133,20 +138,21 @@ class HubAgentLoopManager:
                 "HubAgentLoopManager.generate_sequences(): prompts carry no non_tensor_batch "
                 "'uid' (verl's trainer adds one per prompt before repeating it rollout.n times)"
             )
-        groups = np.empty(len(uids), dtype=np.int64)
-        seen: dict[str, int] = {}
-        for i, uid in enumerate(uids):
-            if uid not in seen:
-                seen[uid] = self._next_group
-                self._uid_of[self._next_group] = str(uid)
-                self._next_group += 1
-            groups[i] = seen[uid]
-        sizes = np.bincount(groups - groups.min()) if groups.size else groups
-        if np.any(sizes[sizes > 0] != self.group_size):
+        keys, first, local, sizes = np.unique(
+            np.asarray([str(u) for u in uids]),
+            return_index=True,
+            return_inverse=True,
+            return_counts=True,
+        )
+        if np.any(sizes != self.group_size):
             raise ConfigError(
                 f"HubAgentLoopManager: every uid must appear rollout.n={self.group_size} times "
-                f"in prompts, got group sizes {sorted(set(sizes[sizes > 0].tolist()))}"
+                f"in prompts, got group sizes {sorted(set(sizes.tolist()))}"
             )
+        # hub groups numbered in order of first appearance, after every group put before
+        rank = np.empty(keys.size, dtype=np.int64)
+        rank[np.argsort(first, kind="stable")] = np.arange(keys.size)
+        groups = self._next_group + rank[local]
         ids = prompts.batch["input_ids"].numpy()
         mask = prompts.batch["attention_mask"].numpy().astype(bool)
         data: dict[str, Any] = {
@@ -156,7 +162,10 @@ class HubAgentLoopManager:
         for key, values in prompts.non_tensor_batch.items():
             if key in declared and key not in data:
                 data[key] = list(values)
-        self.hub.put(data, groups=groups)
+        self.hub.put(data, groups=groups)  # checks everything before changing the hub
+        for key, g in zip(keys.tolist(), (self._next_group + rank).tolist(), strict=True):
+            self._uid_of[g] = key
+        self._next_group += keys.size
 
     def _claim(self, n: int) -> Any:
         if n % self.group_size:

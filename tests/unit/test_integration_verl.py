@@ -458,3 +458,21 @@ def test_docs_page_runs() -> None:
     assert len(blocks) >= 3
     for i, block in enumerate(blocks):
         exec(compile(block, f"verl.md[block {i}]", "exec", dont_inherit=True), namespace)
+
+
+def test_benchmark_runs_at_a_tiny_size() -> None:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "verl_dataproto.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--json", "--samples", "16", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["samples"] == 16 and report["to_dataproto_ms"] > 0

@@ -133,6 +133,12 @@ def test_bad_input_is_refused_with_a_clear_error() -> None:
         to_dataproto(batch)
     with pytest.raises(ConfigError, match="layout must be"):
         to_dataproto(batch, layout="packed")  # type: ignore[arg-type]
+    rich = _rich_hub()
+    dp = to_dataproto(rich.get(rich.claim("t", 8)))
+    dp.pop(batch_keys=["logp", "flowrl_version"], non_tensor_batch_keys=["text"])
+    with pytest.raises(SchemaError, match=r"lacks \['flowrl_version', 'logp', 'text'\]"):
+        from_dataproto(dp)
+    rich.close()
     with pytest.raises(ConfigError, match="made by flowrl's to_dataproto"):
         from_dataproto(DataProto.from_dict(tensors={"x": torch.zeros(2)}))
     hub.close()

@@ -155,6 +155,7 @@ def from_dataproto(dp: Any) -> Batch:
         for name, kind, dtype, shape in info["columns"]
     }
     prompt, response = info["sequence"] or (None, None)
+    _check_keys(dp, info)
     if prompt is not None:
         ragged = _unpad_sequences(dp, n)
     where = "from_dataproto()"
@@ -275,6 +276,26 @@ def _check_token_ids(*columns: Column) -> None:
                 f"to_dataproto(): column {c.name!r} must hold ragged integer token ids, got "
                 f"{c.describe()}; pass prompt=/response= naming the token columns"
             )
+
+
+def _check_keys(dp: Any, info: Mapping[str, Any]) -> None:
+    """Every key from_dataproto reads is there (verl code may have popped some)."""
+    tensors = set(dp.batch.keys()) if dp.batch is not None else set()
+    want = {f"flowrl_{f}" for f in _PER_SAMPLE}
+    if info["sequence"]:
+        want |= {"prompts", "responses", "attention_mask", *info["token_columns"]}
+    objects: set[str] = set()
+    for name, kind, _, _ in info["columns"]:
+        if name in info["sequence"] or name in info["token_columns"]:
+            continue
+        dense = kind in ("scalar", "tensor") or (kind == "ragged" and info["layout"] == "nopad")
+        (want if dense else objects).add(name)
+    missing = sorted((want - tensors) | (objects - set(dp.non_tensor_batch)))
+    if missing:
+        raise SchemaError(
+            f"from_dataproto(): the DataProto lacks {missing}, which to_dataproto wrote; "
+            "pop keys from a copy (dp.select(...)) rather than from the batch you convert back"
+        )
 
 
 def _object_array(values: Any) -> np.ndarray:

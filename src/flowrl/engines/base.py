@@ -180,14 +180,13 @@ class RolloutEngine(abc.ABC):
         """Load ``version``'s weights between steps without dropping work: running requests
         are interrupted and resumed from what they generated, their next tokens tagged with
         ``version``. Returns how many requests were resumed."""
+        prompts, params_of = dict(self._prompts), dict(self._params)  # abort() forgets them
         interrupted = self.abort()
         self.load_weights(weights)
         self._version = version
         by_params: dict[SamplingParams, list[GenerationRequest]] = {}
         for done in interrupted:
-            by_params.setdefault(self._params[done.id], []).append(
-                done.resume(self._prompts[done.id])
-            )
+            by_params.setdefault(params_of[done.id], []).append(done.resume(prompts[done.id]))
         for params, requests in by_params.items():
             self.add(requests, params)
         return len(interrupted)

@@ -10,8 +10,12 @@ Every test leaves the engine with nothing pending.
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -257,3 +261,32 @@ def test_a_complete_prefix_comes_back_without_generating(engine: VLLMRolloutEngi
     assert c.id == 7 and c.finished
     np.testing.assert_array_equal(c.tokens, prefix)
     assert engine.pending == 0
+
+
+def test_the_benchmark_reports_every_figure() -> None:
+    """benchmarks/engines_vllm.py at a tiny size: it runs and reports (timings are its
+    business, not this test's)."""
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "engines_vllm.py"
+    tiny = "--prompts 4 --max-new 8 --hidden 64 --layers 2 --vocab 128 --rounds 1"
+    reload = "--reload-hidden 128 --reload-layers 1 --reload-vocab 128 --reload-intermediate 128"
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(bench),
+            "--json",
+            *tiny.split(),
+            *reload.split(),
+            "--reload-repeats",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    t = report["throughput"]
+    assert t["generated_tokens"]["engine"] == t["generated_tokens"]["offline"] > 0
+    assert t["throughput_ratio"] > 0
+    assert report["reload"]["reload_s"] > 0
+    assert report["reload"]["update_to_first_token_s"] > 0

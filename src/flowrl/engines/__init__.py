@@ -1,12 +1,15 @@
 """Engines behind the stages: rollout (generation) and update (training) engines.
 
-``flowrl.engines.base`` defines the protocol; implementations live beside it, each
-importing its heavy dependency (vLLM, DeepSpeed, Megatron-core, transformers) only when
-constructed. See docs/engines.md.
+``flowrl.engines.base`` defines the protocol; implementations live beside it:
+:class:`TorchRolloutEngine` and :class:`TorchUpdateEngine` (the built-in ones, over a
+:class:`~flowrl.models.TinyLM` or a Hugging Face causal LM), :class:`DeepSpeedUpdateEngine`
+(ZeRO 1-3; imports ``deepspeed`` only when constructed) and, in ``flowrl.engines.vllm``,
+vLLM. Importing this package imports torch but no optional dependency. See docs/engines.md.
 """
 
 from __future__ import annotations
 
+from flowrl.engines._training import OptimConfig
 from flowrl.engines.base import (
     Completion,
     GenerationRequest,
@@ -16,13 +19,20 @@ from flowrl.engines.base import (
     TrainBatch,
     UpdateEngine,
 )
+from flowrl.engines.deepspeed import DeepSpeedUpdateEngine
+from flowrl.engines.torch_rollout import TorchRolloutEngine
+from flowrl.engines.torch_update import TorchUpdateEngine
 
 __all__ = [
     "Completion",
+    "DeepSpeedUpdateEngine",
     "GenerationRequest",
     "LossFn",
+    "OptimConfig",
     "RolloutEngine",
     "SamplingParams",
+    "TorchRolloutEngine",
+    "TorchUpdateEngine",
     "TrainBatch",
     "UpdateEngine",
 ]

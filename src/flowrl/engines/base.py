@@ -36,6 +36,7 @@ Invariants every implementation keeps (the shared conformance tests assert them)
 from __future__ import annotations
 
 import abc
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, final
@@ -69,8 +70,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     ``temperature`` 0 is greedy; log-probs are ``log_softmax(logits / temperature)`` in
     float32 (of the unscaled logits when greedy), the quantity a trainer recomputes.
-    ``seed``: a request's random stream is seeded with ``seed + request id`` where the
-    engine supports it (reproducible per sample, whatever the batch it runs in).
+    ``seed``: a request's random stream is seeded from ``seed``, the request id and its
+    prefix length where the engine supports it (reproducible per sample, whatever the batch
+    it runs in; a resumed request does not replay the draws it started with).
     """
 
     max_new_tokens: int
@@ -235,13 +237,118 @@ class TrainBatch:
     @property
     def n_tokens(self) -> int:
         """Response tokens: what a loss is averaged over."""
-        return int(self.response_cu[-1])
+        return int(self.response_cu[-1] - self.response_cu[0])
+
+    @classmethod
+    def pack(
+        cls,
+        prompts: Sequence[Any],
+        responses: Sequence[Any],
+        *,
+        advantages: Any = None,
+        old_logprobs: Sequence[Any] | None = None,
+        ref_logprobs: Sequence[Any] | None = None,
+        sample_logprobs: Sequence[Any] | None = None,
+    ) -> TrainBatch:
+        """Pack per-sample sequences (lists, numpy arrays or tensors): token ids int64,
+        per-token log-probs float32 (one per response token), ``advantages`` one float per
+        sample."""
+        import torch
+
+        if len(prompts) != len(responses):
+            raise ConfigError(
+                f"TrainBatch.pack got {len(prompts)} prompts and {len(responses)} responses; "
+                "pass one response per prompt"
+            )
+
+        def packed(rows: Sequence[Any], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            flat = [torch.as_tensor(r, dtype=dtype).reshape(-1) for r in rows]
+            cu = torch.zeros(len(flat) + 1, dtype=torch.long)
+            torch.cumsum(torch.tensor([r.numel() for r in flat], dtype=torch.long), 0, out=cu[1:])
+            return (torch.cat(flat) if flat else torch.empty(0, dtype=dtype)), cu
+
+        p, p_cu = packed(prompts, torch.long)
+        r, r_cu = packed(responses, torch.long)
+        if bool((p_cu.diff() < 1).any()):
+            raise ConfigError("TrainBatch.pack: every prompt needs at least one token")
+
+        def per_token(name: str, rows: Sequence[Any] | None) -> torch.Tensor | None:
+            if rows is None:
+                return None
+            values, cu = packed(rows, torch.float32)
+            if not torch.equal(cu, r_cu):
+                raise ConfigError(
+                    f"TrainBatch.pack: {name} must have one value per response token "
+                    f"(lengths {r_cu.diff().tolist()}), got lengths {cu.diff().tolist()}"
+                )
+            return values
+
+        adv = None if advantages is None else torch.as_tensor(advantages, dtype=torch.float32)
+        if adv is not None and adv.shape != (len(prompts),):
+            raise ConfigError(
+                f"TrainBatch.pack: advantages expects one float per sample ({len(prompts)}), "
+                f"got shape {tuple(adv.shape)}"
+            )
+        return cls(
+            p,
+            p_cu,
+            r,
+            r_cu,
+            advantages=adv,
+            old_logprobs=per_token("old_logprobs", old_logprobs),
+            ref_logprobs=per_token("ref_logprobs", ref_logprobs),
+            sample_logprobs=per_token("sample_logprobs", sample_logprobs),
+        )
+
+    def split(self, n: int) -> list[TrainBatch]:
+        """``n`` micro-batches of consecutive samples, as even in count as possible (some
+        empty when ``n`` exceeds the samples)."""
+        if n < 1:
+            raise ConfigError(f"TrainBatch.split expects n >= 1, got {n}")
+        bounds = np.linspace(0, len(self), n + 1).round().astype(int)
+        return [self._rows(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
+
+    def _rows(self, a: int, b: int) -> TrainBatch:
+        p0, p1 = int(self.prompt_cu[a]), int(self.prompt_cu[b])
+        r0, r1 = int(self.response_cu[a]), int(self.response_cu[b])
+
+        def tok(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[r0:r1]
+
+        return TrainBatch(
+            self.prompts[p0:p1],
+            self.prompt_cu[a : b + 1] - p0,
+            self.responses[r0:r1],
+            self.response_cu[a : b + 1] - r0,
+            advantages=None if self.advantages is None else self.advantages[a:b],
+            old_logprobs=tok(self.old_logprobs),
+            ref_logprobs=tok(self.ref_logprobs),
+            sample_logprobs=tok(self.sample_logprobs),
+        )
+
+    def model_inputs(
+        self, pad_id: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Right-padded ``(input_ids, attention_mask, response_starts, response_cu)`` of
+        ``prompt + response`` rows, as :func:`flowrl.rl.token_logprobs` takes them."""
+        from flowrl.rl.grpo import build_batch
+
+        prompts = _split_rows(self.prompts, self.prompt_cu)
+        responses = _split_rows(self.responses, self.response_cu)
+        return build_batch(prompts, responses, pad_id=pad_id)
+
+
+def _split_rows(values: torch.Tensor, cu: torch.Tensor) -> list[torch.Tensor]:
+    """Rows of a packed tensor."""
+    return list(values.split(cu.diff().tolist()))
 
 
 #: ``loss_fn(logprobs, batch) -> (loss, metrics)``: ``logprobs`` are the current weights'
 #: float32 log-probs of ``batch``'s response tokens (packed by ``response_cu``), with
-#: gradients; the loss is a scalar to minimise for this micro-batch, already weighted by
-#: the micro-batch's share of the step (``train_step`` sums the micro-batches' gradients).
+#: gradients; the loss is a scalar to minimise, *averaged over this micro-batch's response
+#: tokens* (a token mean, as ``flowrl.rl.grpo_loss`` computes it). ``train_step`` weights
+#: each micro-batch by its share of the step's response tokens (over every data-parallel
+#: rank), so the step minimises the token mean of the whole step, however it is split.
 LossFn = Callable[["torch.Tensor", TrainBatch], "tuple[torch.Tensor, Mapping[str, float]]"]
 
 
@@ -264,8 +371,10 @@ class UpdateEngine(abc.ABC):
     @abc.abstractmethod
     def train_step(self, micro_batches: Sequence[TrainBatch], loss_fn: LossFn) -> dict[str, float]:
         """Forward and backward over every micro-batch, one optimizer step; the version
-        advances by one. Returns the loss functions' metrics, averaged over micro-batches,
-        with ``loss`` and ``grad_norm``."""
+        advances by one. Each micro-batch's loss is weighted by its share of the step's
+        response tokens (:data:`LossFn`). Returns the loss functions' metrics averaged over
+        micro-batches with the same weights, with ``loss`` (the step's token-mean loss) and
+        ``grad_norm`` (before clipping)."""
 
     @abc.abstractmethod
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

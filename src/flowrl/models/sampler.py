@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from flowrl.models.transformer import TinyLM
+from flowrl.models.causal import CausalLM
 
 __all__ = ["ChunkCallback", "GenerationResult", "generate", "left_pad"]
 
@@ -95,7 +95,7 @@ def left_pad(
 
 @torch.no_grad()
 def generate(
-    model: TinyLM,
+    model: CausalLM,
     prompts: Sequence[Sequence[int]] | Tensor,
     max_new_tokens: int,
     *,

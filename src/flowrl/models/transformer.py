@@ -84,6 +84,16 @@ class KVCache:
         """Number of slots preallocated per row."""
         return self.keys.shape[3]
 
+    def select(self, rows: Tensor) -> KVCache:
+        """A cache holding only the given rows (int64 indices), in that order."""
+        return KVCache(
+            keys=self.keys[:, rows],
+            values=self.values[:, rows],
+            key_mask=self.key_mask[rows],
+            positions=self.positions[rows],
+            length=self.length,
+        )
+
 
 def _positions_from_mask(mask: Tensor, offset: Tensor | None = None) -> Tensor:
     """Position id of each token: number of real tokens before it (plus ``offset``)."""

@@ -8,7 +8,11 @@ length ``B + 1`` with ``cu_seqlens[0] == 0``; row ``i`` is ``values[cu[i]:cu[i+1
   (policy recompute and reference pass alike).
 - :func:`group_advantages`: ``(r - mean_group) / (std_group + eps)``, vectorised.
 - :func:`grpo_loss`: PPO-clipped surrogate with per-sample advantages broadcast to
-  tokens, plus an optional k3 KL penalty to a reference policy.
+  tokens, plus an optional k3 KL penalty to a reference policy, and an optional
+  behaviour-policy correction: truncated importance sampling (TIS, decoupled PPO) weights
+  each token by ``min(pi_old / pi_behav, C)``, where ``pi_behav`` is the sampler's
+  probability (stored with the rollout) and ``pi_old`` the proximal policy's (recomputed
+  by the trainer), which differ when the rollout engine lags or computes differently.
 """
 
 from __future__ import annotations
@@ -130,6 +134,8 @@ def grpo_loss(
     clip_eps_high: float | None = None,
     kl_coef: float = 0.0,
     aggregation: Aggregation = "token-mean",
+    sample_logprobs: Tensor | None = None,
+    tis_cap: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped GRPO objective (to minimise) and float metrics.
 
@@ -140,9 +146,15 @@ def grpo_loss(
     ``aggregation``: ``"token-mean"`` averages over all tokens of the batch;
     ``"seq-mean"`` averages each sequence's tokens, then the non-empty sequences.
 
+    Behaviour-policy correction: with ``tis_cap`` ``C`` and the sampler's
+    ``sample_logprobs``, each token's policy-gradient term is multiplied by the constant
+    ``w = min(exp(old_logprobs - sample_logprobs), C)`` (no gradient flows through it).
+
     Metrics: ``pg_loss``, ``kl_ref`` (mean k3), ``approx_kl`` (k3 estimate of KL(old || new)),
     ``clip_fraction`` (tokens where the clipped branch is active), ``ratio_mean``,
-    ``ratio_max``, ``n_tokens``.
+    ``ratio_max``, ``n_tokens``; with TIS also ``is_ratio_mean`` and ``is_ratio_max``
+    (``pi_old / pi_behav`` before truncation) and ``is_truncated_fraction`` (tokens whose
+    ratio exceeded ``C``).
     """
     lengths = _lengths(cu_seqlens)
     n_tokens = logprobs.numel()
@@ -162,6 +174,17 @@ def grpo_loss(
             f"grpo_loss expects ref_logprobs shaped like logprobs {tuple(logprobs.shape)}, "
             f"got {tuple(ref_logprobs.shape)}"
         )
+    if tis_cap is not None and (sample_logprobs is None or not tis_cap > 0):
+        got = "None" if sample_logprobs is None else "a tensor"
+        raise ValueError(
+            f"grpo_loss: tis_cap expects a cap C > 0 and the sampler's sample_logprobs, got "
+            f"tis_cap={tis_cap!r} and sample_logprobs={got}; pass both (e.g. tis_cap=2.0)"
+        )
+    if sample_logprobs is not None and sample_logprobs.shape != logprobs.shape:
+        raise ValueError(
+            f"grpo_loss expects sample_logprobs shaped like logprobs {tuple(logprobs.shape)}, "
+            f"got {tuple(sample_logprobs.shape)}"
+        )
     if aggregation not in ("token-mean", "seq-mean"):
         raise ValueError(
             f"grpo_loss aggregation expects 'token-mean' or 'seq-mean', got {aggregation!r}"
@@ -174,6 +197,10 @@ def grpo_loss(
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * ratio.clamp(1.0 - clip_eps, 1.0 + high)
     per_token = torch.maximum(pg_unclipped, pg_clipped)
+    is_ratio = None
+    if tis_cap is not None and sample_logprobs is not None:
+        is_ratio = (old_logprobs - sample_logprobs).detach().exp()
+        per_token = per_token * is_ratio.clamp(max=tis_cap)
     pg_per_token = per_token
     kl_ref = None
     if ref_logprobs is not None:
@@ -203,4 +230,9 @@ def grpo_loss(
             "ratio_max": ratio.max().item() if n_tokens else 1.0,
             "n_tokens": float(n_tokens),
         }
+        if is_ratio is not None and tis_cap is not None:
+            metrics["is_ratio_mean"] = aggregate(is_ratio).item()
+            metrics["is_ratio_max"] = is_ratio.max().item() if n_tokens else 1.0
+            truncated = (is_ratio > tis_cap).to(logprobs.dtype)
+            metrics["is_truncated_fraction"] = aggregate(truncated).item()
     return loss, metrics

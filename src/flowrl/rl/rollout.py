@@ -38,7 +38,7 @@ from flowrl.rl.grpo import build_batch, token_logprobs
 if TYPE_CHECKING:
     from flowrl._client.base import HubClient, Partial
     from flowrl._controller.meta import BatchMeta
-    from flowrl.models.transformer import TinyLM
+    from flowrl.models.causal import CausalLM
 
 __all__ = ["APPEND_EVERY", "ResumableGeneration", "generate_resumable"]
 
@@ -73,7 +73,7 @@ class ResumableGeneration(NamedTuple):
 
 
 def generate_resumable(
-    model: TinyLM,
+    model: CausalLM,
     hub: HubClient,
     meta: BatchMeta,
     prompts: Sequence[Sequence[int]],
@@ -161,7 +161,7 @@ def generate_resumable(
 def _aligned_logprobs(
     hub: HubClient,
     meta: BatchMeta,
-    model: TinyLM,
+    model: CausalLM,
     prompts: Sequence[Sequence[int]],
     stored: Partial,
     version: int,

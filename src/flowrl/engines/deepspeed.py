@@ -1,0 +1,181 @@
+"""DeepSpeed ZeRO update engine (stages 1, 2, 3), on GPUs with NCCL or on CPUs with gloo.
+
+Every data-parallel rank builds the same model and an engine over it; each trains on its
+own micro-batches, and :meth:`~DeepSpeedUpdateEngine.train_step` makes the step the token
+mean over every rank's micro-batches (``flowrl.engines._training``). The optimizer is
+torch's AdamW handed to DeepSpeed as a client optimizer (no compiled DeepSpeed ops are
+needed, so ``pip install deepspeed`` without CUDA is enough); DeepSpeed shards its state
+(ZeRO-1), the gradients (ZeRO-2) and the parameters (ZeRO-3). Gradient accumulation is
+the caller's: every micro-batch's backward accumulates, ``step`` is the boundary
+(``managed_gradient_accumulation: false``). On CPU the collectives are gloo's: the engine
+turns off DeepSpeed's shared-memory all-reduce, which would JIT-compile C++ at start.
+:meth:`~DeepSpeedUpdateEngine.named_weights` gathers ZeRO-3's sharded parameters, so
+every rank yields full tensors.
+
+Process group: the engine joins the default one when it exists; otherwise DeepSpeed
+creates it from the usual ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``
+environment (torchrun's), or, with none of them set, a one-process group on loopback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator, Mapping
+from typing import Any, cast, final
+
+import torch
+import torch.distributed as dist
+
+from flowrl._pipeline.weights import load_named, module_weights
+from flowrl.engines._training import OptimConfig, TokenWeightedTrainer
+from flowrl.errors import ConfigError
+from flowrl.models.causal import CausalLM, as_causal_lm
+from flowrl.models.hf import HFCausalLM
+
+__all__ = ["DeepSpeedUpdateEngine"]
+
+
+@final
+class DeepSpeedUpdateEngine(TokenWeightedTrainer):
+    """ZeRO-``zero_stage`` data-parallel training of ``model`` (module docstring).
+
+    ``config``: DeepSpeed config entries merged over the engine's (e.g. ``bf16``,
+    ``zero_optimization`` offload settings); ``backend``: the process-group backend when
+    the engine creates it (default: gloo on CPU, nccl with CUDA).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optim: OptimConfig | None = None,
+        *,
+        zero_stage: int = 2,
+        version: int = 0,
+        pad_id: int = 0,
+        config: Mapping[str, Any] | None = None,
+        backend: str | None = None,
+    ) -> None:
+        if zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"DeepSpeedUpdateEngine zero_stage expects 0-3, got {zero_stage}")
+        try:
+            import deepspeed
+        except ImportError as exc:
+            raise ConfigError(
+                "DeepSpeedUpdateEngine needs deepspeed: pip install 'flowrl[deepspeed]' "
+                "(in the same pip command as torch, e.g. torch==2.13.0)"
+            ) from exc
+        self.optim = optim or OptimConfig()
+        _init_process_group(backend)
+        ds_config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "managed_gradient_accumulation": False,
+            "zero_optimization": {"stage": zero_stage},
+            "zero_allow_untested_optimizer": True,
+            "gradient_clipping": self.optim.max_grad_norm or 0.0,
+            "steps_per_print": 2**62,
+            "wall_clock_breakdown": False,
+        }
+        ds_config.update(config or {})
+        self._uses_hf = isinstance(as_causal_lm(model), HFCausalLM)
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=self.optim.adamw(model.parameters()), config=ds_config
+        )
+        self.engine = engine
+        self.model = model
+        self.zero_stage = zero_stage
+        lm: Any = HFCausalLM(engine) if self._uses_hf else engine  # forwards through DeepSpeed
+        super().__init__(cast(CausalLM, lm), version=version, pad_id=pad_id)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    def _train_mode(self, training: bool) -> None:
+        self.engine.train(training)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def _apply(self) -> float:
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float("nan") if norm is None else float(norm)
+
+    def _all_sum(self, values: torch.Tensor) -> torch.Tensor:
+        out = values.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+    @property
+    def _grad_scale(self) -> int:
+        return dist.get_world_size()  # DeepSpeed averages gradients over ranks
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.zero_stage < 3:
+            return module_weights(self.model)
+        import deepspeed
+
+        params = list(self.model.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            full = [(n, t.detach().cpu().clone()) for n, t in module_weights(self.model)]
+        return iter(full)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Full model weights (gathered), this rank's shard of the optimizer state, the
+        version. Every rank calls it; each restores its own with :meth:`load_state_dict`."""
+        return {
+            "model": dict(self.named_weights()),
+            "optimizer": self.engine.optimizer.state_dict(),
+            "version": self._version,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._load_checked(state, ("model", "optimizer", "version"))
+        import deepspeed
+
+        params = list(self.model.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            if self.zero_stage < 3 or self.rank == 0:
+                load_named(self.model, state["model"].items())
+        optimizer = self.engine.optimizer
+        if self.zero_stage in (1, 2):
+            optimizer.load_state_dict([state["optimizer"]], load_from_fp32_weights=False)
+        else:
+            optimizer.load_state_dict(state["optimizer"])
+        self._version = int(state["version"])
+
+    def close(self) -> None:
+        self.engine.destroy()
+
+
+def _init_process_group(backend: str | None) -> None:
+    if dist.is_initialized():
+        return
+    import deepspeed
+
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (a C++ build of
+    # minutes) unless its table of compatible ops says no; plain gloo needs no build.
+    vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        os.environ.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

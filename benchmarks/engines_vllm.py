@@ -13,8 +13,8 @@ in a temp dir; nothing downloaded):
    offline ``LLM.generate`` (the batch-synchronous call, asked for the same per-token
    log-probs). Responses have heavy-tailed lengths (a seeded log-normal budget per
    prompt, no EOS, so both paths generate exactly the same number of tokens). Both
-   engines live in this process; after one warm-up call each, rounds alternate between
-   them so the machine's drift hits both alike.
+   engines live in this process; after one warm-up call each, every round runs both, the
+   one that goes first alternating, so the machine's drift hits both alike.
 2. Weight reload on a ~100M-parameter Llama (``--reload-*``): ``reload_s``, the time of
    ``load_weights`` with every named tensor of a ``transformers`` model of the same shape
    (vLLM's in-place ``reload_weights``, which also redoes its post-load weight processing,
@@ -139,8 +139,8 @@ def throughput(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     wall: dict[str, list[float]] = {"engine": [], "offline": []}
     cpu: dict[str, list[float]] = {"engine": [], "offline": []}
     tokens: dict[str, int] = {}
-    for _ in range(args.rounds):
-        for name, fn, target in paths:
+    for r in range(args.rounds):
+        for name, fn, target in paths[:: 1 if r % 2 == 0 else -1]:  # who goes first alternates
             n, wall_s, cpu_s = fn(target, prompts, budgets, args.temperature)
             wall[name].append(n / wall_s)
             cpu[name].append(n / cpu_s)

@@ -29,7 +29,7 @@ from flowrl._pipeline.result import RunResult, StageStats
 from flowrl._pipeline.stage import Rows, StageContext, StageSpec, stage
 from flowrl._pipeline.staleness import StalenessMetrics, StalenessStep
 from flowrl._pipeline.timeline import Timeline
-from flowrl._pipeline.weights import WeightStore
+from flowrl._pipeline.weights import WeightPublisher, WeightStore, WeightSubscriber
 from flowrl._schema.columns import Column
 from flowrl._schema.ragged import RaggedArray
 from flowrl._store.batch import Batch
@@ -82,7 +82,9 @@ __all__ = [
     "ThreadExecutor",
     "Timeline",
     "UnitStats",
+    "WeightPublisher",
     "WeightStore",
+    "WeightSubscriber",
     "__version__",
     "connect",
     "launch_hub",

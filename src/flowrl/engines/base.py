@@ -182,7 +182,7 @@ class RolloutEngine(abc.ABC):
         """Load ``version``'s weights between steps without dropping work: running requests
         are interrupted and resumed from what they generated, their next tokens tagged with
         ``version``. Returns how many requests were resumed."""
-        prompts, params_of = dict(self._prompts), dict(self._params)  # abort() forgets them
+        prompts, params_of = dict(self._prompts), dict(self._params)  # abort forgets them
         interrupted = self.abort()
         self.load_weights(weights)
         self._version = version

@@ -199,6 +199,16 @@ def test_seeded_requests_are_reproducible(engine: VLLMRolloutEngine) -> None:
         np.testing.assert_array_equal(runs[0][i], runs[1][i])
 
 
+def test_a_seeded_request_does_not_depend_on_its_batch(engine: VLLMRolloutEngine) -> None:
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=3)
+    engine.add([GenerationRequest(2, prompt(2))], params)
+    (alone,) = [c for cs in drain(engine) for c in cs]
+    engine.add([GenerationRequest(i, prompt(i)) for i in range(6)], params)
+    batched = {c.id: c for cs in drain(engine) for c in cs}
+    np.testing.assert_array_equal(batched[2].tokens, alone.tokens)
+    assert len({tuple(c.tokens) for c in batched.values()}) == 6  # each its own stream
+
+
 def test_load_weights_refuses_while_requests_run(rig: Rig, engine: VLLMRolloutEngine) -> None:
     engine.add([GenerationRequest(0, prompt(0))], SamplingParams(max_new_tokens=20))
     engine.step()

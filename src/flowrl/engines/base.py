@@ -62,6 +62,7 @@ __all__ = [
 
 _NO_TOKENS = np.empty(0, dtype=np.int64)
 _NO_LOGPROBS = np.empty(0, dtype=np.float32)
+_SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads ids over seeds
 
 
 @final
@@ -117,6 +118,14 @@ class GenerationRequest:
             )
         if len(self.prompt) == 0:
             raise ConfigError(f"request {self.id}: the prompt is empty; pass at least one token")
+
+    def seed(self, params_seed: int | None) -> int | None:
+        """This request's own random seed under ``SamplingParams.seed`` (``None``: none):
+        mixed from it, the id and the prefix length, so a sample does not depend on the
+        batch it runs in and a resumed request draws anew instead of replaying its start."""
+        if params_seed is None:
+            return None
+        return (params_seed * _SEED_MIX + self.id * 1_000_003 + len(self.prefix)) % 2**63
 
 
 @final

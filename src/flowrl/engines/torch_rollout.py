@@ -36,8 +36,6 @@ if TYPE_CHECKING:
 
 __all__ = ["TorchRolloutEngine"]
 
-_SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads ids over seeds
-
 
 @dataclass(eq=False)
 class _Running:
@@ -150,10 +148,10 @@ class TorchRolloutEngine(RolloutEngine):
     def _request_generator(
         self, request: GenerationRequest, params: SamplingParams
     ) -> torch.Generator | None:
-        if params.seed is None or params.temperature == 0:
+        seed = request.seed(params.seed)
+        if seed is None or params.temperature == 0:
             return None
-        mixed = (params.seed * _SEED_MIX + request.id * 1_000_003 + len(request.prefix)) % 2**63
-        return torch.Generator().manual_seed(mixed)
+        return torch.Generator().manual_seed(seed)
 
     def _prefill(self, cohort: _Cohort) -> list[Completion]:
         """Start a cohort: rows whose prefix already ended return now, the rest prefill."""

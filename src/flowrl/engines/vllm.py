@@ -60,7 +60,6 @@ _ENV_DEFAULTS = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache on the CPU backend
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # shared machines: do not pin cores
 }
-_SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads seeds apart
 
 
 @dataclass(eq=False)
@@ -270,7 +269,7 @@ class VLLMRolloutEngine(RolloutEngine):
             max_tokens=budget,
             temperature=params.temperature,
             top_p=params.top_p,
-            seed=_request_seed(params.seed, request),
+            seed=request.seed(params.seed),
             logprobs=0,
             # flowrl's eos_id alone ends a response (not the checkpoint's own EOS).
             ignore_eos=True,
@@ -285,14 +284,6 @@ class VLLMRolloutEngine(RolloutEngine):
             self._by_vllm_id.pop(run.vllm_id, None)
         self._forget([i])
         return run
-
-
-def _request_seed(seed: int | None, request: GenerationRequest) -> int | None:
-    """A request's own seed, from the params' seed, its id and its prefix length (the
-    SamplingParams contract: reproducible per sample; a resumed request draws anew)."""
-    if seed is None:
-        return None
-    return (seed * _SEED_MIX + request.id * 1_000_003 + len(request.prefix)) % 2**63
 
 
 def _repeated(ids: Sequence[int]) -> set[int]:

@@ -127,27 +127,21 @@ class DeepSpeedUpdateEngine(TokenWeightedTrainer):
         return iter(full)
 
     def state_dict(self) -> dict[str, Any]:
-        """Full model weights (gathered), this rank's shard of the optimizer state, the
-        version. Every rank calls it; each restores its own with :meth:`load_state_dict`."""
-        return {
-            "model": dict(self.named_weights()),
-            "optimizer": self.engine.optimizer.state_dict(),
-            "version": self._version,
-        }
+        """Full model weights (gathered) and the version; every rank calls it. The ZeRO
+        optimizer state is sharded across ranks and is not included: checkpoint it with
+        DeepSpeed's own ``self.engine.save_checkpoint(folder)`` / ``load_checkpoint``."""
+        return {"model": dict(self.named_weights()), "version": self._version}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._load_checked(state, ("model", "optimizer", "version"))
+        """Restore :meth:`state_dict`'s weights and version on every rank (the optimizer
+        state is DeepSpeed's checkpoint's business, see :meth:`state_dict`)."""
+        self._load_checked(state, ("model", "version"))
         import deepspeed
 
         params = list(self.model.parameters())
         with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
             if self.zero_stage < 3 or self.rank == 0:
                 load_named(self.model, state["model"].items())
-        optimizer = self.engine.optimizer
-        if self.zero_stage in (1, 2):
-            optimizer.load_state_dict([state["optimizer"]], load_from_fp32_weights=False)
-        else:
-            optimizer.load_state_dict(state["optimizer"])
         self._version = int(state["version"])
 
     def close(self) -> None:

@@ -40,6 +40,7 @@ from hub_throughput import COLUMNS, payload, put_get
 
 import flowrl
 from flowrl import HubConfig, JournalConfig
+from flowrl.testing import abandon
 
 MODES = ("off", "journal", "journal+data")
 
@@ -88,7 +89,7 @@ def recovery(samples: int, seq_len: int) -> dict:
                 hub.ack(meta)
         hub.publish_version(1)
         live = hub.statistics().live
-        del hub  # abandoned, as by a crash
+        abandon(hub)  # as by a crash
         t0 = time.perf_counter()
         again = flowrl.Hub(config=config)
         inproc_s = time.perf_counter() - t0

@@ -895,3 +895,32 @@ def test_put_with_ack_of_a_claim_that_does_not_hold_the_samples_changes_nothing(
     assert stats.tasks["score"].consumed == 2 and stats.tasks["train"].ready == 0
     hub.put(reward, indices=first, ack=first)
     assert hub.statistics().tasks["train"].ready == 2
+
+
+def test_every_call_on_a_closed_hub_raises_hub_closed(make_hub) -> None:
+    # F6 (issue 16): a closed embedded hub still served get/ack/statistics/...
+    hub = make_hub(columns=COLS, tasks=TWO_TASKS)
+    hub.put(sample(2))
+    meta = hub.claim("score", 2, timeout=GUARD)
+    hub.close()
+    calls: dict[str, Callable[[], Any]] = {
+        "get": lambda: hub.get(meta),
+        "ack": lambda: hub.ack(meta),
+        "drop": lambda: hub.drop(meta),
+        "release": lambda: hub.release(meta),
+        "put": lambda: hub.put({"reward": np.zeros(2, np.float32)}, indices=meta),
+        "put_ack": lambda: hub.put({"reward": np.zeros(2, np.float32)}, indices=meta, ack=meta),
+        "claim": lambda: hub.claim("train", 1, timeout=0.05),
+        "meta": lambda: hub.meta(meta.indices, ["ids"]),
+        "statistics": hub.statistics,
+        "declare": lambda: hub.declare(Column.scalar("extra", "int64")),
+        "register_task": lambda: hub.register_task("late", ["ids"]),
+        "publish_version": lambda: hub.publish_version(3),
+        "end_stream": hub.end_stream,
+        "append": lambda: hub.append(meta, "ids", [[1], [2]], version=0),
+        "partial": lambda: hub.partial(meta, "ids"),
+    }
+    for name, call in calls.items():
+        with pytest.raises(HubClosed):
+            call()
+            pytest.fail(f"{name}() on a closed hub did not raise HubClosed")

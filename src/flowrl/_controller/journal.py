@@ -8,10 +8,16 @@ detected on reading by its length or its decoding, and cut off.
 
 ``journal.json`` beside it records the table's shape; a hub refuses to recover a journal
 written with another capacity or number of storage units.
+
+One process at a time owns a journal folder: a ``FolderLock`` (``flowrl._folder_lock``)
+holds an exclusive ``flock`` on its ``lock`` file from before recovery until the journal
+is closed, or the process dies. A second opener is refused with the folder and the
+holder's pid: two controllers on one journal would each deliver its samples.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import threading
@@ -21,13 +27,20 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from flowrl._client.config import HubConfig, JournalConfig
+from flowrl._folder_lock import FolderLock
 from flowrl.errors import ConfigError, JournalError
 from flowrl.events import Event, event_decoder, event_encoder
 
 if TYPE_CHECKING:
     from flowrl._controller.controller import Controller
 
-__all__ = ["Journal", "JournalHeader", "attach_journal", "read_journal"]
+__all__ = [
+    "Journal",
+    "JournalHeader",
+    "attach_journal",
+    "lock_journal",
+    "read_journal",
+]
 
 _LEN = struct.Struct("<I")
 EVENTS_FILE = "events.log"
@@ -41,12 +54,13 @@ class JournalHeader(msgspec.Struct, frozen=True):
 
 
 class Journal:
-    """Appends events to ``<path>/events.log`` under a sync policy."""
+    """Appends events to ``<path>/events.log`` under a sync policy; owns the folder's lock."""
 
-    def __init__(self, config: JournalConfig, header: JournalHeader) -> None:
+    def __init__(self, config: JournalConfig, header: JournalHeader, lock: FolderLock) -> None:
         os.makedirs(config.path, exist_ok=True)
         _check_header(config.path, header)
         self.config = config
+        self.lock = lock
         self._fd = os.open(
             os.path.join(config.path, EVENTS_FILE), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644
         )
@@ -60,6 +74,8 @@ class Journal:
             self._syncer.start()
 
     def append(self, event: Event) -> None:
+        if self._fd < 0:  # never write to a descriptor number the OS may have reused
+            raise JournalError(f"the journal in {self.config.path!r} is closed")
         payload = event_encoder.encode(event)
         os.write(self._fd, _LEN.pack(len(payload)) + payload)
         if self.config.sync == "fsync":
@@ -68,26 +84,51 @@ class Journal:
             self._dirty = True
 
     def close(self) -> None:
+        """Sync and close the file, then release the folder (idempotent)."""
         self._stop.set()
         if self._syncer is not None:
             self._syncer.join(timeout=5)
-        os.fsync(self._fd)
-        os.close(self._fd)
+        if self._fd >= 0:
+            os.fsync(self._fd)
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Close the file and release the folder without syncing, as a process dies."""
+        self._stop.set()
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+        self.lock.release()
 
     def _sync_loop(self) -> None:
         while not self._stop.wait(self.config.fsync_interval):
-            if self._dirty:
+            if self._dirty and self._fd >= 0:
                 self._dirty = False
-                os.fsync(self._fd)
+                with contextlib.suppress(OSError):  # closed meanwhile
+                    os.fsync(self._fd)
 
 
-def attach_journal(controller: Controller, config: HubConfig) -> Journal:
-    """Recover ``controller`` from ``config.journal`` (if it holds one), then journal it."""
+def lock_journal(config: JournalConfig) -> FolderLock:
+    """Take the journal folder for this process (before anything in it is read)."""
+    return FolderLock(config.path, "the journal folder")
+
+
+def attach_journal(
+    controller: Controller, config: HubConfig, lock: FolderLock | None = None
+) -> Journal:
+    """Recover ``controller`` from ``config.journal`` (if it holds one), then journal it.
+
+    ``lock``: the folder's lock if the caller took it already (``lock_journal``)."""
     if config.journal is None:
         raise ConfigError("attach_journal() needs a HubConfig with a journal")
-    header = JournalHeader(config.capacity, config.n_units)
-    controller.recover(read_journal(config.journal.path, header))
-    journal = Journal(config.journal, header)
+    lock = lock or lock_journal(config.journal)
+    try:
+        header = JournalHeader(config.capacity, config.n_units)
+        controller.recover(read_journal(config.journal.path, header))
+        journal = Journal(config.journal, header, lock)
+    except BaseException:
+        lock.release()
+        raise
     controller.log.sinks.append(journal.append)
     return journal
 

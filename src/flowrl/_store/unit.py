@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from flowrl._client.config import JournalConfig, UnitStats
+from flowrl._folder_lock import FolderLock
 from flowrl._schema.columns import Column
 from flowrl._schema.encode import numeric_array
 from flowrl._store.partial import PartialStore
@@ -198,10 +199,16 @@ class StorageUnit:
         self._lock = threading.Lock()
         self._evictions: EvictionLog | None = None
         self._partials = PartialStore(folder, fsync=fsync)
+        self._folder_lock: FolderLock | None = None
         if folder is not None:
-            os.makedirs(folder, exist_ok=True)
-            self._load(folder)
-            self._partials.load(self._in_progress)
+            # one process at a time: a second unit on these files would rewrite them
+            self._folder_lock = FolderLock(folder, f"storage unit {unit_id}'s folder")
+            try:
+                self._load(folder)
+                self._partials.load(self._in_progress)
+            except BaseException:
+                self._folder_lock.release()
+                raise
 
     @classmethod
     def open(cls, unit_id: int, capacity: int, journal: JournalConfig | None) -> StorageUnit:
@@ -429,6 +436,12 @@ class StorageUnit:
             if self._evictions is not None:
                 self._evictions.close()
             self._partials.close()
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Release the folder without finalising its files, as a process that dies."""
+        if self._folder_lock is not None:
+            self._folder_lock.release()
 
     def discard(self, indices: np.ndarray, columns: tuple[str, ...]) -> None:
         """Undo a write whose commit failed (only the named columns)."""

@@ -119,3 +119,29 @@ def test_a_killed_controller_recovers_leases_and_consumption(
         controller_kill_scenario(hub, kill)
     finally:
         hub.close()
+
+
+@pytest.mark.parametrize("journal", [False, True])
+def test_a_killed_storage_units_shared_memory_is_removed(tmp_path: Path, journal: bool) -> None:
+    """F9 (issue 16): a SIGKILLed unit left its /dev/shm arena behind."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    from flowrl._store.shm import SHM_MIN_BYTES
+
+    config = HubConfig(n_units=2, journal=JournalConfig(path=str(tmp_path)) if journal else None)
+    big = flowrl.Column.tensor("big", "uint8", (SHM_MIN_BYTES,))
+    hub = flowrl.launch_hub([big], tasks={"t": ["big"]}, config=config)
+    try:
+        hub.put({"big": np.ones((2, SHM_MIN_BYTES), np.uint8)})  # a put big enough for shm
+        arenas = [hub.servers.specs[u].shm_folder for u in range(2)]
+        segments = [os.listdir(a) for a in arenas]
+        victim = next(u for u, segs in enumerate(segments) if len(segs) > 1)  # owner + one
+        os.kill(hub.servers.procs[victim].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        gone = {f"{arenas[victim]}/{s}" for s in segments[victim] if s != "owner"}
+        while any(os.path.exists(p) for p in gone):
+            assert time.monotonic() < deadline, f"{arenas[victim]} still holds {gone}"
+            time.sleep(0.05)
+        assert os.listdir(arenas[1 - victim]) == segments[1 - victim]  # the live unit's
+    finally:
+        hub.close()

@@ -395,3 +395,31 @@ def test_a_batch_whose_lease_expires_mid_stage_is_dropped_and_done_again() -> No
     assert result.completed
     assert result.stages["double"].expired == 1 and result.stages["double"].samples == 8
     assert written == collections.Counter(2 * i for i in range(8))  # each exactly once
+
+
+def test_a_straggler_returning_after_its_column_was_closed_is_dropped(make_hub) -> None:
+    # F2 (issue 16): the other worker finished the batch and closed "y" (end of stream);
+    # the straggler's put then failed the run with "column 'y' closed by end_stream()"
+    straggle = threading.Event()
+    done_by_other = threading.Event()
+    written: collections.Counter[int] = collections.Counter()
+
+    @stage(inputs=["x"], outputs=[Y], batch_size=4, workers=2, lease_timeout=0.2)
+    def double(batch):
+        if not straggle.is_set():
+            straggle.set()
+            done_by_other.wait(10)  # outlives the lease, until the other worker is done
+            threading.Event().wait(0.3)  # ... and has seen the end of the stream
+        else:
+            done_by_other.set()
+        return {"y": 2 * batch["x"]}
+
+    @stage(inputs=["y"], batch_size=4)
+    def sink(batch):
+        written.update(batch["y"].tolist())
+
+    hub = make_hub(columns=[X, Y])
+    result = Pipeline([counter_source(4), double, sink]).run(hub, timeout=60)
+    assert result.completed
+    assert result.stages["double"].expired == 1 and result.stages["double"].samples == 4
+    assert written == collections.Counter(2 * i for i in range(4))  # each exactly once

@@ -118,10 +118,12 @@ class Hub(HubClient):
             self._check_open()
             self.controller.abort(indices)
 
-    def _check_update(self, indices: np.ndarray, columns: tuple[str, ...]) -> np.ndarray:
+    def _check_update(
+        self, indices: np.ndarray, columns: tuple[str, ...], ack: tuple[str, int] | None
+    ) -> np.ndarray:
         with self.controller.cond:
             self._check_open()
-            return self.controller.check_update(indices, columns)
+            return self.controller.check_update(indices, columns, ack)
 
     def _write(
         self,
@@ -129,17 +131,36 @@ class Hub(HubClient):
         indices: np.ndarray,
         encoded: dict[str, Encoded],
         types: dict[str, Column],
+        put_id: int = 0,
     ) -> None:
         self._check_open()
-        self.units[unit].write(indices, {k: e.array for k, e in encoded.items()}, types)
+        arrays = {k: e.array for k, e in encoded.items()}
+        if put_id:
+            self.units[unit].stage(put_id, indices, arrays, types)
+        else:
+            self.units[unit].write(indices, arrays, types)
 
     def _discard(self, unit: int, indices: np.ndarray, columns: tuple[str, ...]) -> None:
         self.units[unit].discard(indices, columns)
 
     def _commit(self, args: CommitArgs) -> None:
+        fields = args._asdict()
+        put_id = fields.pop("put_id")
         with self.controller.cond:
             self._check_open()
-            self.controller.commit(**args._asdict())
+            try:
+                self.controller.commit(**fields)
+            except BaseException:
+                self._forget_staged(put_id, range(len(self.units)))
+                raise
+            if put_id:  # under the controller's lock: no claim sees the commit before
+                for unit in self.units:  # the bytes it made ready are readable
+                    unit.settle(put_id, True)
+
+    def _forget_staged(self, put_id: int, units: Iterable[int]) -> None:
+        if put_id:
+            for unit in units:
+                self.units[unit].settle(put_id, False)
 
     def _claim(self, args: ClaimArgs, timeout: float | None) -> BatchMeta:
         ctl = self.controller

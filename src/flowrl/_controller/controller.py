@@ -271,15 +271,22 @@ class Controller:
             self._n_ahead -= int(self._ahead[slots].sum())
             self._ahead[slots] = False
 
-    def check_update(self, indices: np.ndarray, columns: tuple[str, ...]) -> np.ndarray:
-        """Validate a put to existing samples before any byte moves; returns their units."""
+    def check_update(
+        self, indices: np.ndarray, columns: tuple[str, ...], ack: tuple[str, int] | None = None
+    ) -> np.ndarray:
+        """Validate a put to existing samples before any byte moves; returns their units.
+
+        ``ack``: (task, lease) of the claim the put acks, checked first: a straggler whose
+        lease expired learns that (its samples may have been finished and evicted since).
+        """
         self._check_open()
+        if ack is not None:
+            self._ackable_lease(ack, indices)
         slots = self.table.slots_of(indices)
         if np.unique(slots).size != slots.size:
             raise SchemaError("put() to existing samples names an index twice")
-        for name in columns:
-            if name in self.closed_columns:
-                raise SchemaError(f"column {name!r} was closed by end_stream(); cannot put it")
+        # (closed columns are refused by the commit, after the lease of a put that acks:
+        # a straggler whose lease expired learns that, not that the stream moved on)
         return self.table.unit[slots]
 
     def commit(
@@ -304,11 +311,11 @@ class Controller:
         so they are never written without being consumed (a worker that dies between a
         put and its ack would have them delivered, and processed, again).
         """
-        lease = None
-        if ack is not None:
-            self.expire()
-            lease = self._live_lease(ack[0], ack[1], "put(ack=...)")
-            _check_ackable(lease, indices)
+        lease = None if ack is None else self._ackable_lease(ack, indices)
+        if not new:
+            for name in cells:
+                if name in self.closed_columns:
+                    raise SchemaError(f"column {name!r} was closed by end_stream(); cannot put it")
         t = self.table
         slots = t.slots_of(indices, committed=not new)
         if new and t.committed[slots].any():
@@ -694,6 +701,13 @@ class Controller:
         state.queue.push_front(lease.indices)
         if lease.task in self._rounds:
             self._prune_rounds(lease.task)
+
+    def _ackable_lease(self, ack: tuple[str, int], indices: np.ndarray) -> _Lease:
+        """The live lease a put acks, holding every sample put; LeaseError otherwise."""
+        self.expire()
+        lease = self._live_lease(ack[0], ack[1], "put(ack=...)")
+        _check_ackable(lease, indices)
+        return lease
 
     def _live_lease(self, task: str, lease_id: int, what: str) -> _Lease:
         if not isinstance(lease_id, int) or isinstance(lease_id, bool):

@@ -408,10 +408,16 @@ class RemoteHub(HubClient):
     def _abort(self, indices: np.ndarray) -> None:
         self._call(None, wire.Abort(indices=indices.tobytes()))
 
-    def _check_update(self, indices: np.ndarray, columns: tuple[str, ...]) -> np.ndarray:
-        reply, _ = self._call(
-            None, wire.CheckUpdate(indices=indices.tobytes(), columns=list(columns))
+    def _check_update(
+        self, indices: np.ndarray, columns: tuple[str, ...], ack: tuple[str, int] | None
+    ) -> np.ndarray:
+        msg = wire.CheckUpdate(
+            indices=indices.tobytes(),
+            columns=list(columns),
+            ack_task=None if ack is None else ack[0],
+            ack_lease=0 if ack is None else ack[1],
         )
+        reply, _ = self._call(None, msg)
         return np.frombuffer(reply.units, dtype=np.int16)
 
     def _write(
@@ -420,8 +426,9 @@ class RemoteHub(HubClient):
         indices: np.ndarray,
         encoded: dict[str, Encoded],
         types: dict[str, Column],
+        put_id: int = 0,
     ) -> None:
-        self._call(unit, *_write_request(indices, encoded, types))
+        self._call(unit, *_write_request(indices, encoded, types, put_id=put_id))
 
     def _write_commit(
         self,
@@ -441,6 +448,7 @@ class RemoteHub(HubClient):
             commit=_commit_request(commit),
             controller=self.address,
             reply_to=self._routing_id(),
+            put_id=commit.put_id,
         )
         if wait:
             self._recv(unit, self._send(unit, msg, frames), self.rpc_timeout, or_controller=True)
@@ -783,6 +791,7 @@ def _commit_request(args: CommitArgs) -> wire.Commit:
         producer=args.producer,
         ack_task=None if args.ack is None else args.ack[0],
         ack_lease=0 if args.ack is None else args.ack[1],
+        put_id=args.put_id,
     )
 
 

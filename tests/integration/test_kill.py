@@ -38,10 +38,9 @@ from flowrl._transport import remote
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def journaled(path: Path, **kw: Any) -> flowrl.RemoteHub:
-    config = HubConfig(
-        capacity=1024, lease_timeout=2.0, journal=JournalConfig(path=str(path)), **kw
-    )
+def journaled(path: Path, compact_bytes: int = 64 << 20, **kw: Any) -> flowrl.RemoteHub:
+    journal = JournalConfig(path=str(path), compact_bytes=compact_bytes)
+    config = HubConfig(capacity=1024, lease_timeout=2.0, journal=journal, **kw)
     hub = flowrl.launch_hub(COLS, tasks=TASKS, config=config)
     hub.rpc_timeout = 3.0  # notice a dead server in seconds, not the default 30
     return hub
@@ -105,13 +104,18 @@ def test_a_killed_storage_unit_restarts_with_its_bytes(tmp_path: Path) -> None:
         hub.close()
 
 
+@pytest.mark.parametrize("compact_bytes", [64 << 20, 256], ids=["log", "snapshots"])
 def test_a_killed_controller_recovers_leases_and_consumption(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compact_bytes: int
 ) -> None:
+    """With ``snapshots`` the journal is compacted after nearly every request: the restarted
+    controller recovers from a snapshot plus the few events after it (F8, issue 16)."""
     monkeypatch.setattr(remote, "CLAIM_SLICE_S", 1.0)  # notice the restart quickly
-    hub = journaled(tmp_path)
+    hub = journaled(tmp_path, compact_bytes)
 
     def kill() -> None:
+        if compact_bytes < 1024:
+            assert (tmp_path / "snapshot.msgpack").exists()  # it recovers from one
         os.kill(hub.servers.procs[-1].pid, signal.SIGKILL)
         wait_restarted(hub, 1)
 

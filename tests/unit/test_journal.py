@@ -7,15 +7,18 @@ with real SIGKILLs live in tests/integration/test_kill.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
 import flowrl
-from flowrl import BalancedSampler, Column, HubConfig, JournalConfig
+from flowrl import BalancedSampler, Column, FifoSampler, HubConfig, JournalConfig
+from flowrl._controller import snapshot
 from flowrl._controller.controller import CellWrite, Controller
 from flowrl._controller.journal import EVENTS_FILE
 from flowrl._store import persist
@@ -362,3 +365,114 @@ def test_a_closed_journal_never_writes_again(tmp_path: Path) -> None:
         f.flush()
     assert other.read_bytes() == b""
     assert (tmp_path / EVENTS_FILE).stat().st_size == size
+
+
+# -- compaction (F8, issue 16) --------------------------------------------------------------
+def _random_run(seed: int, steps: int) -> tuple[Controller, list[bytes], list[tuple[int, bytes]]]:
+    """A controller driven by random operations; its journal, and snapshots taken between
+    operations as (number of events so far, snapshot)."""
+    rng = np.random.default_rng(seed)
+    ctl = Controller(32, lease_timeout=1e6)
+    journal: list[bytes] = []
+    ctl.log.sinks.append(lambda e: journal.append(event_encoder.encode(e)))
+    snaps: list[tuple[int, bytes]] = []
+    with ctl.cond:
+        ctl.add_columns((Column.scalar("x", "int64"), Column.scalar("y", "int64")))
+        ctl.register_task("a", ("x",))
+        ctl.register_task("b", ("x", "y"))
+        leases: list[tuple[str, int, np.ndarray]] = []
+        for _ in range(steps):
+            op = rng.integers(8)
+            if op <= 1 and ctl.table.free_slots() >= 4:
+                idx, _ = ctl.reserve(4)
+                if rng.random() < 0.2:
+                    continue  # left reserved: not journaled state
+                cells = {"x": CellWrite(np.full(4, 8), None)}
+                ctl.commit(idx, cells, new=True, groups=idx // 2, partition=f"p{op}")
+            elif op == 2:
+                live = ctl.live_indices()
+                live = live[ctl.table.committed[live % 32]]
+                if live.size:
+                    pick = rng.choice(live, size=min(3, live.size), replace=False)
+                    with contextlib.suppress(flowrl.errors.FlowRLError):
+                        ctl.commit(pick, {"y": CellWrite(np.full(pick.size, 8), None)}, new=False)
+            elif op <= 4:
+                task = "ab"[int(rng.integers(2))]
+                sampler = BalancedSampler(dp_size=2) if rng.random() < 0.3 else FifoSampler()
+                with contextlib.suppress(flowrl.errors.FlowRLError):
+                    meta = ctl.try_claim(task, 2, sampler, dp_rank=int(rng.integers(2)))
+                    if meta is not None:
+                        leases.append((task, meta.lease, meta.indices))
+            elif op == 5 and leases:
+                task, lease, idx = leases.pop(int(rng.integers(len(leases))))
+                how = rng.integers(3)
+                with contextlib.suppress(flowrl.errors.FlowRLError):
+                    if how == 0:
+                        ctl.release(task, lease)
+                    else:
+                        ctl.ack(task, lease, idx[:1] if how == 1 else None, drop=rng.random() < 0.2)
+            elif op == 6:
+                ctl.publish_version(ctl.version + 1)
+            else:
+                snaps.append((len(journal), snapshot.snapshot_of(ctl)))
+    return ctl, journal, snaps
+
+
+def _state(ctl: Controller) -> object:
+    """Everything recovery must rebuild (creation times aside: replay stamps its own)."""
+    snap = msgspec.msgpack.decode(snapshot.snapshot_of(ctl), type=snapshot.Snapshot)
+    return msgspec.structs.replace(snap, table={**snap.table, "created": b""})
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_snapshot_plus_the_events_after_it_rebuilds_what_the_whole_journal_does(
+    seed: int,
+) -> None:
+    _, journal, snaps = _random_run(seed, 300)
+    assert snaps
+    for count, data in snaps[:: max(1, len(snaps) // 5)]:
+        whole = Controller(32, lease_timeout=1e6)
+        whole.recover(event_decoder.decode(b) for b in journal)
+        twin = Controller(32, lease_timeout=1e6)
+        seq = snapshot.restore(twin, data, "test")
+        assert seq == count  # every event so far is in it
+        twin.recover(event_decoder.decode(b) for b in journal[count:])
+        assert _state(twin) == _state(whole)
+        with twin.cond, whole.cond:  # and they go on alike
+            for task in ("a", "b"):
+                for rank in (0, 1):
+                    mine, theirs = (
+                        c.try_claim(task, 3, BalancedSampler(dp_size=2), dp_rank=rank)
+                        for c in (twin, whole)
+                    )
+                    assert (mine is None) == (theirs is None)
+                    if mine is not None and theirs is not None:
+                        assert mine.indices.tolist() == theirs.indices.tolist()
+
+
+def test_a_compacted_journal_stays_small_and_recovers(tmp_path: Path) -> None:
+    cfg = HubConfig(capacity=64, journal=JournalConfig(path=str(tmp_path), compact_bytes=4096))
+    hub = flowrl.Hub(COLS, tasks=TASKS, config=cfg)
+    for k in range(60):  # 480 samples through a hub of 64: the log would keep growing
+        hub.put(rows(8 * k, 8), groups=np.full(8, k))
+        for task in ("train", "score"):
+            hub.ack(hub.claim(task, 8, timeout=1))
+    hub.put(rows(480, 4))
+    held = hub.claim("score", 2, timeout=1)
+    hub.ack(hub.claim("train", 1, timeout=1))
+    hub.publish_version(7)
+    assert hub._journal is not None and hub._journal.compactions >= 5
+    assert (tmp_path / EVENTS_FILE).stat().st_size < 3 * 4096
+    before = hub.statistics()
+    abandon(hub)
+    again = flowrl.Hub(config=config(tmp_path))
+    after = again.statistics()
+    # (one more event: the held lease expired, its holder having died)
+    assert (after.live, after.version, after.events) == (before.live, 7, before.events + 1)
+    assert after.tasks["train"].consumed == before.tasks["train"].consumed == 481
+    assert after.tasks["score"].ready == 4  # the lease holder died: its samples came back
+    meta = again.claim("score", 4, timeout=1)
+    assert meta.indices.tolist()[:2] == held.indices.tolist()  # first in line
+    batch = again.get(meta, ["reward"])
+    assert sorted(batch["reward"].tolist()) == [480.0, 481.0, 482.0, 483.0]
+    again.close()

@@ -83,13 +83,13 @@ class Hub(HubClient):
     # -- primitives -------------------------------------------------------------------------
     def _declare_columns(self, columns: tuple[Column, ...]) -> None:
         with self.controller.cond:
-            self._check_open()
+            self._begin()
             self.schema.declare(*columns)
             self.controller.add_columns(columns)
 
     def _register_task(self, task: str, columns: tuple[str, ...]) -> None:
         with self.controller.cond:
-            self._check_open()
+            self._begin()
             self.controller.register_task(task, columns)
 
     def _reserve(self, n: int, timeout: float | None) -> tuple[np.ndarray, int]:
@@ -101,6 +101,7 @@ class Hub(HubClient):
             )
         deadline = None if timeout is None else time.monotonic() + timeout
         with ctl.cond:
+            self._begin()
             while True:
                 if ctl.table.free_slots() >= n or timeout == 0 or ctl.closed or ctl.ended:
                     return ctl.reserve(n)  # raises HubFull / HubClosed / EndOfStream
@@ -115,14 +116,14 @@ class Hub(HubClient):
 
     def _abort(self, indices: np.ndarray) -> None:
         with self.controller.cond:
-            self._check_open()
+            self._begin()
             self.controller.abort(indices)
 
     def _check_update(
         self, indices: np.ndarray, columns: tuple[str, ...], ack: tuple[str, int] | None
     ) -> np.ndarray:
         with self.controller.cond:
-            self._check_open()
+            self._begin()
             return self.controller.check_update(indices, columns, ack)
 
     def _write(
@@ -147,7 +148,7 @@ class Hub(HubClient):
         fields = args._asdict()
         put_id = fields.pop("put_id")
         with self.controller.cond:
-            self._check_open()
+            self._begin()
             try:
                 self.controller.commit(**fields)
             except BaseException:
@@ -166,6 +167,7 @@ class Hub(HubClient):
         ctl = self.controller
         deadline = None if timeout is None else time.monotonic() + timeout
         with ctl.cond:
+            self._begin()
             while True:
                 meta = ctl.try_claim(**args._asdict())
                 if meta is not None:
@@ -189,7 +191,7 @@ class Hub(HubClient):
 
     def _meta(self, indices: np.ndarray, columns: tuple[str, ...]) -> BatchMeta:
         with self.controller.cond:
-            self._check_open()
+            self._begin()
             return self.controller.meta(indices, columns)
 
     def _append(
@@ -206,12 +208,12 @@ class Hub(HubClient):
 
     def _ack(self, task: str, lease: int, indices: np.ndarray | None, drop: bool) -> None:
         with self.controller.cond:
-            self._check_open()
+            self._begin()
             self.controller.ack(task, lease, indices, drop=drop)
 
     def _release(self, task: str, lease: int) -> None:
         with self.controller.cond:
-            self._check_open()
+            self._begin()
             self.controller.release(task, lease)
 
     def _evict(self, indices: np.ndarray, units: np.ndarray) -> None:
@@ -220,6 +222,13 @@ class Hub(HubClient):
 
     def _raise_policy_error(self) -> None:
         self.controller.log.check()
+
+    def _begin(self) -> None:
+        """Start a call, under the controller's lock: refuse a closed hub; compact the
+        journal when due (here, between two operations, the state is whole)."""
+        self._check_open()
+        if self._journal is not None and self._journal.compaction_due:
+            self._journal.compact(self.controller)
 
     def _check_open(self) -> None:
         """Every call on a closed hub raises (its journal and units' files are closed)."""
@@ -232,7 +241,7 @@ class Hub(HubClient):
     # -- the rest of the API ----------------------------------------------------------------
     def _publish_version(self, version: int) -> None:
         with self.controller.cond:
-            self._check_open()
+            self._begin()
             self.controller.publish_version(version)
 
     @property
@@ -243,7 +252,7 @@ class Hub(HubClient):
     def end_stream(self, columns: Sequence[str] = ()) -> None:
         cols = self.schema.check_names(columns, "end_stream()")
         with self.controller.cond:
-            self._check_open()
+            self._begin()
             self.controller.end_stream(cols)
 
     def _event_log(self) -> EventLog:
@@ -257,7 +266,7 @@ class Hub(HubClient):
 
     def statistics(self) -> HubStats:
         with self.controller.cond:
-            self._check_open()
+            self._begin()
             stats = self.controller.statistics()
         return msgspec.structs.replace(stats, units=[u.statistics() for u in self.units])
 

@@ -123,6 +123,8 @@ class ControllerServer:
                 # zero-copy), then flush evictions and retry parked requests once.
                 while self.running and has_input(self.sock):
                     self._handle(recv_parts(self.sock))
+                    if self.journal is not None and self.journal.compaction_due:
+                        self.journal.compact(self.ctl)  # (between two requests)
             self._flush_evictions()
             self._retry_parked(self._changes())
         self._shutdown()

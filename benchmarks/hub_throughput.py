@@ -31,6 +31,16 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
   be no faster) and ``zmq_one_way_after_pause_ms`` (the p50 time one put-sized message
   takes to reach a process after 2 ms of quiet, as in ``put_to_claimable``; a put becomes
   claimable after three such hops: producer -> unit -> controller -> consumer).
+* zmq only: ``stage_rounds_per_s``: one stage worker thread doing what a pipeline stage
+  does per micro-batch of one sample (``claim``, ``get`` of its input column, ``put`` of
+  its output column with ``indices=meta, ack=meta``), one round at a time, every input
+  already put (2,000 rounds after 200 of warm-up; fewer for --samples under 4,000), and
+  ``stage_round_p50_ms`` (the median round: steadier than the rate on a shared machine).
+  ``stage_round_vs_echo`` is that rate over ``zmq_echo_round_trips_per_s`` measured in
+  the same run. A round is 7 network legs at the least (claim 2, get 2, put 3: producer
+  -> unit -> controller -> producer), 3.5 echoes' worth, so that ratio is 1 / 3.5 = 0.29
+  at the very best; ``stage_round_legs_vs_echo`` (the ratio times 3.5) is the share of
+  the bare transport's speed the hub keeps per leg (1.0: no cost but the legs').
 * ``--peer``: runs the TransferQueue package on the same payload in a subprocess and
   reports ``peer`` figures and ``put_get_speedup_vs_transferqueue``: samples / (put time +
   consumer-loop time) for flowrl over the same for TransferQueue (its put, get_meta and
@@ -308,6 +318,41 @@ def zmq_latencies(seq_len: int) -> dict:
         hub.close()
 
 
+#: Network legs of a stage round: claim 2, get 2, put with ack 3 (unit hands the commit on).
+STAGE_ROUND_LEGS = 7
+
+
+def stage_rounds(rounds: int = 2000) -> dict:
+    """Stage rounds (claim, get, put with ack) per second over zmq, one at a time."""
+    hub = flowrl.launch_hub(
+        [Column.scalar("x", "int64"), Column.scalar("y", "float32")],
+        tasks={"stage": ["x"], "sink": ["y"]},
+        config=HubConfig(capacity=rounds + 1024, lease_timeout=600.0),
+    )
+    try:
+        hub.put({"x": np.arange(rounds + 200, dtype=np.int64)})
+        out = np.ones(1, dtype=np.float32)
+
+        def one_round() -> None:
+            meta = hub.claim("stage", 1, timeout=10)
+            hub.get(meta, ["x"])
+            hub.put({"y": out}, indices=meta, ack=meta)
+
+        for _ in range(200):  # connections, code paths
+            one_round()
+        times = np.empty(rounds)
+        for i in range(rounds):
+            t0 = time.perf_counter()
+            one_round()
+            times[i] = time.perf_counter() - t0
+        return {
+            "stage_rounds_per_s": rounds / times.sum(),
+            "stage_round_p50_ms": float(np.median(times) * 1e3),
+        }
+    finally:
+        hub.close()
+
+
 def zmq_floor(seq_len: int) -> dict:
     """Bare pyzmq between two processes: what any request over the hub's sockets costs."""
     with tempfile.TemporaryDirectory(prefix="flowrl-floor-") as folder:
@@ -410,7 +455,11 @@ def main() -> None:
     result["controller_cell_updates_per_s"] = controller_cells(args.batch)
     if args.transport == "zmq":
         result.update(zmq_latencies(args.seq_len))
+        result.update(stage_rounds(rounds=min(2000, max(200, args.samples // 2))))
         result.update(zmq_floor(args.seq_len))
+        ratio = result["stage_rounds_per_s"] / result["zmq_echo_round_trips_per_s"]
+        result["stage_round_vs_echo"] = ratio
+        result["stage_round_legs_vs_echo"] = ratio * STAGE_ROUND_LEGS / 2
     if args.peer:
         tq = peer(args.samples, args.seq_len, args.batch)
         result["peer"] = tq

@@ -33,7 +33,6 @@ from kill_scenarios import (
 
 import flowrl
 from flowrl import HubConfig, JournalConfig
-from flowrl._transport import remote
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -106,11 +105,10 @@ def test_a_killed_storage_unit_restarts_with_its_bytes(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("compact_bytes", [64 << 20, 256], ids=["log", "snapshots"])
 def test_a_killed_controller_recovers_leases_and_consumption(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compact_bytes: int
+    tmp_path: Path, compact_bytes: int
 ) -> None:
     """With ``snapshots`` the journal is compacted after nearly every request: the restarted
     controller recovers from a snapshot plus the few events after it (F8, issue 16)."""
-    monkeypatch.setattr(remote, "CLAIM_SLICE_S", 1.0)  # notice the restart quickly
     hub = journaled(tmp_path, compact_bytes)
 
     def kill() -> None:

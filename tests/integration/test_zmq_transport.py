@@ -235,6 +235,29 @@ def test_indices_reserved_ahead_are_freed_by_end_of_stream_and_close(hub) -> Non
         _put(hub, 1)  # its pooled indices are gone: the put learns the stream ended
 
 
+def test_a_put_to_claimed_samples_asks_the_controller_nothing_first(hub, monkeypatch) -> None:
+    """The claim's handle names where its samples live: a stage's output put goes to the
+    storage unit at once (3 legs, not 5), and the commit checks what the lookup checked."""
+    idx = np.concatenate([_put(hub, 2), _put(hub, 2)])  # a put goes to one unit, in turn
+
+    def no_lookup(*args: object) -> None:
+        raise AssertionError("put(indices=meta) asked the controller where samples live")
+
+    monkeypatch.setattr(hub, "_check_update", no_lookup)
+    hub.register_task("next", ["ids", "reward"])
+    meta = hub.claim("train", 4, timeout=5)
+    assert set(meta.units.tolist()) == {0, 1}  # a put spanning both units
+    hub.put({"reward": np.full(4, 7, np.float32)}, indices=meta, ack=meta)
+    done = hub.claim("next", 4, timeout=5)
+    assert sorted(done.indices.tolist()) == sorted(idx.tolist())
+    assert hub.get(done)["reward"].tolist() == [7.0] * 4
+    hub.end_stream(["reward"])
+    before = hub.statistics()
+    with pytest.raises(SchemaError, match="closed by end_stream"):  # refused by the commit
+        hub.put({"reward": np.zeros(4, np.float32)}, indices=done)
+    assert hub.statistics().tasks == before.tasks and hub.statistics().events == before.events
+
+
 CONSUMER = textwrap.dedent(
     """
     import sys, time, flowrl

@@ -204,6 +204,13 @@ class Stats(_Msg, frozen=True, tag="stats"):
     pass
 
 
+class Ping(_Msg, frozen=True, tag="ping"):
+    """Does the controller still hold this client's parked request ``rid`` (a claim or a
+    reserve waiting in it)? A restarted controller does not: the client sends it again."""
+
+    rid: bytes
+
+
 class PublishHello(_Msg, frozen=True, tag="pub_hello"):
     token: NonNeg
 
@@ -311,6 +318,7 @@ Request = (
     | End
     | Stats
     | PublishHello
+    | Ping
     | Shutdown
     | Write
     | Read
@@ -346,6 +354,10 @@ class Reserved(_Msg, frozen=True, tag="reserved"):
     indices: bytes
     unit: int  # of the n indices asked for
     units: bytes | None = None  # int16 per index, when indices were reserved ahead
+
+
+class Pong(_Msg, frozen=True, tag="pong"):
+    parked: bool  # the request a Ping named waits in the controller
 
 
 class Units(_Msg, frozen=True, tag="units"):
@@ -391,6 +403,7 @@ Reply = (
     | Error
     | Welcome
     | Reserved
+    | Pong
     | Units
     | MetaReply
     | StatsReply

@@ -100,6 +100,10 @@ class _Round:
 
 
 def _check_ackable(lease: _Lease, indices: np.ndarray) -> None:
+    if indices is lease.indices or (  # the whole claim, the usual case (its indices differ)
+        indices.size == lease.indices.size and np.array_equal(indices, lease.indices)
+    ):
+        return
     if not np.isin(indices, lease.indices).all() or np.unique(indices).size != indices.size:
         raise LeaseError(
             f"ack of lease {lease.id} names indices that are not in it (or repeats one)"
@@ -295,7 +299,8 @@ class Controller:
         """
         self._check_open()
         if ack is not None:
-            self._ackable_lease(ack, indices)
+            self.expire()
+            self._live_lease(ack[0], ack[1], "put(ack=...)")  # (the commit checks the rest)
         slots = self.table.slots_of(indices)
         self._check_writable(slots, columns)
         return self.table.unit[slots]
@@ -391,7 +396,9 @@ class Controller:
             else (),
         )
         if lease is not None:
-            self._consume(self.tasks[lease.task], lease, indices, drop=False)
+            # (ackable: distinct indices of the lease; as many as it holds: all of them)
+            whole = indices.size == lease.indices.size
+            self._consume(self.tasks[lease.task], lease, indices, drop=False, whole=whole)
         self._notify()
 
     @staticmethod

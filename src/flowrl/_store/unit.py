@@ -9,6 +9,11 @@ Invariants (tests/unit/test_store.py): a read returns exactly the bytes last wri
 each requested index, in request order; reading an index that was evicted or never
 written raises UnknownIndexError, even after its slot was reused.
 
+A write to samples the unit already holds may be staged (:meth:`StorageUnit.stage`, a put
+to existing samples): reads return the values committed before until the controller's
+verdict files it (``settle(put_id, True)``) or forgets it, so a put the controller
+refuses (an expired lease, a closed column) changes nothing.
+
 With a folder, a unit is persistent (``_store/persist.py``): every chunk is also appended
 to Arrow IPC files, and a unit started on the same folder loads them back (memory-mapped,
 without copying) and holds exactly what it held before, evictions included.

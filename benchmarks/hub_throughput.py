@@ -35,7 +35,9 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
   does per micro-batch of one sample (``claim``, ``get`` of its input column, ``put`` of
   its output column with ``indices=meta, ack=meta``), one round at a time, every input
   already put (2,000 rounds after 200 of warm-up; fewer for --samples under 4,000), and
-  ``stage_round_p50_ms`` (the median round: steadier than the rate on a shared machine).
+  ``stage_round_p50_ms`` (the median round: steadier than the rate on a shared machine)
+  and ``stage_round_cpu_ms`` (CPU time a round costs the client, the controller and the
+  storage unit together, from /proc: the steadiest of the three on a loaded machine).
   ``stage_round_vs_echo`` is that rate over ``zmq_echo_round_trips_per_s`` measured in
   the same run. A round is 7 network legs at the least (claim 2, get 2, put 3: producer
   -> unit -> controller -> producer), 3.5 echoes' worth, so that ratio is 1 / 3.5 = 0.29
@@ -56,6 +58,7 @@ import argparse
 import contextlib
 import json
 import multiprocessing
+import os
 import statistics
 import subprocess
 import sys
@@ -340,17 +343,28 @@ def stage_rounds(rounds: int = 2000) -> dict:
 
         for _ in range(200):  # connections, code paths
             one_round()
+        pids = [proc.pid for proc in hub.servers.procs]
+        cpu0 = time.process_time() + sum(_cpu_s(pid) for pid in pids)
         times = np.empty(rounds)
         for i in range(rounds):
             t0 = time.perf_counter()
             one_round()
             times[i] = time.perf_counter() - t0
+        cpu = time.process_time() + sum(_cpu_s(pid) for pid in pids) - cpu0
         return {
             "stage_rounds_per_s": rounds / times.sum(),
             "stage_round_p50_ms": float(np.median(times) * 1e3),
+            "stage_round_cpu_ms": cpu / rounds * 1e3,
         }
     finally:
         hub.close()
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process used so far, from /proc (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def zmq_floor(seq_len: int) -> dict:

@@ -64,6 +64,7 @@ def test_hub_throughput_benchmark_reports_the_issue_figures(transport: str) -> N
             "zmq_one_way_after_pause_ms",
             "stage_rounds_per_s",
             "stage_round_vs_echo",
+            "stage_round_cpu_ms",
             "stage_round_legs_vs_echo",
         ]
     assert all(report[f] > 0 for f in figures), {f: report.get(f) for f in figures}

@@ -477,11 +477,13 @@ class RemoteHub(HubClient):
         columns: tuple[str, ...],
         ack: tuple[str, int] | None,
     ) -> np.ndarray:
-        # A handle (a claim's, above all: a stage's output) names its samples' units: the
-        # write goes there at once, staged, and the commit checks what check_update would
-        # have (a put refused then changes nothing: its units forget the staged bytes).
-        if isinstance(indices, BatchMeta):
-            return indices.units
+        # A handle (a claim's, above all: a stage's output) names its samples' units: a
+        # write to one unit goes there at once, the unit refuses samples it does not hold
+        # (evicted) and stages the bytes, and the commit checks what check_update would
+        # have (a put refused there changes nothing: its unit forgets the staged bytes).
+        units = indices.units if isinstance(indices, BatchMeta) else None
+        if units is not None and units.size and (units == units[0]).all():
+            return units
         return self._check_update(target, columns, ack)
 
     def _check_update(

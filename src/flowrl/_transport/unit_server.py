@@ -50,7 +50,7 @@ from flowrl._transport.frames import (
     to_frames_all,
 )
 from flowrl._transport.sockio import NOBLOCK, poll_in, recv_parts, send_parts
-from flowrl.errors import FlowRLError, SchemaError, TransportError
+from flowrl.errors import FlowRLError, SchemaError, TransportError, UnknownIndexError
 
 __all__ = ["serve_unit"]
 
@@ -290,6 +290,11 @@ class UnitServer:
         """A write's indices, the function building its arrays (into shared memory when
         large), its columns' types and the tags ``build`` fills; checked, nothing built."""
         indices = wire.ints(msg.indices)
+        if msg.put_id and not self.unit.holds(indices):
+            raise UnknownIndexError(
+                f"storage unit {self.unit.unit_id} holds no sample of some of indices "
+                f"{indices[:4].tolist()}... (evicted); nothing was written"
+            )
         types = dict(self.columns)
         for col in wire.columns_of(msg):
             if types.setdefault(col.name, col) != col:

@@ -241,7 +241,8 @@ class Write(_Msg, frozen=True, tag="write"):
     commit: msgspec.Raw = NO_COMMIT
     controller: str = ""
     reply_to: bytes = b""
-    # A put to existing samples: the unit stages the bytes under this id until the
+    # A put to existing samples: the unit refuses it (UnknownIndexError, nothing stored)
+    # unless it holds every one of them, else stages the bytes under this id until the
     # controller settles the commit (Settle); 0: stored at once (new samples).
     put_id: NonNeg = 0
 

@@ -19,9 +19,19 @@ putting batches of --batch, one consumer claiming, reading and acking micro-batc
   ``launch_hub`` on the same folder to answer its first call (compare
   ``startup_s_zmq_without_journal``, a fresh hub's start-up). ``journal_events``,
   ``journal_mib`` and ``data_mib`` size what was recovered.
+* ``compaction``: recovery time and journal size against the run's length. A hub of
+  capacity --compaction-capacity (metadata journal only, ``persist_data=False``) streams
+  each of --compaction-lengths samples through (puts of 32, each claimed and acked by two
+  tasks), keeping 1,024 live at the end, then is abandoned and recovered. Per length and
+  mode: ``journal_mib`` (the event log plus the snapshot) and ``recovery_s``. Modes:
+  ``off`` (``compact_bytes`` larger than any log: the journal before compaction existed)
+  and ``on`` (``compact_bytes`` = --compact-mib). ``growth`` is each mode's figure at the
+  longest run over the shortest: with compaction both stay flat (about 1.0) while the
+  run grows, without they grow with it.
 
 Read ratios (``loss``) from one run; absolute numbers drift on a shared 2-core machine.
 Usage: python benchmarks/journal.py --json [--samples N] [--recovery-samples N]
+       [--compaction-lengths 20000,40000,80000] [--compact-mib 1]
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from hub_throughput import COLUMNS, payload, put_get
 
 import flowrl
 from flowrl import HubConfig, JournalConfig
+from flowrl.testing import abandon
 
 MODES = ("off", "journal", "journal+data")
 
@@ -88,7 +99,7 @@ def recovery(samples: int, seq_len: int) -> dict:
                 hub.ack(meta)
         hub.publish_version(1)
         live = hub.statistics().live
-        del hub  # abandoned, as by a crash
+        abandon(hub)  # as by a crash
         t0 = time.perf_counter()
         again = flowrl.Hub(config=config)
         inproc_s = time.perf_counter() - t0
@@ -120,6 +131,43 @@ def recovery(samples: int, seq_len: int) -> dict:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def compaction(lengths: list[int], capacity: int, compact_mib: float) -> dict:
+    modes = {"off": 1 << 62, "on": max(1, int(compact_mib * 2**20))}
+    tasks = {"train": ["input_ids", "logprobs", "reward"], "score": ["reward"]}
+    batch = payload(32, 8, np.random.default_rng(0))
+    out: dict = {m: {"journal_mib": {}, "recovery_s": {}} for m in modes}
+    for length in lengths:
+        for mode, compact_bytes in modes.items():
+            folder = tempfile.mkdtemp(prefix="flowrl-compaction-bench-")
+            journal = JournalConfig(path=folder, persist_data=False, compact_bytes=compact_bytes)
+            config = HubConfig(capacity=capacity, lease_timeout=600.0, journal=journal)
+            try:
+                hub = flowrl.Hub(COLUMNS, tasks=tasks, config=config)
+                for i in range(length // 32):
+                    hub.put(batch)
+                    if i >= 1024 // 32:  # 1,024 samples stay live
+                        for task in tasks:
+                            hub.ack(hub.claim(task, 32, timeout=10))
+                live = hub.statistics().live
+                abandon(hub)
+                t0 = time.perf_counter()
+                again = flowrl.Hub(config=config)
+                took = time.perf_counter() - t0
+                assert again.statistics().live == live
+                again.close()
+                size = sum(f.stat().st_size for f in Path(folder).glob("*") if f.is_file())
+                out[mode]["journal_mib"][length] = size / 2**20
+                out[mode]["recovery_s"][length] = took
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+    first, last = min(lengths), max(lengths)
+    for mode in modes:
+        out[mode]["growth"] = {
+            k: out[mode][k][last] / out[mode][k][first] for k in ("journal_mib", "recovery_s")
+        }
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
@@ -129,6 +177,13 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--recovery-samples", type=int, default=100_000)
     ap.add_argument("--recovery-seq-len", type=int, default=256)
+    ap.add_argument(
+        "--compaction-lengths",
+        type=lambda s: [int(v) for v in s.split(",")],
+        default=[20_000, 40_000, 80_000],
+    )
+    ap.add_argument("--compaction-capacity", type=int, default=4096)
+    ap.add_argument("--compact-mib", type=float, default=1.0)
     args = ap.parse_args()
     out = {
         "overhead": {
@@ -136,6 +191,9 @@ def main() -> None:
             for t in ("inproc", "zmq")
         },
         "recovery": recovery(args.recovery_samples, args.recovery_seq_len),
+        "compaction": compaction(
+            args.compaction_lengths, args.compaction_capacity, args.compact_mib
+        ),
         "sync": "write",
     }
     out["targets"] = {

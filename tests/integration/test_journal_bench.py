@@ -17,6 +17,8 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "journal.py"
 
 def test_journal_benchmark_reports_overhead_and_recovery() -> None:
     args = ["--json", "--samples", "128", "--repeat", "1", "--recovery-samples", "512"]
+    args += ["--compaction-lengths", "1200,9600", "--compaction-capacity", "2048"]
+    args += ["--compact-mib", "0.01"]
     out = subprocess.run(
         [sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=300
     )
@@ -31,3 +33,9 @@ def test_journal_benchmark_reports_overhead_and_recovery() -> None:
     assert rec["samples"] == 512
     assert rec["journal_events"] > 512 // 32
     assert rec["data_mib"] > 0
+    comp = report["compaction"]
+    for mode in ("off", "on"):
+        assert set(comp[mode]["journal_mib"]) == {"1200", "9600"}
+        assert all(v > 0 for v in comp[mode]["recovery_s"].values())
+    # sizes are not timings: without compaction the log grows with the run, with it not
+    assert comp["off"]["journal_mib"]["9600"] > comp["on"]["journal_mib"]["9600"]

@@ -37,10 +37,9 @@ from flowrl import HubConfig, JournalConfig
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def journaled(path: Path, **kw: Any) -> flowrl.RemoteHub:
-    config = HubConfig(
-        capacity=1024, lease_timeout=2.0, journal=JournalConfig(path=str(path)), **kw
-    )
+def journaled(path: Path, compact_bytes: int = 64 << 20, **kw: Any) -> flowrl.RemoteHub:
+    journal = JournalConfig(path=str(path), compact_bytes=compact_bytes)
+    config = HubConfig(capacity=1024, lease_timeout=2.0, journal=journal, **kw)
     hub = flowrl.launch_hub(COLS, tasks=TASKS, config=config)
     hub.rpc_timeout = 3.0  # notice a dead server in seconds, not the default 30
     return hub
@@ -104,14 +103,47 @@ def test_a_killed_storage_unit_restarts_with_its_bytes(tmp_path: Path) -> None:
         hub.close()
 
 
-def test_a_killed_controller_recovers_leases_and_consumption(tmp_path: Path) -> None:
-    hub = journaled(tmp_path)
+@pytest.mark.parametrize("compact_bytes", [64 << 20, 256], ids=["log", "snapshots"])
+def test_a_killed_controller_recovers_leases_and_consumption(
+    tmp_path: Path, compact_bytes: int
+) -> None:
+    """With ``snapshots`` the journal is compacted after nearly every request: the restarted
+    controller recovers from a snapshot plus the few events after it (F8, issue 16)."""
+    hub = journaled(tmp_path, compact_bytes)
 
     def kill() -> None:
+        if compact_bytes < 1024:
+            assert (tmp_path / "snapshot.msgpack").exists()  # it recovers from one
         os.kill(hub.servers.procs[-1].pid, signal.SIGKILL)
         wait_restarted(hub, 1)
 
     try:
         controller_kill_scenario(hub, kill)
+    finally:
+        hub.close()
+
+
+@pytest.mark.parametrize("journal", [False, True])
+def test_a_killed_storage_units_shared_memory_is_removed(tmp_path: Path, journal: bool) -> None:
+    """F9 (issue 16): a SIGKILLed unit left its /dev/shm arena behind."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    from flowrl._store.shm import SHM_MIN_BYTES
+
+    config = HubConfig(n_units=2, journal=JournalConfig(path=str(tmp_path)) if journal else None)
+    big = flowrl.Column.tensor("big", "uint8", (SHM_MIN_BYTES,))
+    hub = flowrl.launch_hub([big], tasks={"t": ["big"]}, config=config)
+    try:
+        hub.put({"big": np.ones((2, SHM_MIN_BYTES), np.uint8)})  # a put big enough for shm
+        arenas = [hub.servers.specs[u].shm_folder for u in range(2)]
+        segments = [os.listdir(a) for a in arenas]
+        victim = next(u for u, segs in enumerate(segments) if len(segs) > 1)  # owner + one
+        os.kill(hub.servers.procs[victim].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        gone = {f"{arenas[victim]}/{s}" for s in segments[victim] if s != "owner"}
+        while any(os.path.exists(p) for p in gone):
+            assert time.monotonic() < deadline, f"{arenas[victim]} still holds {gone}"
+            time.sleep(0.05)
+        assert os.listdir(arenas[1 - victim]) == segments[1 - victim]  # the live unit's
     finally:
         hub.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -95,6 +96,45 @@ def always_dies(batch):
 @stage(outputs=[X], batch_size=4)
 def source_dies():
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+@stage(outputs=[X], batch_size=4)
+def four():
+    yield {"x": np.arange(4)}
+
+
+@stage(inputs=["x"], outputs=[Y], batch_size=4, workers=2, lease_timeout=0.5)
+def straggles_once(batch):
+    """The first call anywhere outlives its lease until another worker has finished the
+    batch and seen the end of the stream (closing ``y``)."""
+    finished = Path(os.environ[KILLS]) / "finished"
+    if _mark("straggles_once", batch.indices, once=True):
+        deadline = time.monotonic() + 30
+        while not finished.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)
+    else:
+        finished.touch()
+    return {"y": batch.numpy("x") * 2}
+
+
+def test_a_straggler_process_returning_after_the_end_of_stream_is_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """F2 (issue 16): the straggler's put failed the run ("column 'y' closed by
+    end_stream()"); it is dropped and counted as expired, and changes nothing."""
+    monkeypatch.setenv(KILLS, str(tmp_path))
+    pipe = Pipeline([four, straggles_once])
+    hub = flowrl.launch_hub(pipe.columns)
+    try:
+        result = pipe.run(hub, executor=ProcessExecutor(timeout=120))
+        assert result.completed
+        assert result.stages["straggles_once"].expired == 1
+        assert result.stages["straggles_once"].samples == 4
+        stats = hub.statistics()
+        assert stats.tasks["straggles_once"].consumed == 4 and stats.live == 0
+    finally:
+        hub.close()
 
 
 def test_three_stages_in_processes_deliver_every_sample_once() -> None:

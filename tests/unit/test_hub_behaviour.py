@@ -895,3 +895,75 @@ def test_put_with_ack_of_a_claim_that_does_not_hold_the_samples_changes_nothing(
     assert stats.tasks["score"].consumed == 2 and stats.tasks["train"].ready == 0
     hub.put(reward, indices=first, ack=first)
     assert hub.statistics().tasks["train"].ready == 2
+
+
+def test_every_call_on_a_closed_hub_raises_hub_closed(make_hub) -> None:
+    # F6 (issue 16): a closed embedded hub still served get/ack/statistics/...
+    hub = make_hub(columns=COLS, tasks=TWO_TASKS)
+    hub.put(sample(2))
+    meta = hub.claim("score", 2, timeout=GUARD)
+    hub.close()
+    calls: dict[str, Callable[[], Any]] = {
+        "get": lambda: hub.get(meta),
+        "ack": lambda: hub.ack(meta),
+        "drop": lambda: hub.drop(meta),
+        "release": lambda: hub.release(meta),
+        "put": lambda: hub.put({"reward": np.zeros(2, np.float32)}, indices=meta),
+        "put_ack": lambda: hub.put({"reward": np.zeros(2, np.float32)}, indices=meta, ack=meta),
+        "claim": lambda: hub.claim("train", 1, timeout=0.05),
+        "meta": lambda: hub.meta(meta.indices, ["ids"]),
+        "statistics": hub.statistics,
+        "declare": lambda: hub.declare(Column.scalar("extra", "int64")),
+        "register_task": lambda: hub.register_task("late", ["ids"]),
+        "publish_version": lambda: hub.publish_version(3),
+        "end_stream": hub.end_stream,
+        "append": lambda: hub.append(meta, "ids", [[1], [2]], version=0),
+        "partial": lambda: hub.partial(meta, "ids"),
+    }
+    for name, call in calls.items():
+        with pytest.raises(HubClosed):
+            call()
+            pytest.fail(f"{name}() on a closed hub did not raise HubClosed")
+
+
+@pytest.mark.parametrize("n_units", [1, 2])
+def test_a_put_refused_for_an_expired_lease_changes_nothing(make_hub, n_units: int) -> None:
+    # F1 (issue 16): the refused straggler's bytes had replaced the committed ones
+    hub = make_hub(columns=COLS, tasks=TWO_TASKS, config=HubConfig(n_units=n_units))
+    for k in range(2):
+        hub.put({"ids": ids(2, 2 * k)})  # two puts: with two units, a claim spans both
+    straggler = hub.claim("score", 4, timeout=GUARD, lease_timeout=0.05)
+    time.sleep(0.1)
+    retry = hub.claim("score", 4, timeout=GUARD)  # the lease expired: the same samples
+    assert sorted(retry.indices.tolist()) == sorted(straggler.indices.tolist())
+    assert len(set(retry.units.tolist())) == n_units
+    legit = np.arange(4, dtype=np.float32)
+    hub.put({"reward": legit}, indices=retry, ack=retry)
+    with pytest.raises(LeaseError):
+        hub.put({"reward": -legit - 1}, indices=straggler, ack=straggler)
+    batch = hub.get(hub.claim("train", 4, timeout=GUARD))
+    expect = dict(zip(retry.indices.tolist(), legit.tolist(), strict=True))
+    assert batch["reward"].tolist() == [expect[i] for i in batch.meta.indices.tolist()]
+
+
+def test_a_refused_put_leaves_a_column_it_never_made_ready_unwritten(make_hub) -> None:
+    hub = make_hub(columns=COLS, tasks=TWO_TASKS)
+    hub.put({"ids": ids(2)})
+    straggler = hub.claim("score", 2, timeout=GUARD, lease_timeout=0.05)
+    time.sleep(0.1)
+    with pytest.raises(LeaseError):
+        hub.put({"reward": np.full(2, -1, np.float32)}, indices=straggler, ack=straggler)
+    retry = hub.claim("score", 2, timeout=GUARD)
+    hub.put({"reward": np.array([5, 6], np.float32)}, indices=retry, ack=retry)
+    batch = hub.get(hub.claim("train", 2, timeout=GUARD))
+    assert sorted(batch["reward"].tolist()) == [5.0, 6.0]
+
+
+def test_a_put_to_a_closed_column_changes_nothing(make_hub) -> None:
+    hub = make_hub(columns=COLS, tasks=TWO_TASKS)
+    idx = hub.put(sample(2))
+    hub.end_stream(["reward"])
+    with pytest.raises(flowrl.errors.SchemaError, match="closed by end_stream"):
+        hub.put({"reward": np.full(2, -1, np.float32)}, indices=idx)
+    batch = hub.get(hub.claim("train", 2, timeout=GUARD))
+    assert batch["reward"].tolist() == [0.0, 1.0]

@@ -7,21 +7,25 @@ with real SIGKILLs live in tests/integration/test_kill.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
 import flowrl
-from flowrl import BalancedSampler, Column, HubConfig, JournalConfig
+from flowrl import BalancedSampler, Column, FifoSampler, HubConfig, JournalConfig
+from flowrl._controller import snapshot
 from flowrl._controller.controller import CellWrite, Controller
 from flowrl._controller.journal import EVENTS_FILE
 from flowrl._store import persist
 from flowrl._store.unit import StorageUnit
 from flowrl.errors import ConfigError, JournalError
 from flowrl.events import event_decoder, event_encoder
+from flowrl.testing import abandon
 
 COLS = [Column.ragged("ids", "int64"), Column.scalar("reward", "float32")]
 TASKS = {"train": ["ids", "reward"], "score": ["ids"]}
@@ -47,7 +51,7 @@ def test_a_crashed_hub_recovers_samples_readiness_and_consumption(tmp_path: Path
     held = hub.claim("train", 2, timeout=1)  # in flight when the process "dies"
     hub.publish_version(3)
     before = hub.statistics()
-    # -- crash: the hub is abandoned, not closed --
+    abandon(hub)  # -- crash: nothing is closed or flushed --
     again = flowrl.Hub(config=config(tmp_path))
     after = again.statistics()
     assert after.live == before.live == 8
@@ -98,7 +102,8 @@ def test_exactly_once_per_task_across_repeated_crashes(tmp_path: Path) -> None:
                     acked[task].update(meta.indices.tolist())
             assert hub.statistics().live == 0
             hub.close()
-        # otherwise: crash with leases outstanding
+        else:
+            abandon(hub)  # crash with leases outstanding
     for counts in acked.values():
         assert sorted(counts) == produced
         assert set(counts.values()) == {1}
@@ -107,6 +112,7 @@ def test_exactly_once_per_task_across_repeated_crashes(tmp_path: Path) -> None:
 def test_recovered_indices_are_never_reused(tmp_path: Path) -> None:
     hub = flowrl.Hub(COLS, tasks=TASKS, config=config(tmp_path))
     first = hub.put(rows(0, 3))
+    abandon(hub)
     again = flowrl.Hub(config=config(tmp_path))
     second = again.put(rows(3, 3))
     assert second.min() > first.max()
@@ -121,6 +127,7 @@ def test_a_torn_last_record_is_cut_off(tmp_path: Path) -> None:
     size = log.stat().st_size
     with open(log, "ab") as f:
         f.write(b"\x40\x00\x00\x00partial")  # a crash in the middle of an append
+    abandon(hub)
     again = flowrl.Hub(config=config(tmp_path))
     assert log.stat().st_size == size
     assert again.statistics().live == 4
@@ -160,6 +167,7 @@ def test_conflicting_declarations_on_recovery_are_refused(tmp_path: Path) -> Non
 def test_metadata_only_journal_keeps_state_but_not_bytes(tmp_path: Path) -> None:
     hub = flowrl.Hub(COLS, tasks=TASKS, config=config(tmp_path, persist_data=False))
     hub.put(rows(0, 2))
+    abandon(hub)
     again = flowrl.Hub(config=config(tmp_path, persist_data=False))
     meta = again.claim("train", 2, timeout=1)
     with pytest.raises(flowrl.errors.UnknownColumnError, match="ids"):
@@ -173,7 +181,9 @@ def test_journal_config_validation_and_sync_policies(tmp_path: Path, sync: str) 
     hub = flowrl.Hub(COLS, tasks=TASKS, config=config(tmp_path, sync=sync, fsync_interval=0.01))
     hub.put(rows(0, 3))
     hub.close()
-    assert flowrl.Hub(config=config(tmp_path)).statistics().live == 3
+    again = flowrl.Hub(config=config(tmp_path))
+    assert again.statistics().live == 3
+    again.close()
     for bad in ({"path": ""}, {"path": "x", "sync": "never"}, {"path": "x", "fsync_interval": 0}):
         with pytest.raises(ConfigError, match="JournalConfig"):
             JournalConfig(**bad)  # type: ignore[arg-type]
@@ -211,7 +221,7 @@ def test_a_unit_restarted_alone_holds_what_it_held(tmp_path: Path) -> None:
     unit.write(np.arange(4), {"x": arr}, {"x": col})
     unit.write(np.array([1]), {"x": pa.FixedShapeTensorArray.from_numpy_ndarray(values[3:])})
     unit.evict(np.array([2]))
-    # -- crash --
+    unit.abandon()  # -- crash --
     again = StorageUnit(0, 16, folder=str(tmp_path))
     assert again.declared == {"x": col}
     got = again.read(np.array([0, 1, 3]), ("x",))["x"].to_numpy_ndarray()
@@ -254,6 +264,7 @@ def test_a_torn_segment_tail_is_ignored(tmp_path: Path) -> None:
     ((_, _, path),) = persist.segment_files(str(tmp_path))
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 20)  # tear the second batch
+    unit.abandon()
     again = StorageUnit(0, 16, folder=str(tmp_path))
     assert again.read(np.arange(3), ("r",))["r"].to_pylist() == [10, 11, 12]
     with pytest.raises(flowrl.errors.UnknownIndexError):
@@ -296,3 +307,172 @@ def test_balanced_rounds_recover_with_their_reserved_parts() -> None:
     assert set(third.indices.tolist()) == set(range(6)) - taken
     assert again is None
     assert third.lease == max(first.lease, second.lease) + 1
+
+
+def test_a_second_hub_on_a_journal_folder_is_refused_while_the_first_holds_it(
+    tmp_path: Path,
+) -> None:
+    # issue 16: two openers of one journal each delivered its samples
+    hub = flowrl.Hub(COLS, tasks=TASKS, config=config(tmp_path))
+    hub.put(rows(0, 2))
+    events = (tmp_path / EVENTS_FILE).read_bytes()
+    units = sorted(p.name for p in (tmp_path / "unit0").iterdir())
+    with pytest.raises(JournalError, match=rf"{tmp_path}.*in use by process {os.getpid()}"):
+        flowrl.Hub(config=config(tmp_path))
+    # refused before anything in the folder was read or rewritten
+    assert (tmp_path / EVENTS_FILE).read_bytes() == events
+    assert sorted(p.name for p in (tmp_path / "unit0").iterdir()) == units
+    meta = hub.claim("train", 2, timeout=1)  # the first hub is unharmed
+    hub.ack(meta)
+    hub.close()
+    again = flowrl.Hub(config=config(tmp_path))  # closed: the folder is free again
+    assert again.statistics().tasks["train"].consumed == 2
+    again.close()
+
+
+def test_a_second_process_on_a_journal_folder_is_refused(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    hub = flowrl.Hub(COLS, tasks=TASKS, config=config(tmp_path))
+    cfg = f"HubConfig(capacity=64, journal=JournalConfig(path={str(tmp_path)!r}))"
+    code = (
+        "import sys, flowrl\n"
+        "from flowrl import HubConfig, JournalConfig\n"
+        "try:\n"
+        f"    flowrl.Hub(config={cfg})\n"
+        "except flowrl.errors.JournalError as exc:\n"
+        "    print(exc); sys.exit(3)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3, out.stderr
+    assert f"in use by process {os.getpid()}" in out.stdout
+    hub.close()
+
+
+def test_a_closed_journal_never_writes_again(tmp_path: Path) -> None:
+    # F6 (issue 16): a late ack on a closed hub wrote journal records into whatever file
+    # had reused the journal's descriptor
+    hub = flowrl.Hub(COLS, tasks=TASKS, config=config(tmp_path))
+    hub.put(rows(0, 2))
+    meta = hub.claim("train", 2, timeout=1)
+    hub.close()
+    size = (tmp_path / EVENTS_FILE).stat().st_size
+    other = tmp_path / "other.bin"
+    with open(other, "wb") as f:  # likely reuses the journal's descriptor number
+        with pytest.raises(flowrl.errors.HubClosed):
+            hub.ack(meta)
+        f.flush()
+    assert other.read_bytes() == b""
+    assert (tmp_path / EVENTS_FILE).stat().st_size == size
+
+
+# -- compaction (F8, issue 16) --------------------------------------------------------------
+def _random_run(seed: int, steps: int) -> tuple[Controller, list[bytes], list[tuple[int, bytes]]]:
+    """A controller driven by random operations; its journal, and snapshots taken between
+    operations as (number of events so far, snapshot)."""
+    rng = np.random.default_rng(seed)
+    ctl = Controller(32, lease_timeout=1e6)
+    journal: list[bytes] = []
+    ctl.log.sinks.append(lambda e: journal.append(event_encoder.encode(e)))
+    snaps: list[tuple[int, bytes]] = []
+    with ctl.cond:
+        ctl.add_columns((Column.scalar("x", "int64"), Column.scalar("y", "int64")))
+        ctl.register_task("a", ("x",))
+        ctl.register_task("b", ("x", "y"))
+        leases: list[tuple[str, int, np.ndarray]] = []
+        for _ in range(steps):
+            op = rng.integers(8)
+            if op <= 1 and ctl.table.free_slots() >= 4:
+                idx, _ = ctl.reserve(4)
+                if rng.random() < 0.2:
+                    continue  # left reserved: not journaled state
+                cells = {"x": CellWrite(np.full(4, 8), None)}
+                ctl.commit(idx, cells, new=True, groups=idx // 2, partition=f"p{op}")
+            elif op == 2:
+                live = ctl.live_indices()
+                live = live[ctl.table.committed[live % 32]]
+                if live.size:
+                    pick = rng.choice(live, size=min(3, live.size), replace=False)
+                    with contextlib.suppress(flowrl.errors.FlowRLError):
+                        ctl.commit(pick, {"y": CellWrite(np.full(pick.size, 8), None)}, new=False)
+            elif op <= 4:
+                task = "ab"[int(rng.integers(2))]
+                sampler = BalancedSampler(dp_size=2) if rng.random() < 0.3 else FifoSampler()
+                with contextlib.suppress(flowrl.errors.FlowRLError):
+                    meta = ctl.try_claim(task, 2, sampler, dp_rank=int(rng.integers(2)))
+                    if meta is not None:
+                        leases.append((task, meta.lease, meta.indices))
+            elif op == 5 and leases:
+                task, lease, idx = leases.pop(int(rng.integers(len(leases))))
+                how = rng.integers(3)
+                with contextlib.suppress(flowrl.errors.FlowRLError):
+                    if how == 0:
+                        ctl.release(task, lease)
+                    else:
+                        ctl.ack(task, lease, idx[:1] if how == 1 else None, drop=rng.random() < 0.2)
+            elif op == 6:
+                ctl.publish_version(ctl.version + 1)
+            else:
+                snaps.append((len(journal), snapshot.snapshot_of(ctl)))
+    return ctl, journal, snaps
+
+
+def _state(ctl: Controller) -> object:
+    """Everything recovery must rebuild (creation times aside: replay stamps its own)."""
+    snap = msgspec.msgpack.decode(snapshot.snapshot_of(ctl), type=snapshot.Snapshot)
+    return msgspec.structs.replace(snap, table={**snap.table, "created": b""})
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_snapshot_plus_the_events_after_it_rebuilds_what_the_whole_journal_does(
+    seed: int,
+) -> None:
+    _, journal, snaps = _random_run(seed, 300)
+    assert snaps
+    for count, data in snaps[:: max(1, len(snaps) // 5)]:
+        whole = Controller(32, lease_timeout=1e6)
+        whole.recover(event_decoder.decode(b) for b in journal)
+        twin = Controller(32, lease_timeout=1e6)
+        seq = snapshot.restore(twin, data, "test")
+        assert seq == count  # every event so far is in it
+        twin.recover(event_decoder.decode(b) for b in journal[count:])
+        assert _state(twin) == _state(whole)
+        with twin.cond, whole.cond:  # and they go on alike
+            for task in ("a", "b"):
+                for rank in (0, 1):
+                    mine, theirs = (
+                        c.try_claim(task, 3, BalancedSampler(dp_size=2), dp_rank=rank)
+                        for c in (twin, whole)
+                    )
+                    assert (mine is None) == (theirs is None)
+                    if mine is not None and theirs is not None:
+                        assert mine.indices.tolist() == theirs.indices.tolist()
+
+
+def test_a_compacted_journal_stays_small_and_recovers(tmp_path: Path) -> None:
+    cfg = HubConfig(capacity=64, journal=JournalConfig(path=str(tmp_path), compact_bytes=4096))
+    hub = flowrl.Hub(COLS, tasks=TASKS, config=cfg)
+    for k in range(60):  # 480 samples through a hub of 64: the log would keep growing
+        hub.put(rows(8 * k, 8), groups=np.full(8, k))
+        for task in ("train", "score"):
+            hub.ack(hub.claim(task, 8, timeout=1))
+    hub.put(rows(480, 4))
+    held = hub.claim("score", 2, timeout=1)
+    hub.ack(hub.claim("train", 1, timeout=1))
+    hub.publish_version(7)
+    assert hub._journal is not None and hub._journal.compactions >= 5
+    assert (tmp_path / EVENTS_FILE).stat().st_size < 3 * 4096
+    before = hub.statistics()
+    abandon(hub)
+    again = flowrl.Hub(config=config(tmp_path))
+    after = again.statistics()
+    # (one more event: the held lease expired, its holder having died)
+    assert (after.live, after.version, after.events) == (before.live, 7, before.events + 1)
+    assert after.tasks["train"].consumed == before.tasks["train"].consumed == 481
+    assert after.tasks["score"].ready == 4  # the lease holder died: its samples came back
+    meta = again.claim("score", 4, timeout=1)
+    assert meta.indices.tolist()[:2] == held.indices.tolist()  # first in line
+    batch = again.get(meta, ["reward"])
+    assert sorted(batch["reward"].tolist()) == [480.0, 481.0, 482.0, 483.0]
+    again.close()

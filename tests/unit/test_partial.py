@@ -9,6 +9,7 @@ import pytest
 import flowrl
 from flowrl import Column, HubConfig, JournalConfig
 from flowrl.errors import ConfigError, SchemaError, UnknownColumnError, UnknownIndexError
+from flowrl.testing import abandon
 
 COLS = [
     Column.ragged("prompt", "int64"),
@@ -127,7 +128,7 @@ def test_prefixes_survive_a_crash_of_a_journaled_hub(tmp_path: Path) -> None:
     hub.append(idx, "response", [[1, 2], [3], [4]], version=0)
     hub.append(idx[:2], "response", [[5], [6, 7]], version=1)
     hub.put({"response": [[4]], "versions": [[0]]}, indices=idx[2:])  # completed
-    # -- crash --
+    abandon(hub)  # -- crash --
     again = flowrl.Hub(config=cfg)
     prefix = again.partial(idx, "response")
     assert lists(prefix.values) == [[1, 2, 5], [3, 6, 7], []]

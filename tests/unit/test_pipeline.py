@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from flowrl import BalancedSampler, Column, GroupSampler, Hub
+from flowrl import BalancedSampler, Column, GroupSampler, Hub, HubConfig
 from flowrl._pipeline.executors.driver import Restarts
 from flowrl._pipeline.loader import Loader
 from flowrl._pipeline.pipeline import Pipeline
@@ -392,6 +392,38 @@ def test_a_batch_whose_lease_expires_mid_stage_is_dropped_and_done_again() -> No
         written.update(batch["y"].tolist())
 
     result = Pipeline([counter_source(8), double, sink]).run(timeout=30)
+    assert result.completed
+    assert result.stages["double"].expired == 1 and result.stages["double"].samples == 8
+    assert written == collections.Counter(2 * i for i in range(8))  # each exactly once
+
+
+@pytest.mark.parametrize("capacity", [1024, 4], ids=["room", "slots-reused"])
+def test_a_straggler_returning_after_its_column_was_closed_is_dropped(
+    make_hub, capacity: int
+) -> None:
+    # F2 (issue 16): the other worker finished the batch and closed "y" (end of stream);
+    # the straggler's put then failed the run with "column 'y' closed by end_stream()".
+    # With capacity 4 its samples were also evicted and their slots reused meanwhile.
+    straggle = threading.Event()
+    done_by_other = threading.Event()
+    written: collections.Counter[int] = collections.Counter()
+
+    @stage(inputs=["x"], outputs=[Y], batch_size=4, workers=2, lease_timeout=0.2)
+    def double(batch):
+        if not straggle.is_set():
+            straggle.set()
+            done_by_other.wait(10)  # outlives the lease, until the other worker is done
+            threading.Event().wait(0.3)  # ... and has seen the end of the stream
+        else:
+            done_by_other.set()
+        return {"y": 2 * batch["x"]}
+
+    @stage(inputs=["y"], batch_size=4)
+    def sink(batch):
+        written.update(batch["y"].tolist())
+
+    hub = make_hub(columns=[X, Y], config=HubConfig(capacity=capacity))
+    result = Pipeline([counter_source(8), double, sink]).run(hub, timeout=60)
     assert result.completed
     assert result.stages["double"].expired == 1 and result.stages["double"].samples == 8
     assert written == collections.Counter(2 * i for i in range(8))  # each exactly once

@@ -31,6 +31,11 @@ def arena() -> Iterator[ShmArena]:
     assert not os.path.exists(a.folder)
 
 
+def segments_in(folder: str) -> list[str]:
+    """The segment files of an arena (its owner file aside)."""
+    return sorted(f for f in os.listdir(folder) if f != shm.OWNER_FILE)
+
+
 def stored(arena: ShmArena, value: int, size: int = 300_000) -> pa.Buffer:
     placed = arena.copy_in(np.full(size, value, dtype=np.uint8))
     assert placed is not None
@@ -41,7 +46,7 @@ def stored(arena: ShmArena, value: int, size: int = 300_000) -> pa.Buffer:
 
 def test_a_segment_lives_as_long_as_arrays_use_it(arena: ShmArena) -> None:
     bufs = [stored(arena, i) for i in range(5)]  # three fit in a 1 MiB segment
-    segments = sorted(os.listdir(arena.folder))
+    segments = segments_in(arena.folder)
     assert len(segments) == 2
     where = [arena.locate(b.address, b.size) for b in bufs]
     assert [w[0] for w in where if w] == [f"{arena.folder}/{s}" for s in segments[:1]] * 3 + [
@@ -51,7 +56,7 @@ def test_a_segment_lives_as_long_as_arrays_use_it(arena: ShmArena) -> None:
     assert arena.locate(pa.py_buffer(b"x" * 10).address, 10) is None  # not in the arena
     del bufs[:3]
     gc.collect()
-    assert os.listdir(arena.folder) == segments[1:]  # the full one went with its arrays
+    assert segments_in(arena.folder) == segments[1:]  # the full one went with its arrays
     assert np.frombuffer(bufs[0], dtype=np.uint8)[:2].tolist() == [3, 3]
 
 
@@ -76,7 +81,7 @@ def test_without_room_bytes_stay_where_they_are(
 
     monkeypatch.setattr(shm.os, "posix_fallocate", full)
     assert arena.copy_in(np.zeros(1000, dtype=np.uint8)) is None
-    assert os.listdir(arena.folder) == []
+    assert segments_in(arena.folder) == []
 
 
 def test_a_client_reads_in_place_and_refuses_what_is_not_a_segment(arena: ShmArena) -> None:
@@ -125,7 +130,7 @@ def test_a_multi_process_hub_reads_in_place_and_leaves_no_shared_memory() -> Non
         arenas = [f"{SHM_PREFIX}{name.removeprefix('flowrl-')}-unit{u}" for u in range(2)]
         ids = [np.arange(20_000) + i for i in range(8)]  # 160 KB a sample: read in place
         hub.put({"ids": ids, "r": np.arange(8, dtype=np.float32)})
-        assert any(os.listdir(a) for a in arenas)
+        assert any(segments_in(a) for a in arenas)
         in_place: list[int] = []
         read = hub._shm_maps.buffers
 
@@ -264,3 +269,36 @@ def test_a_chunk_read_with_offsets_out_of_order_is_refused() -> None:
             hub.get(meta)
     finally:
         hub.close()
+
+
+def test_arenas_of_dead_owners_are_swept_when_an_arena_starts() -> None:
+    # F9 (issue 16): a SIGKILLed unit's arena stayed in /dev/shm for ever
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = f"{SHM_PREFIX}test-dead-{secrets.token_hex(4)}"
+    reused = f"{SHM_PREFIX}test-reused-{secrets.token_hex(4)}"
+    alive = f"{SHM_PREFIX}test-alive-{secrets.token_hex(4)}"
+    for folder, owner in (
+        (dead, f"{gone.pid} 1"),
+        (reused, f"{os.getpid()} 1"),  # this pid, but another process's start time
+        (alive, f"{os.getpid()} {shm._start_time(os.getpid())}"),
+    ):
+        os.makedirs(folder)
+        with open(f"{folder}/{shm.OWNER_FILE}", "w") as f:
+            f.write(owner)
+        with open(f"{folder}/seg-1", "wb") as f:
+            f.write(b"x" * 1000)
+    fresh = ShmArena(f"{SHM_PREFIX}test-{secrets.token_hex(4)}", 1 << 20, 1 << 20)
+    try:
+        assert not os.path.exists(dead) and not os.path.exists(reused)
+        assert os.path.exists(f"{alive}/seg-1")  # its owner lives: untouched
+        with open(f"{fresh.folder}/{shm.OWNER_FILE}") as f:
+            assert f.read().split()[0] == str(os.getpid())
+    finally:
+        fresh.close()
+        import shutil
+
+        shutil.rmtree(alive, ignore_errors=True)

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import flowrl
 from flowrl import Column
 from flowrl._schema.encode import encode
 from flowrl._store.unit import StorageUnit
@@ -361,3 +362,40 @@ def test_random_writes_evicts_reads(data: st.DataObject) -> None:
     unit.evict(np.array(live, dtype=np.int64))
     assert unit.statistics().chunks == 0
     assert all(not s.tags for s in unit._columns.values())  # tags go with their chunks
+
+
+# -- staged writes (puts to existing samples, visible once committed) ---------------------
+R = Column.scalar("r", "int64")
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_staged_write_is_visible_only_once_committed(tmp_path, persistent: bool) -> None:
+    folder = str(tmp_path) if persistent else None
+    unit = StorageUnit(0, CAP, folder=folder)
+    unit.write(np.arange(3), {"r": pa.array([0, 1, 2])}, {"r": R})
+    unit.stage(7, np.array([1, 2]), {"r": pa.array([-1, -2])}, {"r": R})
+    assert unit.staged(np.array([2])) and not unit.staged(np.array([0]))
+    assert unit.read(np.arange(3), ("r",))["r"].to_pylist() == [0, 1, 2]  # not yet
+    assert unit.settle(7, False)  # refused: forgotten
+    assert not unit.settle(7, True)  # settled already
+    assert unit.read(np.arange(3), ("r",))["r"].to_pylist() == [0, 1, 2]
+    unit.stage(8, np.array([0, 2]), {"r": pa.array([10, 12])}, {"r": R})
+    assert unit.settle(8, True)
+    assert unit.read(np.arange(3), ("r",))["r"].to_pylist() == [10, 1, 12]
+    assert not unit.staged(np.arange(3))
+    unit.close()
+    if persistent:  # the files hold what was committed, not what was refused
+        again = StorageUnit(0, CAP, folder=folder)
+        assert again.read(np.arange(3), ("r",))["r"].to_pylist() == [10, 1, 12]
+        again.close()
+
+
+def test_a_staged_write_is_checked_when_staged(tmp_path) -> None:
+    unit = StorageUnit(0, CAP, folder=str(tmp_path))
+    unit.write(np.array([9]), {"r": pa.array([9])}, {"r": R})  # slot 1 holds index 9
+    with pytest.raises(UnknownIndexError, match="evicted"):
+        unit.stage(1, np.array([1]), {"r": pa.array([1])})  # stale: nothing staged
+    with pytest.raises(flowrl.errors.SchemaError, match="declaration"):
+        unit.stage(2, np.array([9]), {"new": pa.array([1])})
+    assert not unit.has_staged
+    unit.close()

@@ -9,7 +9,8 @@ leaves no half-written sample behind.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping, Sequence
+import random
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, final
 
 import numpy as np
@@ -61,6 +62,9 @@ class CommitArgs(NamedTuple):
     tokens: np.ndarray | None
     producer: str
     ack: tuple[str, int] | None = None  # (task, lease) acked with the commit
+    # A put to existing samples: its bytes are staged on their units under this id and
+    # become visible only once the commit succeeds (0: new samples, invisible until then).
+    put_id: int = 0
 
 
 @final
@@ -209,26 +213,35 @@ class HubClient(abc.ABC):
         types.update((k, self.schema[k]) for k in encoded if k not in types)
         if target is None:
             return self._put_new(n, encoded, types, new_columns, cells, per_put, timeout, wait)
-        units = self._units_for_update(indices, target, tuple(encoded))
-        commit = CommitArgs(target, cells, False, *per_put, acked)
+        units = self._units_for_update(indices, target, tuple(encoded), acked)
+        commit = CommitArgs(target, cells, False, *per_put, acked, _new_put_id())
         parts = _split_by_unit(units)
-        if len(parts) == 1:
-            fut = self._store(parts[0][0], target, encoded, types, new_columns, commit, wait)
-            return fut or PutFuture.completed(target)
-        for unit, pos in parts:
-            part = {k: e if pos is None else e.take(pos) for k, e in encoded.items()}
-            self._write(unit, _part(target, pos), part, types)
-        if new_columns:
-            self._declare_columns(tuple(new_columns))
-        self._commit(commit)
+        try:
+            if len(parts) == 1:
+                fut = self._store(parts[0][0], target, encoded, types, new_columns, commit, wait)
+                return fut or PutFuture.completed(target)
+            for unit, pos in parts:
+                part = {k: e if pos is None else e.take(pos) for k, e in encoded.items()}
+                self._write(unit, _part(target, pos), part, types, commit.put_id)
+            if new_columns:
+                self._declare_columns(tuple(new_columns))
+            self._commit(commit)
+        except BaseException:
+            self._forget_staged(commit.put_id, [unit for unit, _ in parts])
+            raise
         return PutFuture.completed(target)
 
     def _units_for_update(
-        self, indices: Any, target: np.ndarray, columns: tuple[str, ...]
+        self,
+        indices: Any,
+        target: np.ndarray,
+        columns: tuple[str, ...],
+        ack: tuple[str, int] | None,
     ) -> np.ndarray:
         """The storage units of the samples a put to existing samples writes, once the
-        controller checked the put (``indices`` as the caller gave them)."""
-        return self._check_update(target, columns)
+        controller checked the put (``indices`` as the caller gave them; ``ack``: the
+        claim it acks, whose lease is checked first)."""
+        return self._check_update(target, columns, ack)
 
     def _put_new(
         self,
@@ -269,7 +282,7 @@ class HubClient(abc.ABC):
         put that is not waited for). Inferred columns are declared in between: only once the
         bytes are stored, so a failed put leaves the schema as it was."""
         if new_columns:
-            self._write(unit, indices, encoded, types)
+            self._write(unit, indices, encoded, types, commit.put_id)
             self._declare_columns(tuple(new_columns))
             self._commit(commit)
             return None
@@ -286,7 +299,7 @@ class HubClient(abc.ABC):
     ) -> PutFuture | None:
         """Store and commit; a transport may do both in one round trip, and may return
         before the answer (``wait=False``) with a future of it."""
-        self._write(unit, indices, encoded, types)
+        self._write(unit, indices, encoded, types, commit.put_id)
         self._commit(commit)
         return None
 
@@ -552,7 +565,10 @@ class HubClient(abc.ABC):
     def _abort(self, indices: np.ndarray) -> None: ...
 
     @abc.abstractmethod
-    def _check_update(self, indices: np.ndarray, columns: tuple[str, ...]) -> np.ndarray: ...
+    def _check_update(
+        self, indices: np.ndarray, columns: tuple[str, ...], ack: tuple[str, int] | None
+    ) -> np.ndarray:
+        """``Controller.check_update``: the units of existing samples a put writes to."""
 
     @abc.abstractmethod
     def _write(
@@ -561,7 +577,14 @@ class HubClient(abc.ABC):
         indices: np.ndarray,
         encoded: dict[str, Encoded],
         types: dict[str, Column],
-    ) -> None: ...
+        put_id: int = 0,
+    ) -> None:
+        """Store bytes on a unit; with a ``put_id`` (a put to existing samples) staged:
+        visible once the controller commits the put (see ``StorageUnit.stage``)."""
+
+    def _forget_staged(self, put_id: int, units: Iterable[int]) -> None:  # noqa: B027
+        """A put to existing samples failed before its commit was settled: drop what it
+        staged, where the transport can know that (remote units forget it after a while)."""
 
     @abc.abstractmethod
     def _discard(self, unit: int, indices: np.ndarray, columns: tuple[str, ...]) -> None: ...
@@ -597,6 +620,11 @@ class HubClient(abc.ABC):
 
     @abc.abstractmethod
     def _release(self, task: str, lease: int) -> None: ...
+
+
+def _new_put_id() -> int:
+    """A put's id, unique among the puts staged at one time (63 random bits, never 0)."""
+    return random.getrandbits(63) | 1
 
 
 def _ackable(meta: Any, target: np.ndarray | None, where: str) -> tuple[str, int]:

@@ -25,12 +25,16 @@ class JournalConfig(msgspec.Struct, frozen=True, kw_only=True):
     every event (survives power loss, much slower).
     ``persist_data``: storage units also append their Arrow chunks to Arrow IPC files under
     ``path``, so sample bytes survive a restart too (without it only metadata does).
+    ``compact_bytes``: once the event log holds this many bytes (and at least twice the
+    last snapshot's), the controller's state is written as a snapshot and the log starts
+    afresh: recovery time and disk use follow the live state, not the run's length.
     """
 
     path: str
     sync: Literal["write", "fsync"] = "write"
     fsync_interval: float = 1.0
     persist_data: bool = True
+    compact_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
@@ -49,6 +53,15 @@ class JournalConfig(msgspec.Struct, frozen=True, kw_only=True):
         if not isinstance(self.persist_data, bool):
             raise ConfigError(
                 f"JournalConfig.persist_data must be a bool, got {self.persist_data!r}"
+            )
+        if (
+            isinstance(self.compact_bytes, bool)
+            or not isinstance(self.compact_bytes, int)
+            or self.compact_bytes < 1
+        ):
+            raise ConfigError(
+                "JournalConfig.compact_bytes must be a positive int (bytes of event log "
+                f"between snapshots), got {self.compact_bytes!r}"
             )
 
 

@@ -22,13 +22,13 @@ from flowrl._client.base import ClaimArgs, CommitArgs, HubClient, _split_by_unit
 from flowrl._client.config import HubConfig, HubStats
 from flowrl._controller.controller import Controller
 from flowrl._controller.eventlog import EventLog
-from flowrl._controller.journal import attach_journal
+from flowrl._controller.journal import attach_journal, lock_journal
 from flowrl._controller.meta import BatchMeta
 from flowrl._schema.columns import Column
 from flowrl._schema.encode import Encoded
 from flowrl._schema.schema import Schema
 from flowrl._store.unit import StorageUnit
-from flowrl.errors import ConfigError, HubFull, NothingReady, Timeout
+from flowrl.errors import ConfigError, HubClosed, HubFull, NothingReady, Timeout
 
 __all__ = ["Hub"]
 
@@ -56,10 +56,17 @@ class Hub(HubClient):
         self.config = config
         self.schema = Schema(columns, infer=infer)
         self.controller = Controller(config.capacity, config.n_units, config.lease_timeout)
-        self.units = [
-            StorageUnit.open(u, config.capacity, config.journal) for u in range(config.n_units)
-        ]
-        self._journal = None if config.journal is None else attach_journal(self.controller, config)
+        # The journal folder is taken before anything in it (the units' files) is read.
+        lock = None if config.journal is None else lock_journal(config.journal)
+        try:
+            self.units = [
+                StorageUnit.open(u, config.capacity, config.journal) for u in range(config.n_units)
+            ]
+            self._journal = None if lock is None else attach_journal(self.controller, config, lock)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
         self.schema.declare(*self.controller.declared.values())
         if self._journal is not None:
             live = self.controller.live_indices()
@@ -76,11 +83,13 @@ class Hub(HubClient):
     # -- primitives -------------------------------------------------------------------------
     def _declare_columns(self, columns: tuple[Column, ...]) -> None:
         with self.controller.cond:
+            self._begin()
             self.schema.declare(*columns)
             self.controller.add_columns(columns)
 
     def _register_task(self, task: str, columns: tuple[str, ...]) -> None:
         with self.controller.cond:
+            self._begin()
             self.controller.register_task(task, columns)
 
     def _reserve(self, n: int, timeout: float | None) -> tuple[np.ndarray, int]:
@@ -92,6 +101,7 @@ class Hub(HubClient):
             )
         deadline = None if timeout is None else time.monotonic() + timeout
         with ctl.cond:
+            self._begin()
             while True:
                 if ctl.table.free_slots() >= n or timeout == 0 or ctl.closed or ctl.ended:
                     return ctl.reserve(n)  # raises HubFull / HubClosed / EndOfStream
@@ -106,11 +116,15 @@ class Hub(HubClient):
 
     def _abort(self, indices: np.ndarray) -> None:
         with self.controller.cond:
+            self._begin()
             self.controller.abort(indices)
 
-    def _check_update(self, indices: np.ndarray, columns: tuple[str, ...]) -> np.ndarray:
+    def _check_update(
+        self, indices: np.ndarray, columns: tuple[str, ...], ack: tuple[str, int] | None
+    ) -> np.ndarray:
         with self.controller.cond:
-            return self.controller.check_update(indices, columns)
+            self._begin()
+            return self.controller.check_update(indices, columns, ack)
 
     def _write(
         self,
@@ -118,20 +132,42 @@ class Hub(HubClient):
         indices: np.ndarray,
         encoded: dict[str, Encoded],
         types: dict[str, Column],
+        put_id: int = 0,
     ) -> None:
-        self.units[unit].write(indices, {k: e.array for k, e in encoded.items()}, types)
+        self._check_open()
+        arrays = {k: e.array for k, e in encoded.items()}
+        if put_id:
+            self.units[unit].stage(put_id, indices, arrays, types)
+        else:
+            self.units[unit].write(indices, arrays, types)
 
     def _discard(self, unit: int, indices: np.ndarray, columns: tuple[str, ...]) -> None:
         self.units[unit].discard(indices, columns)
 
     def _commit(self, args: CommitArgs) -> None:
+        fields = args._asdict()
+        put_id = fields.pop("put_id")
         with self.controller.cond:
-            self.controller.commit(**args._asdict())
+            self._begin()
+            try:
+                self.controller.commit(**fields)
+            except BaseException:
+                self._forget_staged(put_id, range(len(self.units)))
+                raise
+            if put_id:  # under the controller's lock: no claim sees the commit before
+                for unit in self.units:  # the bytes it made ready are readable
+                    unit.settle(put_id, True)
+
+    def _forget_staged(self, put_id: int, units: Iterable[int]) -> None:
+        if put_id:
+            for unit in units:
+                self.units[unit].settle(put_id, False)
 
     def _claim(self, args: ClaimArgs, timeout: float | None) -> BatchMeta:
         ctl = self.controller
         deadline = None if timeout is None else time.monotonic() + timeout
         with ctl.cond:
+            self._begin()
             while True:
                 meta = ctl.try_claim(**args._asdict())
                 if meta is not None:
@@ -150,28 +186,34 @@ class Hub(HubClient):
     def _read_many(
         self, parts: list[tuple[int, np.ndarray]], columns: tuple[str, ...]
     ) -> list[dict[str, pa.Array]]:
+        self._check_open()
         return [self.units[unit].read(idx, columns) for unit, idx in parts]
 
     def _meta(self, indices: np.ndarray, columns: tuple[str, ...]) -> BatchMeta:
         with self.controller.cond:
+            self._begin()
             return self.controller.meta(indices, columns)
 
     def _append(
         self, unit: int, indices: np.ndarray, values: list[tuple[Column, pa.Array]], version: int
     ) -> list[np.ndarray]:
+        self._check_open()
         return self.units[unit].append(indices, values, version)
 
     def _read_partial(
         self, unit: int, indices: np.ndarray, column: Column
     ) -> tuple[pa.Array, pa.Array]:
+        self._check_open()
         return self.units[unit].read_partial(indices, column)
 
     def _ack(self, task: str, lease: int, indices: np.ndarray | None, drop: bool) -> None:
         with self.controller.cond:
+            self._begin()
             self.controller.ack(task, lease, indices, drop=drop)
 
     def _release(self, task: str, lease: int) -> None:
         with self.controller.cond:
+            self._begin()
             self.controller.release(task, lease)
 
     def _evict(self, indices: np.ndarray, units: np.ndarray) -> None:
@@ -181,29 +223,50 @@ class Hub(HubClient):
     def _raise_policy_error(self) -> None:
         self.controller.log.check()
 
+    def _begin(self) -> None:
+        """Start a call, under the controller's lock: refuse a closed hub; compact the
+        journal when due (here, between two operations, the state is whole)."""
+        self._check_open()
+        if self._journal is not None and self._journal.compaction_due:
+            self._journal.compact(self.controller)
+
+    def _check_open(self) -> None:
+        """Every call on a closed hub raises (its journal and units' files are closed)."""
+        if self.controller.closed:
+            raise HubClosed(
+                "this hub was closed; calls on it are refused (open a new Hub on the same "
+                "config to go on from its journal)"
+            )
+
     # -- the rest of the API ----------------------------------------------------------------
     def _publish_version(self, version: int) -> None:
         with self.controller.cond:
+            self._begin()
             self.controller.publish_version(version)
 
     @property
     def version(self) -> int:
+        self._check_open()
         return self.controller.version
 
     def end_stream(self, columns: Sequence[str] = ()) -> None:
         cols = self.schema.check_names(columns, "end_stream()")
         with self.controller.cond:
+            self._begin()
             self.controller.end_stream(cols)
 
     def _event_log(self) -> EventLog:
+        self._check_open()
         return self.controller.log
 
     def flush_events(self, timeout: float | None = 5.0) -> bool:
         """Wait until subscribers have received every event so far."""
+        self._check_open()
         return self.controller.log.flush(timeout)
 
     def statistics(self) -> HubStats:
         with self.controller.cond:
+            self._begin()
             stats = self.controller.statistics()
         return msgspec.structs.replace(stats, units=[u.statistics() for u in self.units])
 
@@ -217,6 +280,15 @@ class Hub(HubClient):
             self._journal.close()
         for unit in self.units:
             unit.close()
+
+    def _abandon(self) -> None:
+        """Let go of the hub as its process would by dying (``flowrl.testing.abandon``)."""
+        with self.controller.cond:
+            self.controller.close()
+        if self._journal is not None:
+            self._journal.abandon()
+        for unit in self.units:
+            unit.abandon()
 
 
 def _wait_time(remaining: float | None, lease_deadline: float | None) -> float | None:

@@ -100,6 +100,10 @@ class _Round:
 
 
 def _check_ackable(lease: _Lease, indices: np.ndarray) -> None:
+    if indices is lease.indices or (  # the whole claim, the usual case (its indices differ)
+        indices.size == lease.indices.size and np.array_equal(indices, lease.indices)
+    ):
+        return
     if not np.isin(indices, lease.indices).all() or np.unique(indices).size != indices.size:
         raise LeaseError(
             f"ack of lease {lease.id} names indices that are not in it (or repeats one)"
@@ -285,9 +289,18 @@ class Controller:
             self._n_ahead -= int(self._ahead[slots].sum())
             self._ahead[slots] = False
 
-    def check_update(self, indices: np.ndarray, columns: tuple[str, ...]) -> np.ndarray:
-        """Validate a put to existing samples before any byte moves; returns their units."""
+    def check_update(
+        self, indices: np.ndarray, columns: tuple[str, ...], ack: tuple[str, int] | None = None
+    ) -> np.ndarray:
+        """Validate a put to existing samples before any byte moves; returns their units.
+
+        ``ack``: (task, lease) of the claim the put acks, checked first: a straggler whose
+        lease expired learns that (its samples may have been finished and evicted since).
+        """
         self._check_open()
+        if ack is not None:
+            self.expire()
+            self._live_lease(ack[0], ack[1], "put(ack=...)")  # (the commit checks the rest)
         slots = self.table.slots_of(indices)
         self._check_writable(slots, columns)
         return self.table.unit[slots]
@@ -322,11 +335,9 @@ class Controller:
         so they are never written without being consumed (a worker that dies between a
         put and its ack would have them delivered, and processed, again).
         """
-        lease = None
-        if ack is not None:
-            self.expire()
-            lease = self._live_lease(ack[0], ack[1], "put(ack=...)")
-            _check_ackable(lease, indices)
+        # (the lease first: a straggler learns that its lease expired, whatever else
+        # happened to its samples since: finished, evicted, their column closed)
+        lease = None if ack is None else self._ackable_lease(ack, indices)
         t = self.table
         slots = t.slots_of(indices, committed=not new)
         if not new:  # (a remote client writes to a claim's samples without check_update)
@@ -385,7 +396,9 @@ class Controller:
             else (),
         )
         if lease is not None:
-            self._consume(self.tasks[lease.task], lease, indices, drop=False)
+            # (ackable: distinct indices of the lease; as many as it holds: all of them)
+            whole = indices.size == lease.indices.size
+            self._consume(self.tasks[lease.task], lease, indices, drop=False, whole=whole)
         self._notify()
 
     @staticmethod
@@ -714,6 +727,13 @@ class Controller:
         state.queue.push_front(lease.indices)
         if lease.task in self._rounds:
             self._prune_rounds(lease.task)
+
+    def _ackable_lease(self, ack: tuple[str, int], indices: np.ndarray) -> _Lease:
+        """The live lease a put acks, holding every sample put; LeaseError otherwise."""
+        self.expire()
+        lease = self._live_lease(ack[0], ack[1], "put(ack=...)")
+        _check_ackable(lease, indices)
+        return lease
 
     def _live_lease(self, task: str, lease_id: int, what: str) -> _Lease:
         if not isinstance(lease_id, int) or isinstance(lease_id, bool):

@@ -8,10 +8,24 @@ detected on reading by its length or its decoding, and cut off.
 
 ``journal.json`` beside it records the table's shape; a hub refuses to recover a journal
 written with another capacity or number of storage units.
+
+Compaction. Once the log holds ``JournalConfig.compact_bytes`` (and twice the last
+snapshot), :meth:`Journal.compact` writes the controller's state to ``snapshot.msgpack``
+(``flowrl._controller.snapshot``; written aside, fsynced, renamed over the old one) and
+then replaces the log by an empty one the same way. Recovery restores the snapshot and
+replays the events after it; a crash between the two renames leaves a log whose events
+the snapshot already holds, and they are skipped by their ``seq``. The controller's owner
+calls ``compact`` between two operations (``compaction_due`` says when).
+
+One process at a time owns a journal folder: a ``FolderLock`` (``flowrl._folder_lock``)
+holds an exclusive ``flock`` on its ``lock`` file from before recovery until the journal
+is closed, or the process dies. A second opener is refused with the folder and the
+holder's pid: two controllers on one journal would each deliver its samples.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import threading
@@ -21,17 +35,26 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from flowrl._client.config import HubConfig, JournalConfig
+from flowrl._controller.snapshot import restore, snapshot_of
+from flowrl._folder_lock import FolderLock
 from flowrl.errors import ConfigError, JournalError
 from flowrl.events import Event, event_decoder, event_encoder
 
 if TYPE_CHECKING:
     from flowrl._controller.controller import Controller
 
-__all__ = ["Journal", "JournalHeader", "attach_journal", "read_journal"]
+__all__ = [
+    "Journal",
+    "JournalHeader",
+    "attach_journal",
+    "lock_journal",
+    "read_journal",
+]
 
 _LEN = struct.Struct("<I")
 EVENTS_FILE = "events.log"
 HEADER_FILE = "journal.json"
+SNAPSHOT_FILE = "snapshot.msgpack"
 
 
 class JournalHeader(msgspec.Struct, frozen=True):
@@ -41,15 +64,19 @@ class JournalHeader(msgspec.Struct, frozen=True):
 
 
 class Journal:
-    """Appends events to ``<path>/events.log`` under a sync policy."""
+    """Appends events to ``<path>/events.log`` under a sync policy; owns the folder's lock."""
 
-    def __init__(self, config: JournalConfig, header: JournalHeader) -> None:
+    def __init__(self, config: JournalConfig, header: JournalHeader, lock: FolderLock) -> None:
         os.makedirs(config.path, exist_ok=True)
         _check_header(config.path, header)
         self.config = config
-        self._fd = os.open(
-            os.path.join(config.path, EVENTS_FILE), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644
-        )
+        self.lock = lock
+        self._events = os.path.join(config.path, EVENTS_FILE)
+        self._fd = os.open(self._events, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._logged = os.fstat(self._fd).st_size  # bytes of log since the last snapshot
+        snapshot = os.path.join(config.path, SNAPSHOT_FILE)
+        self._snapshot_bytes = os.path.getsize(snapshot) if os.path.exists(snapshot) else 0
+        self.compactions = 0
         self._dirty = False
         self._stop = threading.Event()
         self._syncer: threading.Thread | None = None
@@ -60,34 +87,87 @@ class Journal:
             self._syncer.start()
 
     def append(self, event: Event) -> None:
+        if self._fd < 0:  # never write to a descriptor number the OS may have reused
+            raise JournalError(f"the journal in {self.config.path!r} is closed")
         payload = event_encoder.encode(event)
         os.write(self._fd, _LEN.pack(len(payload)) + payload)
+        self._logged += _LEN.size + len(payload)
         if self.config.sync == "fsync":
             os.fsync(self._fd)
         else:
             self._dirty = True
 
+    @property
+    def compaction_due(self) -> bool:
+        return self._logged >= max(self.config.compact_bytes, 2 * self._snapshot_bytes)
+
+    def compact(self, controller: Controller) -> None:
+        """Replace the log by a snapshot of ``controller`` (under its lock, between two
+        operations: see the module docstring)."""
+        if self._fd < 0:
+            raise JournalError(f"the journal in {self.config.path!r} is closed")
+        data = snapshot_of(controller)
+        _replace_durably(os.path.join(self.config.path, SNAPSHOT_FILE), data)
+        fd = _replace_durably(self._events, b"", keep_open=True)
+        old, self._fd = self._fd, fd
+        os.close(old)
+        self._logged = 0
+        self._snapshot_bytes = len(data)
+        self.compactions += 1
+
     def close(self) -> None:
+        """Sync and close the file, then release the folder (idempotent)."""
         self._stop.set()
         if self._syncer is not None:
             self._syncer.join(timeout=5)
-        os.fsync(self._fd)
-        os.close(self._fd)
+        if self._fd >= 0:
+            os.fsync(self._fd)
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Close the file and release the folder without syncing, as a process dies."""
+        self._stop.set()
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+        self.lock.release()
 
     def _sync_loop(self) -> None:
         while not self._stop.wait(self.config.fsync_interval):
-            if self._dirty:
+            if self._dirty and self._fd >= 0:
                 self._dirty = False
-                os.fsync(self._fd)
+                with contextlib.suppress(OSError):  # closed meanwhile
+                    os.fsync(self._fd)
 
 
-def attach_journal(controller: Controller, config: HubConfig) -> Journal:
-    """Recover ``controller`` from ``config.journal`` (if it holds one), then journal it."""
+def lock_journal(config: JournalConfig) -> FolderLock:
+    """Take the journal folder for this process (before anything in it is read)."""
+    return FolderLock(config.path, "the journal folder")
+
+
+def attach_journal(
+    controller: Controller, config: HubConfig, lock: FolderLock | None = None
+) -> Journal:
+    """Recover ``controller`` from ``config.journal`` (if it holds one), then journal it.
+
+    ``lock``: the folder's lock if the caller took it already (``lock_journal``)."""
     if config.journal is None:
         raise ConfigError("attach_journal() needs a HubConfig with a journal")
-    header = JournalHeader(config.capacity, config.n_units)
-    controller.recover(read_journal(config.journal.path, header))
-    journal = Journal(config.journal, header)
+    lock = lock or lock_journal(config.journal)
+    try:
+        header = JournalHeader(config.capacity, config.n_units)
+        path = config.journal.path
+        snapshot = os.path.join(path, SNAPSHOT_FILE)
+        done = 0
+        if os.path.exists(snapshot):
+            _check_header(path, header)
+            with open(snapshot, "rb") as f:
+                done = restore(controller, f.read(), repr(snapshot))
+        controller.recover(e for e in read_journal(path, header) if e.seq > done)
+        journal = Journal(config.journal, header, lock)
+    except BaseException:
+        lock.release()
+        raise
     controller.log.sinks.append(journal.append)
     return journal
 
@@ -125,6 +205,32 @@ def read_journal(path: str, header: JournalHeader) -> Iterator[Event]:
     if good < len(data):
         with open(file, "r+b") as f:
             f.truncate(good)
+
+
+def _replace_durably(path: str, data: bytes, *, keep_open: bool = False) -> int:
+    """Write ``data`` aside, fsync it, rename it over ``path`` and fsync the folder: after
+    a crash the file holds the old content or the new, never a mix. ``keep_open``: return
+    the new file's descriptor, opened for appending (else -1)."""
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    folder = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+    if keep_open:
+        return fd
+    os.close(fd)
+    return -1
 
 
 def _check_header(path: str, header: JournalHeader) -> None:

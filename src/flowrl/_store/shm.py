@@ -14,12 +14,19 @@ random token of the unit's incarnation and a segment's bytes are never rewritten
 name always means the same bytes: a client that still maps an unlinked segment reads the
 same samples' old bytes, never another sample's. Without ``/dev/shm``, or without room in
 it, buffers stay in the process heap and reads send them over the socket as before.
+
+Leftovers. An arena's ``owner`` file names the process that fills it (pid and start
+time, so a reused pid is not taken for it). A unit killed with SIGKILL cannot remove its
+arena: the launcher removes it when it sees the unit die (``launch_hub``), and every new
+arena first removes those whose owner is gone (:func:`sweep_dead_arenas`), whoever
+launched them.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import glob
 import mmap
 import os
 import secrets
@@ -40,6 +47,7 @@ __all__ = [
     "ShmMaps",
     "ShmUnavailable",
     "shm_folder",
+    "sweep_dead_arenas",
 ]
 
 #: Buffers below this travel as zmq frames anyway (a frame is cheaper than a mapping).
@@ -52,6 +60,7 @@ FIRST_SEGMENT_BYTES = 4 << 20
 SEGMENT_BYTES = 64 << 20
 _ALIGN = 64  # cache-line aligned buffers
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+OWNER_FILE = "owner"  # "<pid> <start time>" of the process filling the arena
 
 
 def shm_folder(name: str) -> str | None:
@@ -99,8 +108,10 @@ class ShmArena:
     ) -> None:
         if not folder.startswith(SHM_PREFIX):
             raise ValueError(f"an arena folder must start with {SHM_PREFIX!r}, got {folder!r}")
-        shutil.rmtree(folder, ignore_errors=True)
+        sweep_dead_arenas()
+        shutil.rmtree(folder, ignore_errors=True)  # a dead incarnation's segments
         os.makedirs(folder, mode=0o700)
+        _write_owner(folder)
         self.folder = folder
         self.segment_bytes = segment_bytes
         self._next_size = min(first_segment_bytes, segment_bytes)
@@ -167,6 +178,53 @@ class ShmArena:
                 self._bases.remove(base)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def sweep_dead_arenas() -> list[str]:
+    """Remove the arenas whose owner process is gone (e.g. a unit killed by SIGKILL);
+    returns their folders. Arenas without an owner file (being created) are left alone."""
+    removed = []
+    for folder in glob.glob(SHM_PREFIX + "*"):
+        try:
+            with open(os.path.join(folder, OWNER_FILE)) as f:
+                pid, start = (int(v) for v in f.read().split())
+        except (OSError, ValueError):
+            continue  # no owner (yet), or not ours to judge
+        if not _alive(pid, start):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _write_owner(folder: str) -> None:
+    pid = os.getpid()
+    tmp = os.path.join(folder, OWNER_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{pid} {_start_time(pid)}")
+    os.replace(tmp, os.path.join(folder, OWNER_FILE))  # never seen half written
+
+
+def _start_time(pid: int) -> int:
+    """When process ``pid`` started (clock ticks since boot; 0 where /proc is missing),
+    -1 for a zombie (killed, not yet reaped: gone for our purpose)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return 0
+    fields = stat[stat.rindex(b")") + 2 :].split()  # from field 3 (state), after "(comm)"
+    return -1 if fields[0] == b"Z" else int(fields[19])  # field 22: starttime
+
+
+def _alive(pid: int, start: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: alive
+    now = _start_time(pid)
+    return now != -1 and (start == 0 or now in (start, 0))
 
 
 class ShmUnavailable(Exception):

@@ -9,6 +9,11 @@ Invariants (tests/unit/test_store.py): a read returns exactly the bytes last wri
 each requested index, in request order; reading an index that was evicted or never
 written raises UnknownIndexError, even after its slot was reused.
 
+A write to samples the unit already holds may be staged (:meth:`StorageUnit.stage`, a put
+to existing samples): reads return the values committed before until the controller's
+verdict files it (``settle(put_id, True)``) or forgets it, so a put the controller
+refuses (an expired lease, a closed column) changes nothing.
+
 With a folder, a unit is persistent (``_store/persist.py``): every chunk is also appended
 to Arrow IPC files, and a unit started on the same folder loads them back (memory-mapped,
 without copying) and holds exactly what it held before, evictions included.
@@ -19,11 +24,13 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
 
 from flowrl._client.config import JournalConfig, UnitStats
+from flowrl._folder_lock import FolderLock
 from flowrl._schema.columns import Column
 from flowrl._schema.encode import numeric_array
 from flowrl._store.partial import PartialStore
@@ -100,19 +107,15 @@ class _ColumnStore:
         run: bool,
         loaded_from: str = "",
         tag: object = None,
+        logged: int = -1,
     ) -> None:
-        """File ``array`` as the rows of ``indices``; ``run``: they are consecutive."""
+        """File ``array`` as the rows of ``indices``; ``run``: they are consecutive.
+        ``logged``: the chunk id it was logged under already (see :meth:`log_ahead`)."""
         # Whatever occupied these slots (an older write of the index, or a stale evicted
         # sample whose evict message has not arrived yet) loses its reference (a free slot's
         # chunk is -1, as its owner).
         self._unref(self.chunk_of[slots])
-        cid = self.next_chunk
-        self.next_chunk += 1
-        if self.log is not None:
-            if loaded_from:
-                self.log.adopt(cid, loaded_from)
-            else:
-                self.log.append(cid, indices, array)
+        cid = logged if logged >= 0 else self.log_ahead(indices, array, loaded_from)
         self.chunks[cid] = array
         self.nbytes += array.get_total_buffer_size()  # what the chunk keeps alive
         self.live[cid] = int(slots.size)
@@ -123,6 +126,17 @@ class _ColumnStore:
         self.owner[slots] = indices
         self.chunk_of[slots] = cid
         self.row_of[slots] = np.arange(slots.size)
+
+    def log_ahead(self, indices: np.ndarray, array: pa.Array, loaded_from: str = "") -> int:
+        """A new chunk id, its rows logged (a persistent column) before they are filed."""
+        cid = self.next_chunk
+        self.next_chunk += 1
+        if self.log is not None:
+            if loaded_from:
+                self.log.adopt(cid, loaded_from)
+            else:
+                self.log.append(cid, indices, array)
+        return cid
 
     def read(
         self, name: str, slots: np.ndarray, indices: np.ndarray, run: bool = False
@@ -195,13 +209,21 @@ class StorageUnit:
         self._columns: dict[str, _ColumnStore] = {}
         self.declared: dict[str, Column] = {}  # persistent units: the columns they hold
         self._newest = np.full(capacity, -1, dtype=np.int64)  # newest index written per slot
+        self._staged: dict[int, _Staged] = {}  # put id -> a write waiting for its commit
+        self._staged_on = np.zeros(capacity, dtype=np.int32)  # staged writes per slot
         self._lock = threading.Lock()
         self._evictions: EvictionLog | None = None
         self._partials = PartialStore(folder, fsync=fsync)
+        self._folder_lock: FolderLock | None = None
         if folder is not None:
-            os.makedirs(folder, exist_ok=True)
-            self._load(folder)
-            self._partials.load(self._in_progress)
+            # one process at a time: a second unit on these files would rewrite them
+            self._folder_lock = FolderLock(folder, f"storage unit {unit_id}'s folder")
+            try:
+                self._load(folder)
+                self._partials.load(self._in_progress)
+            except BaseException:
+                self._folder_lock.release()
+                raise
 
     @classmethod
     def open(cls, unit_id: int, capacity: int, journal: JournalConfig | None) -> StorageUnit:
@@ -276,34 +298,131 @@ class StorageUnit:
         """
         slots = indices % self.capacity
         with self._lock:
-            stale = self._newest[slots] > indices
-            if stale.any():
-                raise UnknownIndexError(
-                    f"sample index {int(indices[np.argmax(stale)])} was evicted before this "
-                    "write arrived; nothing was written"
-                )
             types = types or {}
-            if self.folder is not None:
-                arrays = arrays() if callable(arrays) else arrays
-                for name in arrays:
-                    if name not in self._columns and name not in types:
-                        raise SchemaError(
-                            f"storage unit {self.unit_id} is persistent and needs the "
-                            f"declaration of new column {name!r}; nothing was written"
-                        )
+            arrays = self._check_write(slots, indices, arrays, types)
             if on_accepted is not None and self.folder is None:
                 on_accepted()
             if callable(arrays):
                 arrays = arrays()
-            self._newest[slots] = indices
-            run = _consecutive(indices)
-            tags = tags or {}
-            for name, array in arrays.items():
-                store = self._store(name, types.get(name))
-                store.write(slots, indices, array, run, tag=tags.get(name))
-                self._partials.clear(name, indices)  # the column is complete now
+            self._file(slots, indices, arrays, types, tags or {}, {})
             if on_accepted is not None and self.folder is not None:
                 on_accepted()
+
+    def _check_write(
+        self,
+        slots: np.ndarray,
+        indices: np.ndarray,
+        arrays: Mapping[str, pa.Array] | Callable[[], Mapping[str, pa.Array]],
+        types: Mapping[str, Column],
+    ) -> Mapping[str, pa.Array] | Callable[[], Mapping[str, pa.Array]]:
+        """Refuse a stale write, or a persistent unit's write of an undeclared column;
+        returns ``arrays`` (built, on a persistent unit: its bytes are logged first)."""
+        stale = self._newest[slots] > indices
+        if stale.any():
+            raise UnknownIndexError(
+                f"sample index {int(indices[np.argmax(stale)])} was evicted before this "
+                "write arrived; nothing was written"
+            )
+        if self.folder is not None:
+            arrays = arrays() if callable(arrays) else arrays
+            for name in arrays:
+                if name not in self._columns and name not in types:
+                    raise SchemaError(
+                        f"storage unit {self.unit_id} is persistent and needs the "
+                        f"declaration of new column {name!r}; nothing was written"
+                    )
+        return arrays
+
+    def _file(
+        self,
+        slots: np.ndarray,
+        indices: np.ndarray,
+        arrays: Mapping[str, pa.Array],
+        types: Mapping[str, Column],
+        tags: Mapping[str, object],
+        logged: Mapping[str, int],
+    ) -> None:
+        """Make a checked write visible (``logged``: chunks a persistent unit logged ahead)."""
+        self._newest[slots] = indices  # (checked: none is older than what the slot held)
+        run = _consecutive(indices)
+        for name, array in arrays.items():
+            store = self._store(name, types.get(name))
+            store.write(slots, indices, array, run, tag=tags.get(name), logged=logged.get(name, -1))
+            self._partials.clear(name, indices)  # the column is complete now
+
+    # -- writes to existing samples, visible only once committed ------------------------------
+    def stage(
+        self,
+        put_id: int,
+        indices: np.ndarray,
+        arrays: Mapping[str, pa.Array] | Callable[[], Mapping[str, pa.Array]],
+        types: Mapping[str, Column] | None = None,
+        tags: Mapping[str, object] | None = None,
+    ) -> None:
+        """Hold a write to existing samples until the controller settles its commit.
+
+        Checked as :meth:`write` checks it; reads keep returning the values committed
+        before until :meth:`settle` ``(put_id, True)`` files it. ``settle(put_id, False)``
+        (the commit was refused: an expired lease, a closed column) forgets it: a refused
+        put changes nothing. A persistent unit logs the bytes now, so a committed write
+        survives a crash of the unit before its verdict arrives.
+        """
+        slots = indices % self.capacity
+        types = types or {}
+        with self._lock:
+            if put_id in self._staged:
+                raise SchemaError(f"put {put_id} is already staged on unit {self.unit_id}")
+            arrays = self._check_write(slots, indices, arrays, types)
+            if callable(arrays):
+                arrays = arrays()
+            logged = {}
+            if self.folder is not None:
+                for name, array in arrays.items():
+                    store = self._store(name, types.get(name))
+                    logged[name] = store.log_ahead(indices, array)
+            self._staged[put_id] = _Staged(indices, arrays, types, tags or {}, logged)
+            self._staged_on[slots] += 1
+
+    def settle(self, put_id: int, committed: bool) -> bool:
+        """File (``committed``) or forget a staged write; False if none is staged as
+        ``put_id`` (never staged here, or settled already)."""
+        with self._lock:
+            staged = self._staged.pop(put_id, None)
+            if staged is None:
+                return False
+            indices, arrays, types, tags, logged = staged
+            slots = indices % self.capacity
+            self._staged_on[slots] -= 1
+            if committed and not (self._newest[slots] > indices).any():
+                self._file(slots, indices, arrays, types, tags, logged)
+            elif logged:
+                self._unlog(slots, indices, logged)
+        return True
+
+    def _unlog(self, slots: np.ndarray, indices: np.ndarray, logged: Mapping[str, int]) -> None:
+        """Undo a refused write's log records: its chunks are dropped from the logs, and the
+        values committed before are filed again after them (the last write wins when the
+        files are loaded)."""
+        for name, cid in logged.items():
+            store = self._columns[name]
+            assert store.log is not None
+            store.log.drop(cid)
+            held = store.owner[slots] == indices
+            if held.any():
+                keep_slots, keep = slots[held], indices[held]
+                store.write(keep_slots, keep, store.read(name, keep_slots, keep), False)
+
+    @property
+    def has_staged(self) -> bool:
+        return bool(self._staged)
+
+    def is_staged(self, put_id: int) -> bool:
+        return put_id in self._staged
+
+    def staged(self, indices: np.ndarray) -> bool:
+        """Whether a write to any of these samples waits for its commit's verdict."""
+        with self._lock:
+            return bool(self._staged_on[indices % self.capacity].any())
 
     def read(self, indices: np.ndarray, columns: tuple[str, ...]) -> dict[str, pa.Array]:
         if indices.size and indices.min() < 0:
@@ -429,6 +548,12 @@ class StorageUnit:
             if self._evictions is not None:
                 self._evictions.close()
             self._partials.close()
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Release the folder without finalising its files, as a process that dies."""
+        if self._folder_lock is not None:
+            self._folder_lock.release()
 
     def discard(self, indices: np.ndarray, columns: tuple[str, ...]) -> None:
         """Undo a write whose commit failed (only the named columns)."""
@@ -454,6 +579,14 @@ class StorageUnit:
             chunks = sum(len(s.chunks) for s in self._columns.values())
             nbytes = sum(s.nbytes for s in self._columns.values())
         return UnitStats(self.unit_id, samples, chunks, nbytes)
+
+
+class _Staged(NamedTuple):
+    indices: np.ndarray
+    arrays: Mapping[str, pa.Array]
+    types: Mapping[str, Column]
+    tags: Mapping[str, object]
+    logged: dict[str, int]  # a persistent unit's chunk ids, logged when staged
 
 
 def _consecutive(indices: np.ndarray) -> bool:

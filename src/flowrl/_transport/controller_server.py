@@ -123,6 +123,8 @@ class ControllerServer:
                 # zero-copy), then flush evictions and retry parked requests once.
                 while self.running and has_input(self.sock):
                     self._handle(recv_parts(self.sock))
+                    if self.journal is not None and self.journal.compaction_due:
+                        self.journal.compact(self.ctl)  # (between two requests)
             self._flush_evictions()
             self._retry_parked(self._changes())
         self._shutdown()
@@ -144,17 +146,22 @@ class ControllerServer:
         if len(frames) < 3:
             return  # not even an identity + request id + body: nothing to answer
         ident, rid = frames[0], frames[1]
+        staged: wire.Commit | None = None
         try:
             msg = wire.decode_request(frames[2])
             if isinstance(msg, wire.CommitFor):  # from a storage unit: answer the producer
                 ident = msg.reply_to  # (also with the error of a malformed commit)
                 msg = wire.commit_of(msg)
+            if isinstance(msg, wire.Commit) and msg.put_id:
+                staged = msg
             reply = self._dispatch(ident, rid, msg)
         except FlowRLError as exc:
             reply = wire.error_of(exc)
         except Exception as exc:  # a bug must not take the hub down; the caller learns of it
             log.exception("controller failed on a request")
             reply = wire.error_of(exc)
+        if staged is not None:  # before anyone hears of the commit (a claim, the producer)
+            self._settle(staged, committed=not isinstance(reply, wire.Error))
         if self.parked and self.ctl.mark() != self._seen:
             # Waiters first: a consumer blocked in claim learns of a put before its
             # producer does (the put's latency to the consumer is what a pipeline waits on).
@@ -199,7 +206,8 @@ class ControllerServer:
             ctl.abort(wire.ints(msg.indices))
             return wire.Done()
         if isinstance(msg, wire.CheckUpdate):
-            units = ctl.check_update(wire.ints(msg.indices), tuple(msg.columns))
+            ack = None if msg.ack_task is None else (msg.ack_task, msg.ack_lease)
+            units = ctl.check_update(wire.ints(msg.indices), tuple(msg.columns), ack)
             return wire.Units(units=units.tobytes())
         if isinstance(msg, wire.Commit):
             self._commit(msg)
@@ -317,6 +325,17 @@ class ControllerServer:
             producer=msg.producer,
             ack=None if msg.ack_task is None else (msg.ack_task, msg.ack_lease),
         )
+
+    def _settle(self, commit: wire.Commit, committed: bool) -> None:
+        """Tell the units holding a put's staged bytes whether to file or forget them."""
+        settle = wire.encode(wire.Settle(put_id=commit.put_id, committed=committed))
+        if committed:
+            slots = wire.ints(commit.indices) % self.ctl.table.capacity
+            units = np.unique(self.ctl.table.unit[slots]).tolist()
+        else:  # (a refused commit may name samples the table no longer places)
+            units = range(len(self.unit_push))
+        for unit in units:
+            self.unit_push[unit].send(settle)
 
     def _evict(self, indices: np.ndarray, units: np.ndarray) -> None:
         """Queue evictions for the units (see EVICT_DELAY_S)."""

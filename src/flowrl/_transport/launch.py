@@ -77,8 +77,7 @@ def launch_hub(
     client.rpc_timeout = RPC_TIMEOUT_S
     client._on_close.append(lambda: _stop(servers, folder, [addr, *units]))
     client.servers = servers
-    if config.journal is not None:
-        servers.supervise()
+    servers.supervise(restart=config.journal is not None)
     return client
 
 
@@ -111,7 +110,8 @@ class _Servers:
     A restarted controller recovers from the journal and keeps the leases of clients that
     are still alive; a restarted storage unit reloads its Arrow files. Clients reconnect
     by themselves (same ipc addresses); a request in flight when a server died fails with a
-    typed error instead of vanishing.
+    typed error instead of vanishing. A dead storage unit's shared-memory arena is removed
+    at once (a unit killed by SIGKILL could not), restarted or not.
     """
 
     def __init__(self, specs: list[ControllerSpec | UnitSpec]) -> None:
@@ -120,6 +120,7 @@ class _Servers:
         self.restarts = 0
         self._stopping = threading.Event()
         self._watch: threading.Thread | None = None
+        self._mourned: set[int] = set()  # dead servers not restarted, their arena removed
 
     @staticmethod
     def _spawn(spec: ControllerSpec | UnitSpec) -> subprocess.Popen:
@@ -136,26 +137,36 @@ class _Servers:
             stdout=subprocess.DEVNULL,  # servers log to stderr; never hold the caller's stdout
         )
 
-    def supervise(self, interval: float = 0.05) -> None:
+    def supervise(self, *, restart: bool, interval: float = 0.05) -> None:
         self._watch = threading.Thread(
-            target=self._restart_dead, args=(interval,), name="flowrl-supervisor", daemon=True
+            target=self._watch_dead,
+            args=(restart, interval),
+            name="flowrl-supervisor",
+            daemon=True,
         )
         self._watch.start()
 
-    def _restart_dead(self, interval: float) -> None:
+    def _watch_dead(self, restart: bool, interval: float) -> None:
         while not self._stopping.wait(interval):
             for i, proc in enumerate(self.procs):
-                if proc.poll() is None or self._stopping.is_set():
+                if proc.poll() is None or i in self._mourned or self._stopping.is_set():
                     continue
                 spec = self.specs[i]
                 log.warning(
-                    "hub server %s (%s) exited with %s; restarting it",
+                    "hub server %s (%s) exited with %s; %s",
                     type(spec).__name__,
                     spec.address,
                     proc.returncode,
+                    "restarting it" if restart else "it stays down (the hub has no journal)",
                 )
-                self.procs[i] = self._spawn(as_restarted(spec))
-                self.restarts += 1
+                arena = getattr(spec, "shm_folder", None)
+                if arena is not None:
+                    shutil.rmtree(arena, ignore_errors=True)
+                if restart:
+                    self.procs[i] = self._spawn(as_restarted(spec))
+                    self.restarts += 1
+                else:
+                    self._mourned.add(i)
 
     def stop_supervising(self) -> None:
         self._stopping.set()

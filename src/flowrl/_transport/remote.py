@@ -471,21 +471,31 @@ class RemoteHub(HubClient):
         self._call(None, wire.Abort(indices=indices.tobytes()))
 
     def _units_for_update(
-        self, indices: Any, target: np.ndarray, columns: tuple[str, ...]
+        self,
+        indices: Any,
+        target: np.ndarray,
+        columns: tuple[str, ...],
+        ack: tuple[str, int] | None,
     ) -> np.ndarray:
         # A handle (a claim's, above all: a stage's output) names its samples' units: a
         # write to one unit goes there at once, the unit refuses samples it does not hold
-        # (evicted), and the commit checks what check_update would have (a put refused
-        # there leaves the unit its bytes, as one refused for its lease does).
+        # (evicted) and stages the bytes, and the commit checks what check_update would
+        # have (a put refused there changes nothing: its unit forgets the staged bytes).
         units = indices.units if isinstance(indices, BatchMeta) else None
         if units is not None and units.size and (units == units[0]).all():
             return units
-        return self._check_update(target, columns)
+        return self._check_update(target, columns, ack)
 
-    def _check_update(self, indices: np.ndarray, columns: tuple[str, ...]) -> np.ndarray:
-        reply, _ = self._call(
-            None, wire.CheckUpdate(indices=indices.tobytes(), columns=list(columns))
+    def _check_update(
+        self, indices: np.ndarray, columns: tuple[str, ...], ack: tuple[str, int] | None
+    ) -> np.ndarray:
+        msg = wire.CheckUpdate(
+            indices=indices.tobytes(),
+            columns=list(columns),
+            ack_task=None if ack is None else ack[0],
+            ack_lease=0 if ack is None else ack[1],
         )
+        reply, _ = self._call(None, msg)
         return np.frombuffer(reply.units, dtype=np.int16)
 
     def _write(
@@ -494,8 +504,9 @@ class RemoteHub(HubClient):
         indices: np.ndarray,
         encoded: dict[str, Encoded],
         types: dict[str, Column],
+        put_id: int = 0,
     ) -> None:
-        self._call(unit, *_write_request(indices, encoded, types))
+        self._call(unit, *_write_request(indices, encoded, types, put_id=put_id))
 
     def _write_commit(
         self,
@@ -515,7 +526,7 @@ class RemoteHub(HubClient):
             commit=_commit_request(commit),
             controller=self.address,
             reply_to=self._routing_id(),
-            update=not commit.new,
+            put_id=commit.put_id,
         )
         if wait:
             self._recv(unit, self._send(unit, msg, frames), self.rpc_timeout, or_controller=True)
@@ -890,6 +901,7 @@ def _commit_request(args: CommitArgs) -> wire.Commit:
         producer=args.producer,
         ack_task=None if args.ack is None else args.ack[0],
         ack_lease=0 if args.ack is None else args.ack[1],
+        put_id=args.put_id,
     )
 
 

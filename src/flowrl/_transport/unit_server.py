@@ -12,11 +12,22 @@ A write may carry its commit: once the bytes are stored, the unit hands the comm
 controller, which answers the producer directly. A put then costs three hops (producer →
 unit → controller → producer) instead of four, and its samples become claimable one hop
 sooner. The unit never waits for the controller.
+
+A write to existing samples (``Write.put_id``) is staged, not stored: the values
+committed before stay what reads return until the controller's verdict on the put
+(``Settle``, on the control socket) files the bytes or forgets them — a put refused for an
+expired lease or a closed column changes nothing. A request naming a sample with a staged
+write waits (the unit serves others meanwhile) until the verdict arrives: a consumer that
+claimed a sample the commit made ready may reach the unit before the verdict does. A
+verdict that never comes (the producer or the controller died) is taken as a refusal
+after ``STAGED_TTL_S``.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
@@ -47,6 +58,8 @@ log = logging.getLogger("flowrl.unit")
 
 #: Controller addresses a unit keeps a socket to (a restarted Ray controller may move).
 MAX_CONTROLLERS = 4
+#: Seconds a staged write waits for the controller's verdict before it is forgotten.
+STAGED_TTL_S = 120.0
 
 
 class _InShm(NamedTuple):
@@ -77,16 +90,21 @@ class UnitServer:
         self.control.setsockopt(zmq.LINGER, 0)
         self.control.bind(control_address)
         self.controllers: dict[str, zmq.Socket] = {}  # address -> DEALER, for commits
+        # staged writes by the time their verdict is given up on; requests that wait for one
+        self._staged: collections.deque[tuple[float, int]] = collections.deque()
+        self._waiting: list[tuple[list[Any], np.ndarray]] = []
         self.running = True
 
     def serve(self) -> None:
         socks = [self.sock, self.control]
         while self.running:
-            ready = poll_in(socks, None)
+            ready = poll_in(socks, self._poll_timeout())
             if self.control in ready:
                 self._control(self.control.recv(copy=False))
             if self.sock in ready:
                 self._handle(recv_parts(self.sock, copy=False))
+            if self._staged:
+                self._expire_staged()
         for sock in [self.sock, self.control, *self.controllers.values()]:
             sock.close()
         self.unit.close()
@@ -98,6 +116,17 @@ class UnitServer:
             msg = wire.decode_request(frame.buffer)
             if isinstance(msg, wire.Evict):
                 self.unit.evict(wire.ints(msg.indices))
+            elif isinstance(msg, wire.Settle):
+                if self.unit.settle(msg.put_id, msg.committed):
+                    self._serve_waiting()
+                elif msg.committed:
+                    log.error(
+                        "storage unit %d: put %d was committed after its bytes were "
+                        "forgotten (no verdict for %.0f s)",
+                        self.unit.unit_id,
+                        msg.put_id,
+                        STAGED_TTL_S,
+                    )
             elif isinstance(msg, wire.Retain):
                 self.unit.retain(wire.ints(msg.indices), msg.below)
             elif isinstance(msg, wire.Shutdown):
@@ -105,13 +134,63 @@ class UnitServer:
         except Exception:
             log.exception("storage unit %d failed on a control message", self.unit.unit_id)
 
-    def _handle(self, frames: list[Any]) -> None:
+    # -- staged writes ---------------------------------------------------------------------
+    def _poll_timeout(self) -> int | None:
+        if not self._staged:
+            return None
+        return max(0, int((self._staged[0][0] - time.monotonic()) * 1000) + 1)
+
+    def _expire_staged(self) -> None:
+        """Forget staged writes whose verdict never came."""
+        now = time.monotonic()
+        expired = False
+        while self._staged and (
+            self._staged[0][0] <= now or not self.unit.is_staged(self._staged[0][1])
+        ):
+            _, put_id = self._staged.popleft()
+            if self.unit.settle(put_id, False):
+                expired = True
+                log.warning(
+                    "storage unit %d forgot put %d: no verdict on its commit in %.0f s",
+                    self.unit.unit_id,
+                    put_id,
+                    STAGED_TTL_S,
+                )
+        if expired:
+            self._serve_waiting()
+
+    def _must_wait(self, frames: list[Any], msg: Any) -> bool:
+        """Hold a request naming a sample with a staged write until its verdict."""
+        indices = getattr(msg, "indices", None)
+        if not self.unit.has_staged or not isinstance(indices, bytes):
+            return False
+        idx = wire.ints(indices)
+        if not self.unit.staged(idx):
+            return False
+        self._waiting.append((frames, idx))
+        return True
+
+    def _serve_waiting(self) -> None:
+        """Serve, in arrival order, the held requests no staged write holds up any more."""
+        waiting, self._waiting = self._waiting, []
+        for frames, idx in waiting:
+            if self.unit.staged(idx):
+                self._waiting.append((frames, idx))
+            else:
+                self._handle(frames, checked=True)
+
+    def _handle(self, frames: list[Any], checked: bool = False) -> None:
         if len(frames) < 3:
             return
         ident, rid = frames[0].bytes, frames[1].bytes
         out: list[Any] = []
         try:
             msg = wire.decode_request(frames[2].buffer)
+            if not checked and self._must_wait(frames, msg):
+                return
+            if isinstance(msg, wire.Write) and msg.put_id:
+                self._stage(ident, rid, msg, frames[3:])
+                return
             if isinstance(msg, wire.Write) and msg.has_commit:
                 self._write_and_hand_on(ident, rid, msg, frames[3:])
                 return
@@ -144,6 +223,18 @@ class UnitServer:
             if not handed:
                 raise  # refused: the producer gets the error
             log.exception("storage unit %d failed filing an accepted write", self.unit.unit_id)
+
+    def _stage(self, ident: bytes, rid: bytes, msg: wire.Write, payload: list[Any]) -> None:
+        """Stage a write to existing samples; hand its commit on (or answer the producer,
+        which commits itself)."""
+        indices, build, types, tags = self._prepare(msg, payload)
+        self.unit.stage(msg.put_id, indices, build, types, tags)
+        self.columns = types
+        self._staged.append((time.monotonic() + STAGED_TTL_S, msg.put_id))
+        if msg.has_commit:
+            self._forward(ident, rid, msg)
+        else:
+            send_parts(self.sock, [ident, rid, wire.encode(wire.Done())])
 
     def _forward(self, ident: bytes, rid: bytes, msg: wire.Write) -> None:
         """The controller answers the producer (``msg.reply_to``, its routing id there) under
@@ -189,8 +280,17 @@ class UnitServer:
     def _write(
         self, msg: wire.Write, payload: list[Any], on_accepted: Callable[[], None] | None = None
     ) -> None:
+        indices, build, types, tags = self._prepare(msg, payload)
+        self.unit.write(indices, build, types, on_accepted, tags)
+        self.columns = types  # learnt only from a write that succeeded
+
+    def _prepare(
+        self, msg: wire.Write, payload: list[Any]
+    ) -> tuple[np.ndarray, Callable[[], dict[str, pa.Array]], dict[str, Column], dict[str, Any]]:
+        """A write's indices, the function building its arrays (into shared memory when
+        large), its columns' types and the tags ``build`` fills; checked, nothing built."""
         indices = wire.ints(msg.indices)
-        if msg.update and not self.unit.holds(indices):
+        if msg.put_id and not self.unit.holds(indices):
             raise UnknownIndexError(
                 f"storage unit {self.unit.unit_id} holds no sample of some of indices "
                 f"{indices[:4].tolist()}... (evicted); nothing was written"
@@ -228,8 +328,7 @@ class UnitServer:
                 arrays[header.column] = build_array(bufs)
             return arrays
 
-        self.unit.write(indices, build, types, on_accepted, tags)
-        self.columns = types  # learnt only from a write that succeeded
+        return indices, build, types, tags
 
     def _dispatch(self, msg: Any, payload: list[Any], out: list[Any]) -> Any:
         if isinstance(msg, wire.Write):

@@ -129,6 +129,8 @@ class Abort(_Msg, frozen=True, tag="abort"):
 class CheckUpdate(_Msg, frozen=True, tag="check"):
     indices: bytes
     columns: list[str]
+    ack_task: str | None = None  # with ack_lease: the claim the put acks (checked first)
+    ack_lease: Int64 = 0
 
 
 class Cell(msgspec.Struct, frozen=True, array_like=True):
@@ -148,6 +150,7 @@ class Commit(_Msg, frozen=True, tag="commit"):
     ack_task: str | None = None  # with ack_lease: the claim acked with the commit
     ack_lease: Int64 = 0
     versions: bytes | None = None  # int64 per sample, instead of one ``version``
+    put_id: NonNeg = 0  # a put to existing samples: settles what its units staged
 
 
 class CommitFor(_Msg, frozen=True, tag="commit_for"):
@@ -239,8 +242,9 @@ class Write(_Msg, frozen=True, tag="write"):
     controller: str = ""
     reply_to: bytes = b""
     # A put to existing samples: the unit refuses it (UnknownIndexError, nothing stored)
-    # unless it holds every one of them, so a write to an evicted sample leaves nothing.
-    update: bool = False
+    # unless it holds every one of them, else stages the bytes under this id until the
+    # controller settles the commit (Settle); 0: stored at once (new samples).
+    put_id: NonNeg = 0
 
     @property
     def has_commit(self) -> bool:
@@ -255,6 +259,14 @@ class Read(_Msg, frozen=True, tag="read"):
 
 class Evict(_Msg, frozen=True, tag="evict"):
     indices: bytes
+
+
+class Settle(_Msg, frozen=True, tag="settle"):
+    """The controller's verdict on a put whose bytes a unit staged (``Write.put_id``):
+    file them (``committed``) or forget them."""
+
+    put_id: NonNeg
+    committed: bool
 
 
 class Append(_Msg, frozen=True, tag="append"):
@@ -312,6 +324,7 @@ Request = (
     | Write
     | Read
     | Evict
+    | Settle
     | Retain
     | Append
     | ReadPartial
@@ -427,7 +440,7 @@ def write_request(
     commit: Commit | None = None,
     controller: str = "",
     reply_to: bytes = b"",
-    update: bool = False,
+    put_id: int = 0,
 ) -> Write:
     """A :class:`Write` of ``arrays`` (declared as ``columns``), with its commit if any;
     ConfigError for a value msgpack cannot carry, as :func:`encode`."""
@@ -438,7 +451,7 @@ def write_request(
         commit=NO_COMMIT if commit is None else msgspec.Raw(encode(commit)),
         controller=controller,
         reply_to=reply_to,
-        update=update,
+        put_id=put_id,
     )
 
 

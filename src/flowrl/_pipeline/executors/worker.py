@@ -32,7 +32,14 @@ from flowrl._controller.meta import BatchMeta
 from flowrl._controller.samplers import BalancedSampler
 from flowrl._pipeline.constants import POLL_S
 from flowrl._pipeline.stage import Rows, StageContext, StageSpec
-from flowrl.errors import EndOfStream, LeaseError, SchemaError, StageError, Timeout
+from flowrl.errors import (
+    EndOfStream,
+    LeaseError,
+    SchemaError,
+    StageError,
+    Timeout,
+    UnknownIndexError,
+)
 
 __all__ = ["Quota", "Stop", "WorkerReport", "run_worker"]
 
@@ -200,9 +207,11 @@ def _process(
             )
         elif kept.size:
             hub.ack(meta, None if keep is None else kept)
-    except LeaseError:
+    except (LeaseError, UnknownIndexError):
         # The lease ran out while the stage computed: the samples went back to the hub and
-        # another worker has them. Nothing of this batch was written; drop the result.
+        # another worker has them (and may have finished them: a storage unit that reused
+        # their slots refuses the write as stale). Nothing of this batch was written; drop
+        # the result. (Samples under a live lease are never evicted.)
         log.warning(
             "stage %r: a batch's lease expired while it ran; its samples were handed out "
             "again and this result is dropped (raise the stage's lease_timeout)",

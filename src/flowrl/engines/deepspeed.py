@@ -33,7 +33,7 @@ from flowrl.errors import ConfigError
 from flowrl.models.causal import CausalLM, as_causal_lm
 from flowrl.models.hf import HFCausalLM
 
-__all__ = ["DeepSpeedUpdateEngine"]
+__all__ = ["DeepSpeedUpdateEngine", "checkpoint_globals"]
 
 
 @final
@@ -144,10 +144,11 @@ class DeepSpeedUpdateEngine(TokenWeightedTrainer):
             if self.zero_stage < 3 or self.rank == 0:
                 load_named(self.model, state["model"].items())
         optimizer = self.engine.optimizer
-        if self.zero_stage in (1, 2):
-            optimizer.load_state_dict([state["optimizer"]], load_from_fp32_weights=False)
-        else:
+        if self.zero_stage == 0:
             optimizer.load_state_dict(state["optimizer"])
+        else:  # ZeRO optimizers take one state per data-parallel rank, indexed by rank
+            shards = [state["optimizer"]] * self.world_size
+            optimizer.load_state_dict(shards, load_from_fp32_weights=False)
         self._version = int(state["version"])
 
     def close(self) -> None:
@@ -179,3 +180,15 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def checkpoint_globals() -> list[type]:
+    """The DeepSpeed classes in :meth:`DeepSpeedUpdateEngine.state_dict`'s optimizer state
+    (ZeRO's stage enum, its loss scalers, ZeRO-1/2's fragment addresses): allow them with
+    ``torch.serialization.safe_globals`` to read a checkpoint back with
+    ``torch.load(weights_only=True)``. Imports deepspeed."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]

@@ -18,7 +18,11 @@ What it measures, on one model and one set of prompts for every engine:
   publisher copies the weights into a new segment, the rollout process notices the
   header between two decoding steps, copies the tensors into its model and decodes one
   step (``update_ms`` is its share, ``publish_ms`` the trainer's). Median of
-  ``--sync-rounds``.
+  ``--sync-rounds``. The latency includes the rest of the decoding step under way when
+  the version lands and one step after it (``rollout_step_ms_median``); ``memcpy_ms`` is
+  one plain copy of the same bytes in the trainer process, measured in the same run: a
+  sync costs about one copy on each side, so read the latency against it on a shared
+  machine, where memory bandwidth is what other jobs take.
 
 The model is a randomly initialised Hugging Face Llama (``flowrl.models.hf.tiny_llama``)
 of ``--hidden`` x ``--layers``, and TinyLM of the same width and depth for the built-in
@@ -148,6 +152,7 @@ def _sync_rollout(channel: str, args: argparse.Namespace, ready: Any, out: Any) 
     request = [GenerationRequest(0, np.arange(4, 12, dtype=np.int64))]
     params = SamplingParams(max_new_tokens=args.prompt_len + args.new_tokens, seed=0)
     ready.set()
+    step_ms: list[float] = []
     for _ in range(args.sync_rounds):
         while True:
             if not engine.pending:
@@ -158,9 +163,12 @@ def _sync_rollout(channel: str, args: argparse.Namespace, ready: Any, out: Any) 
                 engine.update_weights(snap.tensors(), snap.version)
                 t_loaded = time.time()
                 engine.step()  # the first step sampling with the new version
-                out.put((snap.version, time.time(), (t_loaded - t_load) * 1e3))
+                used = time.time()
+                out.put((snap.version, used, (t_loaded - t_load) * 1e3, step_ms[-20:]))
                 break
+            t0 = time.perf_counter()
             engine.step()
+            step_ms.append((time.perf_counter() - t0) * 1e3)
     engine.abort()
 
 
@@ -173,7 +181,11 @@ def bench_weight_sync(args: argparse.Namespace) -> dict[str, float]:
     ready, out = ctx.Event(), ctx.Queue()
     child = ctx.Process(target=_sync_rollout, args=(channel, args, ready, out))
     child.start()
-    latencies, publish_ms, update_ms = [], [], []
+    latencies, publish_ms, update_ms, step_ms = [], [], [], []
+    t0 = time.perf_counter()
+    copies = [t.clone() for _, t in trainer.named_weights()]  # the bytes, copied once
+    memcpy_ms = (time.perf_counter() - t0) * 1e3
+    del copies
     try:
         if not ready.wait(600):
             raise RuntimeError("the rollout process did not start")
@@ -182,7 +194,8 @@ def bench_weight_sync(args: argparse.Namespace) -> dict[str, float]:
             t_end = time.time()  # a trainer step ends here
             pub.publish(trainer.named_weights(), version)
             publish_ms.append((time.time() - t_end) * 1e3)
-            got, t_used, loaded_ms = out.get(timeout=600)
+            got, t_used, loaded_ms, steps = out.get(timeout=600)
+            step_ms += steps
             if got != version:
                 raise RuntimeError(f"rollout used version {got}, expected {version}")
             latencies.append((t_used - t_end) * 1e3)
@@ -198,6 +211,8 @@ def bench_weight_sync(args: argparse.Namespace) -> dict[str, float]:
         "latency_ms_max": max(latencies),
         "publish_ms_median": statistics.median(publish_ms),
         "update_ms_median": statistics.median(update_ms),
+        "rollout_step_ms_median": statistics.median(step_ms) if step_ms else 0.0,
+        "memcpy_ms": memcpy_ms,
         "rounds": len(latencies),
     }
 

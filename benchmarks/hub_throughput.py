@@ -31,10 +31,27 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
   be no faster) and ``zmq_one_way_after_pause_ms`` (the p50 time one put-sized message
   takes to reach a process after 2 ms of quiet, as in ``put_to_claimable``; a put becomes
   claimable after three such hops: producer -> unit -> controller -> consumer).
+* zmq only: ``stage_rounds_per_s``: one stage worker thread doing what a pipeline stage
+  does per micro-batch of one sample (``claim``, ``get`` of its input column, ``put`` of
+  its output column with ``indices=meta, ack=meta``), one round at a time, every input
+  already put (2,000 rounds after 200 of warm-up; fewer for --samples under 4,000), and
+  ``stage_round_p50_ms`` (the median round: steadier than the rate on a shared machine)
+  and ``stage_round_cpu_ms`` (CPU time a round costs the client, the controller and the
+  storage unit together, from /proc: the steadiest of the three on a loaded machine).
+  ``stage_round_vs_echo`` is that rate over ``zmq_echo_round_trips_per_s`` measured in
+  the same run. A round is 7 network legs at the least (claim 2, get 2, put 3: producer
+  -> unit -> controller -> producer), 3.5 echoes' worth, so that ratio is 1 / 3.5 = 0.29
+  at the very best; ``stage_round_legs_vs_echo`` (the ratio times 3.5) is the share of
+  the bare transport's speed the hub keeps per leg (1.0: no cost but the legs').
 * ``--peer``: runs the TransferQueue package on the same payload in a subprocess and
   reports ``peer`` figures and ``put_get_speedup_vs_transferqueue``: samples / (put time +
   consumer-loop time) for flowrl over the same for TransferQueue (its put, get_meta and
-  get_data).
+  get_data). ``compat``: flowrl's TransferQueue-compatible client
+  (``flowrl.compat.transfer_queue``, benchmarks/_compat_peer.py) driven exactly as the peer
+  drives TransferQueue (TensorDicts in and out, ``put`` / ``get_meta`` / ``get_data``), per
+  placement (``inproc``, ``zmq``), each with ``put_get_speedup_vs_transferqueue``
+  (TransferQueue's put + get seconds over the compat client's, same payload, same run) and
+  the put and get speedups apart.
 
 Read ratios from one run; absolute numbers drift on a shared 2-core machine.
 Usage: python benchmarks/hub_throughput.py --json [--transport zmq] [--peer]
@@ -46,6 +63,7 @@ import argparse
 import contextlib
 import json
 import multiprocessing
+import os
 import statistics
 import subprocess
 import sys
@@ -308,6 +326,52 @@ def zmq_latencies(seq_len: int) -> dict:
         hub.close()
 
 
+#: Network legs of a stage round: claim 2, get 2, put with ack 3 (unit hands the commit on).
+STAGE_ROUND_LEGS = 7
+
+
+def stage_rounds(rounds: int = 2000) -> dict:
+    """Stage rounds (claim, get, put with ack) per second over zmq, one at a time."""
+    hub = flowrl.launch_hub(
+        [Column.scalar("x", "int64"), Column.scalar("y", "float32")],
+        tasks={"stage": ["x"], "sink": ["y"]},
+        config=HubConfig(capacity=rounds + 1024, lease_timeout=600.0),
+    )
+    try:
+        hub.put({"x": np.arange(rounds + 200, dtype=np.int64)})
+        out = np.ones(1, dtype=np.float32)
+
+        def one_round() -> None:
+            meta = hub.claim("stage", 1, timeout=10)
+            hub.get(meta, ["x"])
+            hub.put({"y": out}, indices=meta, ack=meta)
+
+        for _ in range(200):  # connections, code paths
+            one_round()
+        pids = [proc.pid for proc in hub.servers.procs]
+        cpu0 = time.process_time() + sum(_cpu_s(pid) for pid in pids)
+        times = np.empty(rounds)
+        for i in range(rounds):
+            t0 = time.perf_counter()
+            one_round()
+            times[i] = time.perf_counter() - t0
+        cpu = time.process_time() + sum(_cpu_s(pid) for pid in pids) - cpu0
+        return {
+            "stage_rounds_per_s": rounds / times.sum(),
+            "stage_round_p50_ms": float(np.median(times) * 1e3),
+            "stage_round_cpu_ms": cpu / rounds * 1e3,
+        }
+    finally:
+        hub.close()
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process used so far, from /proc (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def zmq_floor(seq_len: int) -> dict:
     """Bare pyzmq between two processes: what any request over the hub's sockets costs."""
     with tempfile.TemporaryDirectory(prefix="flowrl-floor-") as folder:
@@ -365,19 +429,12 @@ def _echo(address: str) -> None:
     ctx.term()
 
 
-def peer(samples: int, seq_len: int, batch: int) -> dict:
-    script = Path(__file__).with_name("_transferqueue_peer.py")
+def peer(samples: int, seq_len: int, batch: int, script: str = "_transferqueue_peer.py",
+         *extra: str) -> dict:  # fmt: skip
+    """Run a peer script (in a fresh process: each starts its own servers) for its JSON."""
+    args = ["--samples", str(samples), "--seq-len", str(seq_len), "--batch", str(batch), *extra]
     out = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            "--samples",
-            str(samples),
-            "--seq-len",
-            str(seq_len),
-            "--batch",
-            str(batch),
-        ],
+        [sys.executable, str(Path(__file__).with_name(script)), *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -385,6 +442,22 @@ def peer(samples: int, seq_len: int, batch: int) -> dict:
     if out.returncode != 0:
         return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
     return json.loads(out.stdout[out.stdout.index("{") :])  # the peer prints one JSON object
+
+
+def compat_vs_peer(samples: int, seq_len: int, batch: int, tq: dict) -> dict:
+    """flowrl.compat.transfer_queue on the peer's protocol, per placement, and its speedup
+    over TransferQueue: samples / (put time + get time), as for the peer itself."""
+    out: dict = {}
+    for placement in ("inproc", "zmq"):
+        got = peer(samples, seq_len, batch, "_compat_peer.py", "--placement", placement)
+        out[placement] = got
+        if "put_s" in got and "put_s" in tq:
+            got["put_get_speedup_vs_transferqueue"] = (tq["put_s"] + tq["get_s"]) / (
+                got["put_s"] + got["get_s"]
+            )
+            got["put_speedup_vs_transferqueue"] = tq["put_s"] / got["put_s"]
+            got["get_speedup_vs_transferqueue"] = tq["get_s"] / got["get_s"]
+    return out
 
 
 def main() -> None:
@@ -410,13 +483,18 @@ def main() -> None:
     result["controller_cell_updates_per_s"] = controller_cells(args.batch)
     if args.transport == "zmq":
         result.update(zmq_latencies(args.seq_len))
+        result.update(stage_rounds(rounds=min(2000, max(200, args.samples // 2))))
         result.update(zmq_floor(args.seq_len))
+        ratio = result["stage_rounds_per_s"] / result["zmq_echo_round_trips_per_s"]
+        result["stage_round_vs_echo"] = ratio
+        result["stage_round_legs_vs_echo"] = ratio * STAGE_ROUND_LEGS / 2
     if args.peer:
         tq = peer(args.samples, args.seq_len, args.batch)
         result["peer"] = tq
         if "put_samples_per_s" in tq:
             tq_rate = 1 / (1 / tq["put_samples_per_s"] + 1 / tq["get_samples_per_s"])
             result["put_get_speedup_vs_transferqueue"] = result["put_get_samples_per_s"] / tq_rate
+        result["compat"] = compat_vs_peer(args.samples, args.seq_len, args.batch, tq)
     if args.json:
         print(json.dumps(result))
     else:

@@ -2,7 +2,8 @@
 
 The user API is re-exported here; implementation modules are private (``flowrl._*``).
 Public sub-namespaces: ``flowrl.errors``, ``flowrl.events``, ``flowrl.hooks``,
-``flowrl.testing`` (imported on demand).
+``flowrl.testing``, ``flowrl.integrations.verl``, ``flowrl.integrations.slime`` (imported
+on demand).
 """
 
 from flowrl._client.base import Partial

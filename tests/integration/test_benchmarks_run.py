@@ -62,6 +62,10 @@ def test_hub_throughput_benchmark_reports_the_issue_figures(transport: str) -> N
             "blocked_claim_put_latency_ratio",
             "zmq_echo_round_trips_per_s",
             "zmq_one_way_after_pause_ms",
+            "stage_rounds_per_s",
+            "stage_round_vs_echo",
+            "stage_round_cpu_ms",
+            "stage_round_legs_vs_echo",
         ]
     assert all(report[f] > 0 for f in figures), {f: report.get(f) for f in figures}
     assert report["transport"] == transport and report["samples"] == 256

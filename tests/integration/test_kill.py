@@ -33,7 +33,6 @@ from kill_scenarios import (
 
 import flowrl
 from flowrl import HubConfig, JournalConfig
-from flowrl._transport import remote
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -105,10 +104,7 @@ def test_a_killed_storage_unit_restarts_with_its_bytes(tmp_path: Path) -> None:
         hub.close()
 
 
-def test_a_killed_controller_recovers_leases_and_consumption(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(remote, "CLAIM_SLICE_S", 1.0)  # notice the restart quickly
+def test_a_killed_controller_recovers_leases_and_consumption(tmp_path: Path) -> None:
     hub = journaled(tmp_path)
 
     def kill() -> None:

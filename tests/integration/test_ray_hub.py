@@ -35,7 +35,6 @@ from kill_scenarios import (
 
 import flowrl
 from flowrl import Column, HubConfig, JournalConfig
-from flowrl._transport import remote
 from flowrl.errors import TransportError
 
 pytestmark = [pytest.mark.integration, pytest.mark.ray]
@@ -169,12 +168,11 @@ def wait_restarted(hub: flowrl.RemoteHub, restarts: int) -> None:
 
 
 def test_a_killed_controller_actor_restarts_with_its_leases(
-    nodes: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    nodes: list[str], tmp_path: Path
 ) -> None:
     """SIGKILL the controller's process with a lease held and a claim parked in it: Ray
     restarts the actor on the same address, it recovers from the journal keeping the
     lease, the parked claim is re-sent, and every sample is consumed once per task."""
-    monkeypatch.setattr(remote, "CLAIM_SLICE_S", 1.0)  # notice the restart quickly
     hub = journaled(tmp_path, nodes[:2])
     pids = hub.servers.pids()
 
@@ -230,12 +228,9 @@ def test_a_killed_storage_unit_actor_restarts_on_its_node_with_its_bytes(
         hub.close()
 
 
-def test_without_a_journal_a_dead_server_is_a_transport_error(
-    nodes: list[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_without_a_journal_a_dead_server_is_a_transport_error(nodes: list[str]) -> None:
     """Nothing would come back: Ray does not restart the actors, and clients get a
     TransportError (a claim that waits for ever too), not a hang."""
-    monkeypatch.setattr(remote, "CLAIM_SLICE_S", 1.0)
     hub = flowrl.launch_ray_hub(COLS, tasks=TASKS, nodes=nodes[:1])
     hub.rpc_timeout = 1.0
     try:

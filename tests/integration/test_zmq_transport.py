@@ -235,6 +235,37 @@ def test_indices_reserved_ahead_are_freed_by_end_of_stream_and_close(hub) -> Non
         _put(hub, 1)  # its pooled indices are gone: the put learns the stream ended
 
 
+def test_a_put_to_claimed_samples_asks_the_controller_nothing_first(hub, monkeypatch) -> None:
+    """The claim's handle names where its samples live: a stage's output put to one
+    storage unit goes there at once (3 legs, not 5), and the commit checks what the lookup
+    checked (the unit refuses samples it no longer holds)."""
+    idx = _put(hub, 4)  # one put: one unit
+
+    def no_lookup(*args: object) -> None:
+        raise AssertionError("put(indices=meta) asked the controller where samples live")
+
+    monkeypatch.setattr(hub, "_check_update", no_lookup)
+    hub.register_task("next", ["ids", "reward"])
+    meta = hub.claim("train", 4, timeout=5)
+    hub.put({"reward": np.full(4, 7, np.float32)}, indices=meta, ack=meta)
+    done = hub.claim("next", 4, timeout=5)
+    assert sorted(done.indices.tolist()) == sorted(idx.tolist())
+    assert hub.get(done)["reward"].tolist() == [7.0] * 4
+    hub.end_stream(["reward"])
+    before = hub.statistics()
+    with pytest.raises(SchemaError, match="closed by end_stream"):  # refused by the commit
+        hub.put({"reward": np.zeros(4, np.float32)}, indices=done)
+    assert hub.statistics().tasks == before.tasks and hub.statistics().events == before.events
+    hub.drop(done)  # every task settled: evicted
+    deadline = time.monotonic() + 5  # evictions reach the units asynchronously
+    while any(u.samples for u in hub.statistics().units) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stale = hub.statistics()
+    with pytest.raises(flowrl.errors.UnknownIndexError):  # refused by the unit
+        hub.put({"ids": [[1]] * 4}, indices=done)
+    assert hub.statistics() == stale  # not a byte stored
+
+
 CONSUMER = textwrap.dedent(
     """
     import sys, time, flowrl

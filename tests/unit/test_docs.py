@@ -18,5 +18,7 @@ def test_doc_examples_run(page: Path) -> None:
     for i, block in enumerate(BLOCK.findall(page.read_text())):
         if block.lstrip().startswith("# doc: skip"):
             continue
-        code = compile(block, f"{page.name}[block {i}]", "exec")
+        # dont_inherit: a page runs as its reader runs it, not under this module's
+        # `from __future__ import annotations` (which breaks dataclasses defined there)
+        code = compile(block, f"{page.name}[block {i}]", "exec", dont_inherit=True)
         exec(code, namespace)

@@ -10,7 +10,7 @@ import pytest
 from flowrl._controller.controller import CellWrite, Controller
 from flowrl._controller.samplers import FifoSampler
 from flowrl._schema.columns import Column
-from flowrl.errors import EndOfStream, UnknownIndexError
+from flowrl.errors import EndOfStream, SchemaError, UnknownIndexError
 
 
 @pytest.fixture
@@ -92,3 +92,28 @@ def test_end_of_stream_frees_indices_reserved_ahead_but_waits_for_puts(ctl) -> N
     ctl.ack("t", meta.lease)
     with pytest.raises(EndOfStream):
         ctl.try_claim("t", 1, FifoSampler())
+
+
+def test_reclaiming_indices_reserved_ahead_frees_them_but_not_puts_in_flight(ctl) -> None:
+    put, _ = ctl.reserve(1, ahead=3)  # the hub is full now
+    assert ctl.table.free_slots() == 0
+    assert ctl.reclaim_ahead() == 3  # what a full hub does before a put waits for room
+    assert ctl.statistics().reserved_ahead == 0 and ctl.table.free_slots() == 3
+    with pytest.raises(UnknownIndexError):
+        ctl.commit(put[1:2], _cells(1), new=True)  # the pool's owner reserves afresh
+    ctl.commit(put[:1], _cells(1), new=True)  # the put in flight still lands
+    assert ctl.reclaim_ahead() == 0 and ctl.table.live == 1
+
+
+def test_a_commit_to_existing_samples_checks_what_check_update_checks(ctl) -> None:
+    """A remote client writes to a claim's samples without asking check_update first: the
+    commit refuses a repeated index or a closed column, and changes nothing."""
+    idx, _ = ctl.reserve(2)
+    ctl.commit(idx, _cells(2), new=True)
+    with pytest.raises(SchemaError, match="names an index twice"):
+        ctl.commit(idx[[0, 0]], _cells(2), new=False)
+    ctl.end_stream(("x",))
+    events = ctl.log.seq
+    with pytest.raises(SchemaError, match="closed by end_stream"):
+        ctl.commit(idx, _cells(2), new=False)
+    assert ctl.log.seq == events and ctl.statistics().tasks["t"].ready == 2

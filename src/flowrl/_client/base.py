@@ -27,7 +27,7 @@ from flowrl._schema.ragged import RaggedArray
 from flowrl._schema.schema import Schema
 from flowrl._store.batch import Batch, LazyColumn, _to_python, arrow_of
 from flowrl._store.partial import VERSIONS
-from flowrl.errors import ConfigError, LeaseError, SchemaError
+from flowrl.errors import ConfigError, LeaseError, SchemaError, TransportError
 from flowrl.events import Event
 from flowrl.hooks import Observer
 
@@ -209,7 +209,7 @@ class HubClient(abc.ABC):
         types.update((k, self.schema[k]) for k in encoded if k not in types)
         if target is None:
             return self._put_new(n, encoded, types, new_columns, cells, per_put, timeout, wait)
-        units = self._check_update(target, tuple(encoded))
+        units = self._units_for_update(indices, target, tuple(encoded))
         commit = CommitArgs(target, cells, False, *per_put, acked)
         parts = _split_by_unit(units)
         if len(parts) == 1:
@@ -222,6 +222,13 @@ class HubClient(abc.ABC):
             self._declare_columns(tuple(new_columns))
         self._commit(commit)
         return PutFuture.completed(target)
+
+    def _units_for_update(
+        self, indices: Any, target: np.ndarray, columns: tuple[str, ...]
+    ) -> np.ndarray:
+        """The storage units of the samples a put to existing samples writes, once the
+        controller checked the put (``indices`` as the caller gave them)."""
+        return self._check_update(target, columns)
 
     def _put_new(
         self,
@@ -238,6 +245,10 @@ class HubClient(abc.ABC):
         try:
             commit = CommitArgs(idx, cells, True, *per_put)
             fut = self._store(unit, idx, encoded, types, new_columns, commit, wait)
+        except TransportError:
+            # No answer: the put may have been committed (a controller that died after
+            # journaling it). Its bytes stay; a reservation never committed expires.
+            raise
         except BaseException:
             self._discard(unit, idx, tuple(encoded))
             self._abort(idx)
@@ -589,12 +600,13 @@ class HubClient(abc.ABC):
 
 
 def _ackable(meta: Any, target: np.ndarray | None, where: str) -> tuple[str, int]:
-    """(task, lease) of the claim a put acks; its samples must be the put's."""
+    """(task, lease) of the claim a put acks; its samples must be the put's (they are
+    when the put names the claim itself: ``indices=meta``, no lookup needed)."""
     if not isinstance(meta, BatchMeta) or meta.lease == 0:
         raise ConfigError(f"{where}: ack= expects the BatchMeta a claim returned, got {meta!r}")
     if target is None:
         raise ConfigError(f"{where}: ack= needs indices= (new samples were never claimed)")
-    if not np.isin(target, meta.indices).all():
+    if target is not meta.indices and not np.isin(target, meta.indices).all():
         raise LeaseError(f"{where}: ack= names a claim that does not hold every sample put")
     return meta.task, meta.lease
 

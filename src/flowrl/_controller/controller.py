@@ -265,6 +265,20 @@ class Controller:
         self._settle_ahead(mine)
         return int(mine.size)
 
+    def reclaim_ahead(self) -> int:
+        """Free the indices producers reserved ahead and did not put yet, before a put
+        waits for room (a producer's pool may be idle, its thread gone); returns how many.
+        A producer that puts one of them later is refused and reserves afresh."""
+        freed = self._reclaim_ahead()
+        if freed:
+            self._notify(everyone=True)  # room freed without an event
+        return freed
+
+    def _reclaim_ahead(self) -> int:
+        if not self._n_ahead:
+            return 0
+        return sum(self._release_reserved(ind) for _, ind, pooled in self._reservations if pooled)
+
     def _settle_ahead(self, slots: np.ndarray) -> None:
         """Slots reserved ahead that were put or freed no longer count as ahead."""
         if self._n_ahead:
@@ -275,12 +289,16 @@ class Controller:
         """Validate a put to existing samples before any byte moves; returns their units."""
         self._check_open()
         slots = self.table.slots_of(indices)
+        self._check_writable(slots, columns)
+        return self.table.unit[slots]
+
+    def _check_writable(self, slots: np.ndarray, columns: Iterable[str]) -> None:
+        """A put to existing samples names each once and no column end_stream() closed."""
         if np.unique(slots).size != slots.size:
             raise SchemaError("put() to existing samples names an index twice")
         for name in columns:
             if name in self.closed_columns:
                 raise SchemaError(f"column {name!r} was closed by end_stream(); cannot put it")
-        return self.table.unit[slots]
 
     def commit(
         self,
@@ -311,6 +329,8 @@ class Controller:
             _check_ackable(lease, indices)
         t = self.table
         slots = t.slots_of(indices, committed=not new)
+        if not new:  # (a remote client writes to a claim's samples without check_update)
+            self._check_writable(slots, cells)
         if new and t.committed[slots].any():
             raise SchemaError(
                 f"sample {int(indices[np.argmax(t.committed[slots])])} is already committed; a "
@@ -730,9 +750,7 @@ class Controller:
                 raise UnknownColumnError(f"unknown column {c!r} in end_stream()")
         self.ended = True
         self.closed_columns.update(columns)
-        for _, indices, pooled in self._reservations:
-            if pooled:
-                self._release_reserved(indices)
+        self._reclaim_ahead()
         self._emit(StreamEnded, columns=tuple(columns))
         self._notify()
 

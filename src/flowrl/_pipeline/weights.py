@@ -26,7 +26,7 @@ import os
 import secrets
 import threading
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, final
+from typing import TYPE_CHECKING, NamedTuple, final
 
 import msgspec
 
@@ -47,6 +47,7 @@ __all__ = [
 _FOLDER = "/dev/shm"
 _PREFIX = "flowrl-weights-"
 _ALIGN = 64
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 def module_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -179,11 +180,25 @@ def _header_path(name: str, folder: str) -> str:
     return os.path.join(folder, f"{_PREFIX}{name}.header")
 
 
+class _Spare(NamedTuple):
+    """A segment made ahead of the next publish: allocated and mapped, not yet written."""
+
+    path: str
+    size: int
+    mem: mmap.mmap
+
+
 @final
 class WeightPublisher:
     """Publishes versions of named tensors to subscribers on this machine (module
     docstring). ``name``: the channel (one per trainer); ``keep``: segments kept besides
-    the newest, for subscribers still opening them."""
+    the newest, for subscribers still opening them.
+
+    After each publish a background thread allocates and maps the next segment (of the
+    same size), so the next publish is one copy into memory whose pages already exist:
+    on a loaded machine, faulting in fresh pages costs several times the copy itself.
+    The price is one spare segment of the model's size in ``/dev/shm``.
+    """
 
     def __init__(self, name: str, *, keep: int = 1, folder: str = _FOLDER) -> None:
         _check_name(name)
@@ -195,7 +210,10 @@ class WeightPublisher:
         self._folder = folder
         self._keep = keep
         self._token = secrets.token_hex(4)
+        self._count = 0
         self._segments: list[str] = []
+        self._spare: _Spare | None = None
+        self._preparing: threading.Thread | None = None
         self.version: int | None = None
 
     def publish(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> WeightHeader:
@@ -212,23 +230,39 @@ class WeightPublisher:
             dtype = str(t.dtype).removeprefix("torch.")
             entries.append(TensorEntry(name, dtype, tuple(t.shape), offset, nbytes))
             offset = -(-(offset + nbytes) // _ALIGN) * _ALIGN
-        segment = os.path.join(self._folder, f"{_PREFIX}{self.name}-{self._token}-v{version}")
-        _write_segment(segment, tensors, entries, max(offset, 1))
-        header = WeightHeader(version, segment, tuple(entries))
+        size = max(offset, 1)
+        segment = self._take_segment(size)
+        try:
+            _copy_in(segment.mem, tensors, entries)
+        except BaseException:
+            os.unlink(segment.path)
+            raise
+        finally:
+            segment.mem.close()
+        header = WeightHeader(version, segment.path, tuple(entries))
         path = _header_path(self.name, self._folder)
         tmp = f"{path}.{self._token}.tmp"
         with open(tmp, "wb") as f:
             f.write(_ENCODER.encode(header))
         os.replace(tmp, path)  # atomic: a subscriber reads the old header or the new one
         self.version = version
-        self._segments.append(segment)
+        self._segments.append(segment.path)
         while len(self._segments) > self._keep + 1:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._segments.pop(0))
+        self._preparing = threading.Thread(target=self._prepare, args=(size,), daemon=True)
+        self._preparing.start()
         return header
 
     def close(self) -> None:
-        """Remove the header and every segment of this publisher."""
+        """Remove the header, every segment of this publisher and its spare."""
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
+        if self._spare is not None:
+            self._spare.mem.close()
+            self._segments.append(self._spare.path)
+            self._spare = None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(_header_path(self.name, self._folder))
         for segment in self._segments:
@@ -236,26 +270,47 @@ class WeightPublisher:
                 os.unlink(segment)
         self._segments.clear()
 
+    def _take_segment(self, size: int) -> _Spare:
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.size == size:
+            return spare
+        if spare is not None:  # the tensors changed size: a fresh one
+            spare.mem.close()
+            os.unlink(spare.path)
+        return self._new_segment(size)
 
-def _write_segment(
-    path: str, tensors: list[tuple[str, torch.Tensor]], entries: list[TensorEntry], size: int
+    def _prepare(self, size: int) -> None:
+        with contextlib.suppress(OSError):  # no room: the next publish allocates then
+            self._spare = self._new_segment(size)
+
+    def _new_segment(self, size: int) -> _Spare:
+        self._count += 1
+        path = os.path.join(self._folder, f"{_PREFIX}{self.name}-{self._token}-{self._count}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)  # ENOSPC now, not SIGBUS on a later write
+            mem = mmap.mmap(fd, size, flags=_MAP_FLAGS)  # pages mapped in bulk
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        return _Spare(path, size, mem)
+
+
+def _copy_in(
+    mem: mmap.mmap, tensors: list[tuple[str, torch.Tensor]], entries: list[TensorEntry]
 ) -> None:
     import torch
 
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, size)
-        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED) as mem:
-            for (_, t), e in zip(tensors, entries, strict=True):
-                if e.nbytes:
-                    dst = torch.frombuffer(mem, dtype=t.dtype, count=t.numel(), offset=e.offset)
-                    dst.copy_(t.reshape(-1))
-                    del dst
-    except BaseException:
-        os.unlink(path)
-        raise
-    finally:
-        os.close(fd)
+    for (_, t), e in zip(tensors, entries, strict=True):
+        if e.nbytes:
+            dst = torch.frombuffer(mem, dtype=t.dtype, count=t.numel(), offset=e.offset)
+            dst.copy_(t.reshape(-1))
+            del dst  # the mapping closes only when no tensor exports it
 
 
 @final

@@ -67,6 +67,12 @@ class Batch:
     def columns(self) -> tuple[str, ...]:
         return tuple(self._arrays)
 
+    def column(self, name: str) -> Column:
+        """The declared :class:`~flowrl.Column` of ``name`` (its kind, dtype and shape)."""
+        if name not in self._arrays:
+            self.arrow(name)  # raises UnknownColumnError naming the batch's columns
+        return self._columns[name]
+
     def __len__(self) -> int:
         return len(self.meta)
 

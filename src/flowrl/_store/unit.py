@@ -439,6 +439,15 @@ class StorageUnit:
                 if store is not None:
                     store.evict(slots, indices)
 
+    def holds(self, indices: np.ndarray) -> bool:
+        """Whether a column of every sample of ``indices`` is stored here."""
+        slots = indices % self.capacity
+        held = np.zeros(indices.size, dtype=bool)
+        with self._lock:
+            for store in self._columns.values():
+                held |= store.owner[slots] == indices
+        return bool(held.all())
+
     def statistics(self) -> UnitStats:
         with self._lock:
             samples = max((int((s.owner >= 0).sum()) for s in self._columns.values()), default=0)

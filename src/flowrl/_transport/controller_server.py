@@ -222,6 +222,9 @@ class ControllerServer:
         if isinstance(msg, wire.End):
             ctl.end_stream(tuple(self.schema.check_names(msg.columns, "end_stream")))
             return wire.Done()
+        if isinstance(msg, wire.Ping):
+            parked = any(p.rid == msg.rid and p.ident == ident for p in self.parked)
+            return wire.Pong(parked=parked)
         if isinstance(msg, wire.Stats):
             return wire.StatsReply(stats=ctl.statistics())
         if isinstance(msg, wire.PublishHello):
@@ -243,7 +246,11 @@ class ControllerServer:
             if msg.give_back is not None:  # idempotent: a parked retry aborts nothing twice
                 ctl.abort(wire.ints(msg.give_back))
             if ctl.table.free_slots() < msg.n and not ctl.ended:
-                return None  # (reserve raises EndOfStream once the stream ended)
+                # Indices producers reserved ahead go back before a put waits for room
+                # (a pool may be idle for ever: its thread ended, its client died).
+                ctl.reclaim_ahead()
+                if ctl.table.free_slots() < msg.n:
+                    return None  # (reserve raises EndOfStream once the stream ended)
             indices, unit = ctl.reserve(msg.n, units=msg.units, ahead=msg.ahead)
             units = None
             if indices.size > msg.n:

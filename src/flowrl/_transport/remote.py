@@ -14,6 +14,7 @@ import math
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, final
 
@@ -58,10 +59,12 @@ __all__ = ["RemoteHub"]
 
 log = logging.getLogger("flowrl.client")
 
-#: How long a non-blocking request may take before the server is presumed gone.
+#: How long a server may stay silent (a reply, or an answer to a ping) before it is
+#: presumed gone (``RemoteHub.rpc_timeout``).
 RPC_TIMEOUT_S = 30.0
-#: Longest a claim waits parked in the controller before the client asks again.
-CLAIM_SLICE_S = 10.0
+#: A request waiting in the controller (claim, reserve) is checked on after the controller
+#: was silent for this share of ``rpc_timeout`` (see ``RemoteHub._call_parked``).
+PING_SHARE = 1 / 3
 #: Longest single zmq poll while waiting for a reply (then check the deadline and close).
 POLL_SLICE_S = 1.0
 #: Indices a thread reserves ahead for its next small puts (capped at capacity / 64).
@@ -130,7 +133,7 @@ class RemoteHub(HubClient):
         # 1/64 of the capacity, so other producers barely notice it.
         self._pool_block = min(RESERVE_AHEAD, self.config.capacity // 64)
         self._pool_ttl = max(self.config.lease_timeout, RESERVATION_MIN_S) / 2
-        self._pools: dict[int, _Pool] = {}  # each thread's current pool, for close()
+        self._pools = _Pools()  # each thread's current pool, given back when it ends
         self.unit_nodes: tuple[str, ...] = tuple(unit_nodes)
         self.node = node
         if self.unit_nodes and len(self.unit_nodes) != len(self.unit_addresses):
@@ -191,41 +194,53 @@ class RemoteHub(HubClient):
         """The reply to request ``rid`` from ``unit`` (None: the controller). With
         ``or_controller``, from the unit or the controller, whichever answers (a write whose
         commit the unit handed on: the controller answers, or the unit refused the write)."""
+        forever = wait is None or math.isinf(wait)
+        deadline = math.inf if forever else time.monotonic() + wait  # type: ignore[operator]
+        got = self._recv_first(unit, (rid,), deadline, or_controller=or_controller)
+        if got is None:
+            where = "controller" if unit is None else f"storage unit {unit}"
+            raise _NoAnswer(f"the hub's {where} did not answer within {wait:.1f}s; is it running?")
+        return got[1], got[2]
+
+    def _recv_first(
+        self,
+        unit: int | None,
+        rids: tuple[bytes, ...],
+        deadline: float,
+        *,
+        or_controller: bool = False,
+    ) -> tuple[bytes, Any, list[Any]] | None:
+        """(request id, reply, payload frames) of the first reply to one of ``rids``, or
+        None at ``deadline`` (monotonic; inf: none). Sockets as for :meth:`_recv`."""
         socks = [self._socket(unit)]
         if or_controller:
             socks.append(self._socket(None))
         controller = self._socket(None) if unit is None or or_controller else None
-        forever = wait is None or math.isinf(wait)
-        deadline = 0.0 if forever else time.monotonic() + wait  # type: ignore[operator]
         while True:
             # Poll in bounded slices: zmq takes int milliseconds (a huge wait overflows)
             # and a slice ends in time to notice that another thread closed the client.
-            left = POLL_SLICE_S if forever else min(POLL_SLICE_S, deadline - time.monotonic())
-            timeout_ms = int(max(0.0, left) * 1000) + 1
+            left = min(POLL_SLICE_S, deadline - time.monotonic())
             try:
-                ready = poll_in(socks, timeout_ms)
+                ready = poll_in(socks, int(max(0.0, left) * 1000) + 1)
             except zmq.ZMQError as exc:
                 raise self._socket_error(exc) from None
             if not ready:
                 if self._closed:
                     raise HubClosed("this hub client was closed while waiting for a reply")
-                if forever or time.monotonic() < deadline:
+                if time.monotonic() < deadline:
                     continue
-                where = "controller" if unit is None else f"storage unit {unit}"
-                raise _NoAnswer(
-                    f"the hub's {where} did not answer within {wait:.1f}s; is it running?"
-                )
+                return None
             for sock in ready:
-                reply = self._take_reply(sock, rid, payload=sock is not controller)
+                reply = self._take_reply(sock, rids, payload=sock is not controller)
                 if reply is not None:
                     return reply
 
     def _take_reply(
-        self, sock: zmq.Socket, rid: bytes, payload: bool
-    ) -> tuple[Any, list[Any]] | None:
-        """Read one reply; None if it answers another request (a put_async, settled here, or
-        one this thread gave up on). Units reply with payload frames (zero-copy); the
-        controller's replies are small."""
+        self, sock: zmq.Socket, rids: tuple[bytes, ...], payload: bool
+    ) -> tuple[bytes, Any, list[Any]] | None:
+        """Read one reply; None if it answers none of ``rids`` (a put_async, settled here,
+        or a request this thread gave up on). Units reply with payload frames (zero-copy);
+        the controller's replies are small."""
         try:
             frames: list[Any] = recv_parts(sock, copy=not payload)
         except zmq.ZMQError as exc:
@@ -235,7 +250,7 @@ class RemoteHub(HubClient):
         got = _bytes(frames[0])
         reply = wire.decode_reply(frames[1].buffer if payload else frames[1])
         error = wire.exception_of(reply) if isinstance(reply, wire.Error) else None
-        if got != rid:
+        if got not in rids:
             # The answer to one of this thread's put_async, or to a request it gave up on.
             fut = self._in_flight().pop(got, None)
             if fut is not None:
@@ -243,7 +258,46 @@ class RemoteHub(HubClient):
             return None
         if error is not None:
             raise error
-        return reply, frames[2:]
+        return got, reply, frames[2:]
+
+    def _call_parked(
+        self, request: Callable[[float | None], Any], timeout: float | None, what: str
+    ) -> Any:
+        """Send a request the controller may park for up to ``timeout`` seconds (a claim, a
+        reserve; ``request(seconds left)`` builds it) and return its reply.
+
+        A parked request lives only in the controller's memory. When the controller has
+        been silent for ``PING_SHARE`` of ``rpc_timeout``, a ping asks whether it still holds
+        the request: a controller restarted from its journal does not, and gets it again
+        (with the time left); a controller silent for ``rpc_timeout`` is presumed dead and
+        the call raises TransportError, a call without a timeout too.
+        """
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        rid = self._send(None, request(_left(deadline)))
+        heard = time.monotonic()  # when the controller last answered anything
+        ping: bytes | None = None
+        while True:
+            patience = self.rpc_timeout * (1.0 if ping is not None else PING_SHARE)
+            rids = (rid,) if ping is None else (rid, ping)
+            got = self._recv_first(None, rids, heard + patience)
+            if got is None:
+                if ping is not None:
+                    raise _NoAnswer(
+                        f"the hub's controller did not answer for {self.rpc_timeout:.1f}s while "
+                        f"{what} waited in it; is it running?"
+                    )
+                ping = self._send(None, wire.Ping(rid=rid))
+                continue
+            heard = time.monotonic()
+            answered, reply, _ = got
+            if answered == rid:
+                return reply
+            ping = None
+            if not reply.parked:  # a restarted controller: its answer never comes
+                log.warning("the hub's controller lost a waiting request (restarted?); resending")
+                rid = self._send(None, request(_left(deadline)))
+            elif heard > deadline + self.rpc_timeout:  # it should have answered by now
+                raise _NoAnswer(f"the hub's controller holds {what} past its timeout")
 
     # -- put_async ---------------------------------------------------------------------------
     def _in_flight(self) -> dict[bytes, PutFuture]:
@@ -282,7 +336,14 @@ class RemoteHub(HubClient):
                         f"put_async of samples {fut.indices[:4].tolist()}... was not answered "
                         f"within {timeout}s"
                     ) from None
-                error = exc
+                # Nothing answered this put for rpc_timeout: each other put pending in this
+                # thread was sent before the wait began and went unanswered as long. They
+                # fail together, not one rpc_timeout after another.
+                for other in list(pending.values()):
+                    del pending[other.rid]
+                    self._settle(other, exc)
+                self._clean_failed()
+                return
             except FlowRLError as exc:  # the hub refused this put (or the socket failed)
                 error = exc
             del pending[fut.rid]
@@ -295,7 +356,9 @@ class RemoteHub(HubClient):
         the controller no longer held is made again, synchronously, as ``put`` does."""
         failed = self._refused()
         for fut in failed:  # (a discard's wait may append: it is seen too)
-            if fut.new and fut.columns:
+            # An unanswered put may have been committed (by a controller that died after
+            # journaling it): its bytes stay, a reservation never committed expires.
+            if fut.new and fut.columns and not isinstance(fut._error, _NoAnswer):
                 columns, fut.columns = fut.columns, ()  # freed once
                 with contextlib.suppress(FlowRLError):
                     self._discard(fut.unit, fut.indices, columns)
@@ -338,10 +401,9 @@ class RemoteHub(HubClient):
         self._raise_failed_put()
 
     def _give_back_pools(self) -> None:
-        """Free what the threads reserved ahead (a client that dies leaves it to expire)."""
-        with self._sockets_lock:
-            left = [p.rest() for p in self._pools.values()]
-            self._pools.clear()
+        """Free what the threads reserved ahead (a client that dies leaves it to expire,
+        or to the controller, which takes it back when the hub is full)."""
+        left = self._pools.take_all()
         if left:
             with contextlib.suppress(FlowRLError):
                 self._call(None, wire.Abort(indices=np.concatenate(left).tobytes()), wait=1.0)
@@ -376,22 +438,22 @@ class RemoteHub(HubClient):
         if taken is not None:
             return taken
         ahead = self._pool_block if n < self._pool_block else 0
-        rest = None if pool is None else pool.rest()
-        msg = wire.Reserve(
-            n=n,
-            timeout=_wire_timeout(timeout),
-            units=self._local_units,
-            ahead=ahead,
-            give_back=None if rest is None or not rest.size else rest.tobytes(),
-        )
-        reply, _ = self._call(None, msg, wait=_grace(timeout))
+        # this thread's spent pool, and the pools of this client's threads that ended
+        left = self._pools.take_ended() + ([] if pool is None else [pool.rest()])
+        give_back = np.concatenate(left).tobytes() if left else None
+
+        def request(left: float | None) -> wire.Reserve:
+            return wire.Reserve(
+                n=n, timeout=left, units=self._local_units, ahead=ahead, give_back=give_back
+            )
+
+        reply = self._call_parked(request, timeout, "a put (waiting for room)")
         indices = wire.ints(reply.indices)
         if reply.units is not None and indices.size > n:
             # used within half the reservation's lifetime, so it never expires under a put
             units = np.frombuffer(reply.units, dtype=np.int16)[n:]
             self._local.pool = _Pool(indices[n:], units, time.monotonic() + self._pool_ttl)
-            with self._sockets_lock:  # replaces the thread's spent pool: no growth
-                self._pools[threading.get_ident()] = self._local.pool
+            self._pools.hold(self._local, self._local.pool)  # replaces the spent one
         return indices[:n], reply.unit
 
     def _put_new(self, *args: Any) -> PutFuture:
@@ -407,6 +469,18 @@ class RemoteHub(HubClient):
 
     def _abort(self, indices: np.ndarray) -> None:
         self._call(None, wire.Abort(indices=indices.tobytes()))
+
+    def _units_for_update(
+        self, indices: Any, target: np.ndarray, columns: tuple[str, ...]
+    ) -> np.ndarray:
+        # A handle (a claim's, above all: a stage's output) names its samples' units: a
+        # write to one unit goes there at once, the unit refuses samples it does not hold
+        # (evicted), and the commit checks what check_update would have (a put refused
+        # there leaves the unit its bytes, as one refused for its lease does).
+        units = indices.units if isinstance(indices, BatchMeta) else None
+        if units is not None and units.size and (units == units[0]).all():
+            return units
+        return self._check_update(target, columns)
 
     def _check_update(self, indices: np.ndarray, columns: tuple[str, ...]) -> np.ndarray:
         reply, _ = self._call(
@@ -441,6 +515,7 @@ class RemoteHub(HubClient):
             commit=_commit_request(commit),
             controller=self.address,
             reply_to=self._routing_id(),
+            update=not commit.new,
         )
         if wait:
             self._recv(unit, self._send(unit, msg, frames), self.rpc_timeout, or_controller=True)
@@ -470,38 +545,21 @@ class RemoteHub(HubClient):
         self._call(None, _commit_request(args))
 
     def _claim(self, args: ClaimArgs, timeout: float | None) -> BatchMeta:
-        # A parked claim lives only in the controller's memory. Waiting in slices of at
-        # most CLAIM_SLICE_S means a controller that died (and was restarted from its
-        # journal) costs one re-sent request, not a reply that never comes.
-        deadline = math.inf if timeout is None else time.monotonic() + timeout
-        while True:
-            piece = max(0.0, min(deadline - time.monotonic(), CLAIM_SLICE_S))
-            msg = wire.Claim(
+        def request(left: float | None) -> wire.Claim:
+            return wire.Claim(
                 task=args.task,
                 n=args.n,
                 sampler=wire.spec_of_sampler(args.sampler),
                 columns=None if args.columns is None else list(args.columns),
                 min_n=args.min_n,
-                timeout=piece,
+                timeout=left,
                 dp_rank=args.dp_rank,
                 lease_timeout=args.lease_timeout,
                 consumer=args.consumer,
             )
-            try:
-                reply, _ = self._call(None, msg, wait=piece + self.rpc_timeout)
-                return BatchMeta.from_wire(reply.meta)
-            except Timeout:
-                if time.monotonic() >= deadline:
-                    raise Timeout(
-                        f"claim() by task {args.task!r} found no {args.n} ready samples in "
-                        f"{timeout}s"
-                    ) from None
-            except TransportError:
-                # Only a journaled hub's controller comes back (restarted by launch_hub's
-                # supervisor or by Ray); without a journal, waiting on is a hang.
-                if self._closed or self.config.journal is None or time.monotonic() >= deadline:
-                    raise
-                log.warning("the controller did not answer a claim; sending it again")
+
+        reply = self._call_parked(request, timeout, f"a claim by task {args.task!r}")
+        return BatchMeta.from_wire(reply.meta)
 
     def _read_many(
         self, parts: list[tuple[int, np.ndarray]], columns: tuple[str, ...]
@@ -748,6 +806,55 @@ class _Pool:
         return left
 
 
+class _Pools:
+    """The pool of every thread of a client. A thread's pool is given back when the
+    thread ends (its thread-local token is collected: the indices left wait in ``ended``
+    for the next reserve of any thread to give them back) or when the client closes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: dict[int, _Pool] = {}  # by thread token
+        self._ended: list[np.ndarray] = []
+        self._tokens = itertools.count()
+
+    def hold(self, local: threading.local, pool: _Pool) -> None:
+        """Make ``pool`` the current one of the thread whose ``local`` this is."""
+        token: _Token | None = getattr(local, "pool_token", None)
+        if token is None:
+            token = local.pool_token = _Token(next(self._tokens))
+            weakref.finalize(token, self._thread_ended, token.key)
+        with self._lock:
+            self._live[token.key] = pool
+
+    def _thread_ended(self, key: int) -> None:
+        with self._lock:
+            pool = self._live.pop(key, None)
+            if pool is not None:
+                self._ended.append(pool.rest())
+
+    def take_ended(self) -> list[np.ndarray]:
+        """The indices left by threads that ended since the last call."""
+        with self._lock:
+            ended, self._ended = self._ended, []
+        return [i for i in ended if i.size]
+
+    def take_all(self) -> list[np.ndarray]:
+        """Every index left, of every pool (the client closes)."""
+        with self._lock:
+            left = self._ended + [pool.rest() for pool in self._live.values()]
+            self._ended, self._live = [], {}
+        return [i for i in left if i.size]
+
+
+class _Token:
+    """A thread's key in ``_Pools``; collected with the thread's locals when it ends."""
+
+    __slots__ = ("__weakref__", "key")
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+
+
 def _write_request(
     indices: np.ndarray,
     encoded: dict[str, Encoded],
@@ -790,14 +897,9 @@ def _bytes(frame: Any) -> bytes:
     return frame if isinstance(frame, bytes) else frame.bytes
 
 
-def _grace(timeout: float | None) -> float | None:
-    """Client-side wait for a request the server may park for ``timeout`` seconds."""
-    return None if timeout is None or math.isinf(timeout) else timeout + RPC_TIMEOUT_S
-
-
-def _wire_timeout(timeout: float | None) -> float | None:
-    """An infinite timeout is "wait for ever", which the wire spells None."""
-    return None if timeout is None or math.isinf(timeout) else timeout
+def _left(deadline: float) -> float | None:
+    """Seconds until a monotonic ``deadline``, as the wire spells a wait (None: for ever)."""
+    return None if math.isinf(deadline) else max(0.0, deadline - time.monotonic())
 
 
 def _drain_until_hello(sub: zmq.Socket, token: int) -> bool:

@@ -39,7 +39,7 @@ from flowrl._transport.frames import (
     to_frames_all,
 )
 from flowrl._transport.sockio import NOBLOCK, poll_in, recv_parts, send_parts
-from flowrl.errors import FlowRLError, SchemaError, TransportError
+from flowrl.errors import FlowRLError, SchemaError, TransportError, UnknownIndexError
 
 __all__ = ["serve_unit"]
 
@@ -190,6 +190,11 @@ class UnitServer:
         self, msg: wire.Write, payload: list[Any], on_accepted: Callable[[], None] | None = None
     ) -> None:
         indices = wire.ints(msg.indices)
+        if msg.update and not self.unit.holds(indices):
+            raise UnknownIndexError(
+                f"storage unit {self.unit.unit_id} holds no sample of some of indices "
+                f"{indices[:4].tolist()}... (evicted); nothing was written"
+            )
         types = dict(self.columns)
         for col in wire.columns_of(msg):
             if types.setdefault(col.name, col) != col:

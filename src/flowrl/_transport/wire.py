@@ -201,6 +201,13 @@ class Stats(_Msg, frozen=True, tag="stats"):
     pass
 
 
+class Ping(_Msg, frozen=True, tag="ping"):
+    """Does the controller still hold this client's parked request ``rid`` (a claim or a
+    reserve waiting in it)? A restarted controller does not: the client sends it again."""
+
+    rid: bytes
+
+
 class PublishHello(_Msg, frozen=True, tag="pub_hello"):
     token: NonNeg
 
@@ -231,6 +238,9 @@ class Write(_Msg, frozen=True, tag="write"):
     commit: msgspec.Raw = NO_COMMIT
     controller: str = ""
     reply_to: bytes = b""
+    # A put to existing samples: the unit refuses it (UnknownIndexError, nothing stored)
+    # unless it holds every one of them, so a write to an evicted sample leaves nothing.
+    update: bool = False
 
     @property
     def has_commit(self) -> bool:
@@ -297,6 +307,7 @@ Request = (
     | End
     | Stats
     | PublishHello
+    | Ping
     | Shutdown
     | Write
     | Read
@@ -331,6 +342,10 @@ class Reserved(_Msg, frozen=True, tag="reserved"):
     indices: bytes
     unit: int  # of the n indices asked for
     units: bytes | None = None  # int16 per index, when indices were reserved ahead
+
+
+class Pong(_Msg, frozen=True, tag="pong"):
+    parked: bool  # the request a Ping named waits in the controller
 
 
 class Units(_Msg, frozen=True, tag="units"):
@@ -376,6 +391,7 @@ Reply = (
     | Error
     | Welcome
     | Reserved
+    | Pong
     | Units
     | MetaReply
     | StatsReply
@@ -411,6 +427,7 @@ def write_request(
     commit: Commit | None = None,
     controller: str = "",
     reply_to: bytes = b"",
+    update: bool = False,
 ) -> Write:
     """A :class:`Write` of ``arrays`` (declared as ``columns``), with its commit if any;
     ConfigError for a value msgpack cannot carry, as :func:`encode`."""
@@ -421,6 +438,7 @@ def write_request(
         commit=NO_COMMIT if commit is None else msgspec.Raw(encode(commit)),
         controller=controller,
         reply_to=reply_to,
+        update=update,
     )
 
 

@@ -1,0 +1,550 @@
+"""TransferQueueClient: TransferQueue's client API over a flowrl hub.
+
+How TransferQueue's concepts map onto the hub's:
+
+* a *field* is a column (declared from the first TensorDict that carries it, see _tensors);
+* a *partition* is the samples' ``partition`` plus a marker column ``_tq_p_<hash>`` that
+  only samples inserted into it have, so a consumer sees its partition's samples only;
+* a *task* consuming *fields* of a partition is a hub task named ``tq:<task>:<partition>:
+  <fields>`` that needs those fields and the marker; ``get_meta`` claims and acks at once
+  (TransferQueue marks samples consumed when it hands out their metadata);
+* samples live until cleared (as in TransferQueue): every partition has a task
+  ``_tq_all:<partition>`` that consumes nothing until ``clear_partition`` drops its
+  samples; ``clear_samples`` / ``kv_clear`` write a ``_tq_clear`` marker on the samples,
+  claim them for task ``_tq_clear`` and drop them, which evicts them for every task;
+* *keys*, *tags* (``custom_meta``) and the column declarations live in the key directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, final
+
+import numpy as np
+
+from flowrl._client.base import HubClient
+from flowrl._client.inproc import Hub
+from flowrl._controller.meta import BatchMeta as HubMeta
+from flowrl._schema.columns import Column
+from flowrl._schema.ragged import RaggedArray
+from flowrl.compat.transfer_queue._directory import KeyDirectory, RemoteDirectory
+from flowrl.compat.transfer_queue._meta import BatchMeta, KVBatchMeta
+from flowrl.compat.transfer_queue._tensors import (
+    check_field_name,
+    field_columns,
+    import_tensordict,
+    read_fields,
+    single_sample,
+)
+from flowrl.errors import ConfigError, NothingReady, SchemaError, Timeout, UnknownColumnError
+
+__all__ = ["TransferQueueClient"]
+
+_ALL = "_tq_all:"
+_CLEAR = "_tq_clear"
+_CLAIM_ALL = 1 << 20  # samples one clear_partition claim takes at most
+_RETRY_S = 0.01
+
+
+def _marker(partition: str) -> str:
+    """The column only samples inserted into ``partition`` have (a name for any string)."""
+    return "_tq_p_" + hashlib.blake2b(partition.encode(), digest_size=8).hexdigest()
+
+
+@final
+class TransferQueueClient:
+    """TransferQueue's ``TransferQueueClient`` (``tq.get_client()``) on a flowrl hub.
+
+    ``fetch_timeout``: seconds ``get_meta`` waits for ``batch_size`` ready samples before it
+    raises ``TimeoutError`` (TransferQueue's ``TQ_CONTROLLER_GET_METADATA_TIMEOUT``); with
+    ``polling_mode`` it returns an empty ``BatchMeta`` at once instead.
+    """
+
+    def __init__(
+        self,
+        hub: HubClient,
+        directory: KeyDirectory | RemoteDirectory,
+        *,
+        polling_mode: bool = False,
+        fetch_timeout: float = 1.0,
+    ) -> None:
+        if not isinstance(hub, HubClient):
+            raise ConfigError(f"TransferQueueClient needs a flowrl hub client, got {hub!r}")
+        self.hub = hub
+        self.directory = directory
+        self.polling_mode = polling_mode
+        self.fetch_timeout = fetch_timeout
+        self._tasks: set[str] = set()  # hub tasks this client registered
+        # Over a transport, get_meta's ack goes out from a worker thread, overlapping the
+        # caller's get_data; a failed ack is raised by this client's next call.
+        self._acks: ThreadPoolExecutor | None = None
+        self._acked: list[Future[None]] = []
+
+    # -- low-level API: put / get_meta / get_data --------------------------------------------
+    def put(
+        self,
+        data: Any,
+        metadata: BatchMeta | None = None,
+        partition_id: str | None = None,
+    ) -> BatchMeta:
+        """Write a TensorDict: new samples into ``partition_id``, or fields of ``metadata``'s."""
+        n, columns, values = field_columns(data, "put()", self._schema_for(data))
+        names = [c.name for c in columns]
+        if metadata is None:
+            partition = _check_partition(partition_id, "put()")
+            indices = self._insert(partition, n, columns, values)
+            return BatchMeta(_handle(indices, names), [partition] * n, names)
+        if not isinstance(metadata, BatchMeta):
+            raise ConfigError(f"put() metadata must be a BatchMeta, got {metadata!r}")
+        if n != len(metadata):
+            raise SchemaError(
+                f"put(): the TensorDict has {n} samples but metadata names {len(metadata)}"
+            )
+        self._update(metadata.handle.indices, columns, values)
+        if metadata._custom is not None:  # fetched or changed here: store it
+            self.set_custom_meta(metadata)
+        fields = sorted({*metadata.field_names, *names})
+        return BatchMeta(
+            metadata.handle,
+            metadata.partition_ids,
+            fields,
+            custom_meta=metadata._custom,
+            fetch_custom=self._custom_meta,
+            extra_info=metadata.extra_info,
+        )
+
+    def get_meta(
+        self,
+        data_fields: Sequence[str],
+        batch_size: int,
+        partition_id: str,
+        mode: str = "fetch",
+        task_name: str | None = None,
+        sampling_config: Mapping[str, Any] | None = None,
+    ) -> BatchMeta:
+        """Take ``batch_size`` samples of ``partition_id`` whose ``data_fields`` are ready and
+        that ``task_name`` has not consumed; they count as consumed from here on.
+
+        Waits up to ``fetch_timeout`` seconds (``TimeoutError``), or returns an empty
+        ``BatchMeta`` at once in polling mode. ``sampling_config`` is accepted for
+        TransferQueue's samplers and ignored (samples are taken oldest first).
+        """
+        fields = _check_fields(data_fields, "get_meta()")
+        partition = _check_partition(partition_id, "get_meta()")
+        if mode != "fetch":
+            raise ConfigError(
+                f"get_meta(mode={mode!r}) is not supported by flowrl's TransferQueue client: "
+                "'fetch' only (insert with put(data, partition_id=...))"
+            )
+        if not isinstance(task_name, str) or not task_name:
+            raise ConfigError(f"get_meta() needs a task_name (a non-empty str), got {task_name!r}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"get_meta() batch_size must be a positive int, got {batch_size!r}")
+        if sampling_config is not None and not isinstance(sampling_config, Mapping):
+            raise ConfigError(f"get_meta() sampling_config must be a dict, got {sampling_config!r}")
+        task = f"tq:{task_name}:{partition}:{','.join(sorted(fields))}"
+        deadline = time.monotonic() + (0.0 if self.polling_mode else self.fetch_timeout)
+        try:
+            self._ensure_consumer(task, fields, partition, deadline)
+            claimed = self.hub.claim(task, batch_size, timeout=self._left(deadline))
+        except (NothingReady, Timeout) as e:
+            if self.polling_mode:
+                return BatchMeta(_handle(np.empty(0, np.int64), fields), [], fields)
+            raise Timeout(
+                f"get_meta(): fewer than {batch_size} samples of partition {partition!r} have "
+                f"fields {fields} ready for task {task_name!r} after {self.fetch_timeout} s "
+                "(TransferQueueClient.fetch_timeout)"
+            ) from e
+        self._ack(claimed)
+        return BatchMeta(
+            claimed, [partition] * len(claimed), fields, fetch_custom=self._custom_meta
+        )
+
+    def get_data(self, metadata: BatchMeta) -> Any:
+        """The fields of ``metadata``'s samples as a TensorDict (TransferQueue's layout)."""
+        td = import_tensordict()
+        if not isinstance(metadata, BatchMeta):
+            raise ConfigError(f"get_data() expects a BatchMeta, got {metadata!r}")
+        if len(metadata) == 0 or not metadata.field_names:
+            return td.TensorDict({}, batch_size=[0])
+        fields = metadata.field_names
+        self._know_columns(fields)
+        handle = metadata.handle
+        if handle.lease == 0 and (handle.units < 0).any():  # from a put: locate the samples
+            handle = self.hub.meta(handle.indices, fields)
+        batch = self.hub.get(handle, columns=fields)
+        return read_fields(batch, fields, self.hub.schema.by_name)
+
+    def set_custom_meta(self, metadata: BatchMeta) -> None:
+        """Store ``metadata``'s per-sample ``custom_meta`` (merged into what samples have)."""
+        if not isinstance(metadata, BatchMeta):
+            raise ConfigError(f"set_custom_meta() expects a BatchMeta, got {metadata!r}")
+        custom = metadata.custom_meta
+        for partition in sorted(set(metadata.partition_ids)):
+            pos = [i for i, p in enumerate(metadata.partition_ids) if p == partition]
+            indices = [metadata.global_indexes[i] for i in pos]
+            self.directory.update(partition, indices, [custom[i] for i in pos], [])
+
+    # -- clearing and status -----------------------------------------------------------------
+    def clear_partition(self, partition_id: str) -> None:
+        """Evict every sample of the partition and forget its keys."""
+        partition = _check_partition(partition_id, "clear_partition()")
+        task = _ALL + partition
+        if self._know_columns([_marker(partition)], required=False):
+            self._register(task, [_marker(partition)])
+            while True:
+                try:
+                    meta = self.hub.claim(task, _CLAIM_ALL, min_n=1, timeout=0.0)
+                except NothingReady:
+                    break
+                self.hub.drop(meta)
+        self.directory.remove_partition(partition)
+
+    def clear_samples(self, metadata: BatchMeta) -> None:
+        """Evict ``metadata``'s samples (for every task) and forget their keys."""
+        if not isinstance(metadata, BatchMeta):
+            raise ConfigError(f"clear_samples() expects a BatchMeta, got {metadata!r}")
+        self._drop(metadata.handle.indices)
+        self.directory.forget(metadata.global_indexes)
+
+    def check_consumption_status(self, task_name: str, partition_id: str) -> bool:
+        """Whether ``task_name`` consumed every sample of the partition that is ready for it.
+
+        Samples whose fields are not all produced yet do not count (TransferQueue counts
+        them as not consumed).
+        """
+        partition = _check_partition(partition_id, "check_consumption_status()")
+        self._raise_failed_ack(wait=True)  # this client's acks count
+        stats = self.hub.statistics().tasks
+        everything = stats.get(_ALL + partition)
+        prefix = f"tq:{task_name}:{partition}:"
+        mine = [s for name, s in stats.items() if name.startswith(prefix)]
+        if everything is None or everything.ready == 0 or not mine:
+            return False
+        return all(s.ready == 0 and s.leased == 0 for s in mine)
+
+    def get_partition_list(self) -> list[str]:
+        """Partitions that have held samples and were not cleared since."""
+        listed = set(self.directory.listing(None))
+        stats = self.hub.statistics().tasks
+        listed.update(
+            name.removeprefix(_ALL)
+            for name, s in stats.items()
+            if name.startswith(_ALL) and s.ready
+        )
+        return sorted(listed)
+
+    # -- KV API --------------------------------------------------------------------------------
+    def kv_batch_put(
+        self,
+        keys: Sequence[str],
+        partition_id: str,
+        fields: Any = None,
+        tags: Sequence[dict[str, Any]] | None = None,
+    ) -> KVBatchMeta:
+        """Write fields and/or tags of samples named by keys (new keys create samples)."""
+        keys = _check_keys(keys, "kv_batch_put()")
+        partition = _check_partition(partition_id, "kv_batch_put()")
+        if fields is None and tags is None:
+            raise ConfigError("kv_batch_put() needs fields, tags or both, got neither")
+        if tags is not None and (
+            not isinstance(tags, Sequence)
+            or len(tags) != len(keys)
+            or not all(isinstance(t, dict) for t in tags)
+        ):
+            raise ConfigError(
+                f"kv_batch_put() tags must be a list of {len(keys)} dicts (one per key), got "
+                f"{tags!r:.200}"
+            )
+        columns: list[Column] = []
+        values: dict[str, Any] = {}
+        if fields is not None:
+            n, columns, values = field_columns(fields, "kv_batch_put()", self._schema_for(fields))
+            if n != len(keys):
+                raise SchemaError(
+                    f"kv_batch_put(): {len(keys)} keys but the fields TensorDict has batch size {n}"
+                )
+        known = np.asarray(self.directory.lookup(partition, keys), dtype=np.int64)
+        indices = known.copy()
+        new = np.flatnonzero(known < 0)
+        old = np.flatnonzero(known >= 0)
+        if old.size and columns:
+            self._update(known[old], columns, _take(values, old, len(keys)))
+        if new.size:
+            created = self._insert(partition, new.size, columns, _take(values, new, len(keys)))
+            new_keys = [keys[i] for i in new]
+            bound = np.asarray(self.directory.bind(partition, new_keys, created.tolist()))
+            lost = np.flatnonzero(bound != created)  # named by another writer meanwhile
+            if lost.size:
+                if columns:
+                    self._update(bound[lost], columns, _take(values, new[lost], len(keys)))
+                self._drop(created[lost])
+            indices[new] = bound
+        self.directory.update(partition, indices.tolist(), tags, [c.name for c in columns])
+        merged, common = self.directory.describe(indices.tolist())
+        return KVBatchMeta(keys=keys, tags=merged, partition_id=partition, fields=common)
+
+    def kv_put(
+        self,
+        key: str,
+        partition_id: str,
+        fields: Any = None,
+        tag: dict[str, Any] | None = None,
+    ) -> KVBatchMeta:
+        """One key's fields (a TensorDict of batch 1, or a dict of one sample's values)."""
+        if not isinstance(key, str):
+            raise ConfigError(f"kv_put() key must be a str, got {key!r}")
+        if isinstance(fields, Mapping) and not _is_tensordict(fields):
+            fields = single_sample(fields, "kv_put()")
+        if tag is not None and not isinstance(tag, dict):
+            raise ConfigError(f"kv_put() tag must be a dict, got {tag!r}")
+        return self.kv_batch_put([key], partition_id, fields, None if tag is None else [tag])
+
+    def kv_batch_get(
+        self,
+        keys: Sequence[str] | str,
+        partition_id: str,
+        select_fields: Sequence[str] | str | None = None,
+    ) -> Any:
+        """The fields of the keys' samples as a TensorDict (by default, those all of them have)."""
+        keys = _check_keys([keys] if isinstance(keys, str) else keys, "kv_batch_get()")
+        partition = _check_partition(partition_id, "kv_batch_get()")
+        indices = self._indices_of(keys, partition, "kv_batch_get()")
+        if select_fields is None:
+            fields = self.directory.describe(indices.tolist())[1]
+        else:
+            names = [select_fields] if isinstance(select_fields, str) else select_fields
+            fields = _check_fields(names, "kv_batch_get()")
+        if not fields:
+            raise ConfigError(
+                f"kv_batch_get(): the keys of partition {partition!r} have no field in common "
+                "to read; pass select_fields"
+            )
+        self._know_columns(fields)
+        try:
+            handle = self.hub.meta(indices, fields)
+        except SchemaError as e:
+            raise ConfigError(f"kv_batch_get(): some fields are not ready on every key: {e}") from e
+        return self.get_data(BatchMeta(handle, [partition] * len(keys), fields))
+
+    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
+        """``{partition: {key: tag}}`` of one partition, or of all when ``partition_id`` is None."""
+        if partition_id is not None:
+            _check_partition(partition_id, "kv_list()")
+        return self.directory.listing(partition_id)
+
+    def kv_clear(self, keys: Sequence[str] | str, partition_id: str) -> None:
+        """Forget keys and evict their samples (unknown keys are ignored)."""
+        keys = _check_keys([keys] if isinstance(keys, str) else keys, "kv_clear()")
+        partition = _check_partition(partition_id, "kv_clear()")
+        gone = self.directory.remove(partition, keys)
+        if gone:
+            self._drop(np.asarray(gone, dtype=np.int64))
+
+    def close(self) -> None:
+        """Wait for acks in flight; close this client's connections (the hub itself is
+        closed by ``tq.close()``)."""
+        try:
+            self._raise_failed_ack(wait=True)
+        finally:
+            if self._acks is not None:
+                self._acks.shutdown()
+            if isinstance(self.directory, RemoteDirectory):
+                self.directory.close()
+
+    # -- internals -------------------------------------------------------------------------
+    def _ack(self, claimed: HubMeta) -> None:
+        """Consume a claim now (in-process) or from the ack thread (other placements)."""
+        self._raise_failed_ack()
+        if isinstance(self.hub, Hub):
+            self.hub.ack(claimed)
+            return
+        if self._acks is None:
+            self._acks = ThreadPoolExecutor(1, thread_name_prefix="flowrl-tq-ack")
+        self._acked.append(self._acks.submit(self.hub.ack, claimed))
+
+    def _raise_failed_ack(self, wait: bool = False) -> None:
+        pending = []
+        for done in self._acked:
+            if wait or done.done():
+                done.result()  # raises the ack's error
+            else:
+                pending.append(done)
+        self._acked = pending
+
+    def _insert(
+        self, partition: str, n: int, columns: list[Column], values: dict[str, Any]
+    ) -> np.ndarray:
+        marker = Column.scalar(_marker(partition), "bool")
+        self._declare([*columns, marker])
+        self._register(_ALL + partition, [marker.name])
+        data = {**values, marker.name: np.ones(n, dtype=bool)}
+        return self.hub.put(data, partition=partition)
+
+    def _update(self, indices: np.ndarray, columns: list[Column], values: dict[str, Any]) -> None:
+        if columns:
+            self._declare(columns)
+            self.hub.put(values, indices=indices)
+
+    def _drop(self, indices: np.ndarray) -> None:
+        """Evict samples for every task: mark them, claim them for _tq_clear, drop them."""
+        if indices.size == 0:
+            return
+        self._declare([Column.scalar(_CLEAR, "bool")])
+        self._register(_CLEAR, [_CLEAR])
+        self.hub.put({_CLEAR: np.ones(indices.size, dtype=bool)}, indices=indices)
+        self.hub.drop(self.hub.claim(_CLEAR, int(indices.size), timeout=60.0))
+
+    def _declare(self, columns: list[Column]) -> None:
+        known = self.hub.schema.by_name
+        new = [c for c in columns if known.get(c.name) != c]
+        if new:
+            self._know_columns([c.name for c in new], required=False)
+            self.hub.declare(*new)  # raises SchemaError for a field of another type
+            self.directory.declare(new)
+
+    def _know_columns(self, names: Sequence[str], *, required: bool = True) -> bool:
+        """Declare here the columns other processes declared; False if one is unknown."""
+        missing = [n for n in names if n not in self.hub.schema.by_name]
+        if missing:
+            found = self.directory.columns(missing)
+            if found:
+                self.hub.declare(*found)
+            if len(found) < len(missing):
+                if required:
+                    absent = sorted(set(missing) - {c.name for c in found})
+                    raise UnknownColumnError(
+                        f"fields {absent} were never put into this TransferQueue (flowrl hub)"
+                    )
+                return False
+        return True
+
+    def _schema_for(self, data: Any) -> Mapping[str, Column]:
+        """The hub's columns, with those of ``data``'s fields that other processes declared."""
+        if _is_tensordict(data):
+            self._know_columns([k for k in data.keys() if isinstance(k, str)], required=False)  # noqa: SIM118 (iterating a TensorDict gives rows)
+        return self.hub.schema.by_name
+
+    def _register(self, task: str, columns: list[str]) -> None:
+        if task not in self._tasks:
+            self.hub.register_task(task, columns)
+            self._tasks.add(task)
+
+    def _ensure_consumer(
+        self, task: str, fields: list[str], partition: str, deadline: float
+    ) -> None:
+        """Register the consumer task once its fields are known (waits for a producer)."""
+        columns = [*sorted(fields), _marker(partition)]  # one order for every client
+        while not self._know_columns(columns, required=False):
+            if time.monotonic() >= deadline:
+                raise Timeout(f"fields {fields} of partition {partition!r} were never put")
+            time.sleep(_RETRY_S)
+        self._register(task, columns)
+
+    @staticmethod
+    def _left(deadline: float) -> float:
+        return max(0.0, deadline - time.monotonic())
+
+    def _custom_meta(self, indices: list[int]) -> list[dict[str, Any]]:
+        return self.directory.describe(indices)[0]
+
+    def _indices_of(self, keys: list[str], partition: str, where: str) -> np.ndarray:
+        indices = np.asarray(self.directory.lookup(partition, keys), dtype=np.int64)
+        if (indices < 0).any():
+            unknown = [k for k, i in zip(keys, indices, strict=True) if i < 0]
+            raise ConfigError(
+                f"{where}: keys {unknown[:8]} are not in partition {partition!r} "
+                f"({len(unknown)} unknown); kv_list() shows the keys it has"
+            )
+        return indices
+
+    # -- async variants (TransferQueue's async_* methods) --------------------------------------
+    async def async_put(self, data: Any, metadata: BatchMeta | None = None,
+                        partition_id: str | None = None) -> BatchMeta:  # fmt: skip
+        return await asyncio.to_thread(self.put, data, metadata, partition_id)
+
+    async def async_get_meta(self, *args: Any, **kwargs: Any) -> BatchMeta:
+        return await asyncio.to_thread(functools.partial(self.get_meta, *args, **kwargs))
+
+    async def async_get_data(self, metadata: BatchMeta) -> Any:
+        return await asyncio.to_thread(self.get_data, metadata)
+
+    async def async_set_custom_meta(self, metadata: BatchMeta) -> None:
+        await asyncio.to_thread(self.set_custom_meta, metadata)
+
+    async def async_clear_partition(self, partition_id: str) -> None:
+        await asyncio.to_thread(self.clear_partition, partition_id)
+
+    async def async_clear_samples(self, metadata: BatchMeta) -> None:
+        await asyncio.to_thread(self.clear_samples, metadata)
+
+    async def async_kv_list(self, partition_id: str | None = None) -> dict[str, Any]:
+        return await asyncio.to_thread(self.kv_list, partition_id)
+
+
+def _handle(indices: np.ndarray, fields: Sequence[str]) -> HubMeta:
+    """An unleased handle of samples just put (units unknown: get_data locates them)."""
+    zeros = np.zeros(indices.size, dtype=np.int64)
+    return HubMeta(
+        task="",
+        lease=0,
+        columns=tuple(fields),
+        indices=indices,
+        units=np.full(indices.size, -1, dtype=np.int16),
+        tokens=zeros,
+        versions=zeros,
+        groups=zeros,
+        nbytes=0,
+        deadline=float("inf"),
+    )
+
+
+def _take(values: dict[str, Any], positions: np.ndarray, n: int) -> dict[str, Any]:
+    """The values of some samples of a put (all of them: the values as they are)."""
+    if positions.size == n:
+        return values
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        if isinstance(value, RaggedArray):
+            out[name] = RaggedArray.from_list([value[int(i)] for i in positions], value.dtype)
+        elif isinstance(value, np.ndarray):
+            out[name] = value[positions]
+        else:
+            out[name] = [value[int(i)] for i in positions]
+    return out
+
+
+def _is_tensordict(value: Any) -> bool:
+    return isinstance(value, import_tensordict().TensorDictBase)
+
+
+def _check_partition(partition: Any, where: str) -> str:
+    if not isinstance(partition, str):
+        raise ConfigError(f"{where} partition_id must be a str, got {partition!r}")
+    return partition
+
+
+def _check_keys(keys: Any, where: str) -> list[str]:
+    if isinstance(keys, str) or not isinstance(keys, Sequence) or not keys:
+        raise ConfigError(f"{where} keys must be a non-empty list of str, got {keys!r:.200}")
+    keys = list(keys)
+    if not all(isinstance(k, str) for k in keys):
+        raise ConfigError(f"{where} keys must all be str, got {keys!r:.200}")
+    if len(set(keys)) != len(keys):
+        raise ConfigError(f"{where} keys must be distinct, got duplicates in {keys!r:.200}")
+    return keys
+
+
+def _check_fields(fields: Any, where: str) -> list[str]:
+    if isinstance(fields, str) or not isinstance(fields, Sequence) or not fields:
+        raise ConfigError(f"{where} expects a non-empty list of field names, got {fields!r}")
+    for name in fields:
+        check_field_name(name, where)
+    if len(set(fields)) != len(fields):
+        raise ConfigError(f"{where}: duplicate field names in {list(fields)}")
+    return list(fields)

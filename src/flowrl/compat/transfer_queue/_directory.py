@@ -1,0 +1,277 @@
+"""The key directory: what TransferQueue's controller keeps that a flowrl hub does not.
+
+Per partition, user keys and the sample index each names; per sample, its tag (TransferQueue's
+``custom_meta``) and the fields kv puts wrote; and the column declarations, so that a
+process reading a field another process declared knows its type. Metadata only, never
+payload bytes.
+
+:class:`KeyDirectory` is the state (thread-safe). In-process clients call it directly;
+clients in other processes reach it through :class:`DirectoryServer` (a thread of the
+process that called ``init``, on a zmq ROUTER socket) and :class:`RemoteDirectory`, with
+msgpack-encoded ``msgspec`` messages (never pickle).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import msgspec
+import zmq
+
+from flowrl._schema.columns import Column
+from flowrl.errors import ConfigError, TransportError
+
+__all__ = ["DirectoryServer", "KeyDirectory", "RemoteDirectory"]
+
+_POLL_MS = 100
+_RPC_TIMEOUT_MS = 60_000
+
+Method = Literal[
+    "lookup", "bind", "update", "describe", "listing", "remove", "forget", "remove_partition",
+    "declare", "columns",
+]  # fmt: skip
+
+
+class _Entry(msgspec.Struct):
+    partition: str
+    key: str | None
+    tag: dict[str, Any]
+    fields: list[str]
+
+
+class KeyDirectory:
+    """Keys, tags and fields of a hub's samples, and its column declarations."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._keys: dict[str, dict[str, int]] = {}  # partition -> key -> sample index
+        self._entries: dict[int, _Entry] = {}
+        self._columns: dict[str, Column] = {}
+
+    def lookup(self, partition: str, keys: Sequence[str]) -> list[int]:
+        """The sample index of each key (-1 for a key the partition does not have)."""
+        with self._lock:
+            known = self._keys.get(partition, {})
+            return [known.get(k, -1) for k in keys]
+
+    def bind(self, partition: str, keys: Sequence[str], indices: Sequence[int]) -> list[int]:
+        """Name samples by keys; a key named meanwhile keeps its sample. Returns each key's."""
+        _check_lengths("bind", keys, indices)
+        with self._lock:
+            known = self._keys.setdefault(partition, {})
+            out = []
+            for key, index in zip(keys, indices, strict=True):
+                if key not in known:
+                    known[key] = index
+                    self._entries[index] = _Entry(partition, key, {}, [])
+                out.append(known[key])
+            return out
+
+    def update(
+        self,
+        partition: str,
+        indices: Sequence[int],
+        tags: Sequence[dict[str, Any]] | None,
+        fields: Sequence[str],
+    ) -> None:
+        """Merge a tag into each sample's and record fields written to all of them."""
+        if tags is not None:
+            _check_lengths("update", tags, indices)
+        with self._lock:
+            for i, index in enumerate(indices):
+                entry = self._entries.get(index)
+                if entry is None:
+                    entry = self._entries[index] = _Entry(partition, None, {}, [])
+                if tags is not None:
+                    entry.tag.update(tags[i])
+                entry.fields.extend(f for f in fields if f not in entry.fields)
+
+    def describe(self, indices: Sequence[int]) -> tuple[list[dict[str, Any]], list[str]]:
+        """Each sample's tag, and the fields every one of them has (in write order)."""
+        with self._lock:
+            entries = [self._entries.get(i) for i in indices]
+        tags = [dict(e.tag) if e else {} for e in entries]
+        if not entries or any(e is None for e in entries):
+            return tags, []
+        common = [f for f in entries[0].fields if all(f in e.fields for e in entries)]  # type: ignore[union-attr]
+        return tags, common
+
+    def listing(self, partition: str | None) -> dict[str, dict[str, dict[str, Any]]]:
+        """``{partition: {key: tag}}`` for one partition (if it has keys) or all."""
+        with self._lock:
+            names = list(self._keys) if partition is None else [partition]
+            return {
+                p: {k: dict(self._entries[i].tag) for k, i in self._keys[p].items()}
+                for p in names
+                if p in self._keys
+            }
+
+    def remove(self, partition: str, keys: Sequence[str]) -> list[int]:
+        """Forget keys; returns the indices of those the partition had."""
+        with self._lock:
+            known = self._keys.get(partition, {})
+            gone = [known.pop(k) for k in keys if k in known]
+            for index in gone:
+                self._entries.pop(index, None)
+            return gone
+
+    def forget(self, indices: Sequence[int]) -> None:
+        """Forget the keys and tags of samples (evicted by index, not by key)."""
+        with self._lock:
+            for index in indices:
+                entry = self._entries.pop(index, None)
+                if entry is not None and entry.key is not None:
+                    self._keys[entry.partition].pop(entry.key, None)
+
+    def remove_partition(self, partition: str) -> None:
+        with self._lock:
+            self._keys.pop(partition, None)
+            for index in [i for i, e in self._entries.items() if e.partition == partition]:
+                del self._entries[index]
+
+    def declare(self, columns: Sequence[Column]) -> None:
+        with self._lock:
+            for column in columns:
+                self._columns.setdefault(column.name, column)
+
+    def columns(self, names: Sequence[str]) -> list[Column]:
+        """The declarations of the named columns that some client declared."""
+        with self._lock:
+            return [self._columns[n] for n in names if n in self._columns]
+
+
+def _check_lengths(where: str, names: Sequence[Any], indices: Sequence[int]) -> None:
+    if len(names) != len(indices):
+        raise ConfigError(
+            f"key directory {where}: {len(names)} entries for {len(indices)} sample indices"
+        )
+
+
+class _Call(msgspec.Struct, frozen=True):
+    method: Method
+    args: list[Any]
+
+
+class _Reply(msgspec.Struct, frozen=True):
+    value: Any = None
+    error: str = ""
+
+
+_DEC_CALL = msgspec.msgpack.Decoder(_Call)
+_DEC_REPLY = msgspec.msgpack.Decoder(_Reply)
+_ENC = msgspec.msgpack.Encoder()
+# Arguments and results that are not plain msgpack values, per method.
+_ARG_TYPES: dict[str, Any] = {"declare": list[Column]}
+_RESULT_TYPES: dict[str, Any] = {"columns": list[Column]}
+
+
+class DirectoryServer:
+    """Serves a :class:`KeyDirectory` on a zmq ROUTER socket from a daemon thread."""
+
+    def __init__(self, directory: KeyDirectory, address: str) -> None:
+        self.directory = directory
+        self._ctx: zmq.Context = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if address.endswith(":0"):  # tcp on a free port
+            port = self._sock.bind_to_random_port(address.rsplit(":", 1)[0])
+            address = f"{address.rsplit(':', 1)[0]}:{port}"
+        else:
+            self._sock.bind(address)
+        self.address = address
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="flowrl-tq-directory", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(_POLL_MS):
+                continue
+            ident, body = self._sock.recv_multipart()
+            self._sock.send_multipart([ident, _ENC.encode(self._answer(body))])
+        self._sock.close()
+
+    def _answer(self, body: bytes) -> _Reply:
+        try:
+            call = _DEC_CALL.decode(body)
+            args = call.args
+            if call.method in _ARG_TYPES:
+                args = [msgspec.convert(args[0], _ARG_TYPES[call.method])]
+            return _Reply(value=getattr(self.directory, call.method)(*args))
+        except Exception as e:  # answered, never lost: the caller raises it
+            return _Reply(error=f"{type(e).__name__}: {e}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class RemoteDirectory:
+    """A :class:`KeyDirectory` in another process (same methods), one request at a time."""
+
+    def __init__(self, address: str) -> None:
+        if not isinstance(address, str) or "://" not in address:
+            raise ConfigError(f"a key directory address looks like 'ipc://...', got {address!r}")
+        self.address = address
+        self._lock = threading.Lock()
+        self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+
+    def _call(self, method: Method, *args: Any) -> Any:
+        with self._lock:
+            self._sock.send(_ENC.encode(_Call(method, list(args))))
+            if not self._sock.poll(_RPC_TIMEOUT_MS):
+                raise TransportError(
+                    f"the TransferQueue key directory at {self.address} did not answer "
+                    f"{method!r} within {_RPC_TIMEOUT_MS / 1000:.0f} s; is the process that "
+                    "called tq.init() still running?"
+                )
+            reply = _DEC_REPLY.decode(self._sock.recv())
+        if reply.error:
+            raise TransportError(f"key directory {method!r} failed: {reply.error}")
+        if method in _RESULT_TYPES:
+            return msgspec.convert(reply.value, _RESULT_TYPES[method])
+        return reply.value
+
+    def lookup(self, partition: str, keys: Sequence[str]) -> list[int]:
+        return self._call("lookup", partition, list(keys))
+
+    def bind(self, partition: str, keys: Sequence[str], indices: Sequence[int]) -> list[int]:
+        return self._call("bind", partition, list(keys), list(indices))
+
+    def update(
+        self,
+        partition: str,
+        indices: Sequence[int],
+        tags: Sequence[dict[str, Any]] | None,
+        fields: Sequence[str],
+    ) -> None:
+        self._call("update", partition, list(indices), tags, list(fields))
+
+    def describe(self, indices: Sequence[int]) -> tuple[list[dict[str, Any]], list[str]]:
+        tags, fields = self._call("describe", list(indices))
+        return tags, fields
+
+    def listing(self, partition: str | None) -> dict[str, dict[str, dict[str, Any]]]:
+        return self._call("listing", partition)
+
+    def remove(self, partition: str, keys: Sequence[str]) -> list[int]:
+        return self._call("remove", partition, list(keys))
+
+    def forget(self, indices: Sequence[int]) -> None:
+        self._call("forget", list(indices))
+
+    def remove_partition(self, partition: str) -> None:
+        self._call("remove_partition", partition)
+
+    def declare(self, columns: Sequence[Column]) -> None:
+        self._call("declare", list(columns))
+
+    def columns(self, names: Sequence[str]) -> list[Column]:
+        return self._call("columns", list(names))
+
+    def close(self) -> None:
+        self._sock.close()

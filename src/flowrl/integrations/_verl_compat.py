@@ -1,0 +1,30 @@
+"""The verl version gate: the shims match verl's interfaces of one release exactly."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+__all__ = ["SUPPORTED_VERL", "require_verl"]
+
+SUPPORTED_VERL = "0.9.1"
+_INSTALL = "see docs/verl.md for the install line"
+
+
+def require_verl() -> ModuleType:
+    """The ``verl`` module, or an ImportError saying which version is needed and how."""
+    try:
+        verl = importlib.import_module("verl")
+    except ImportError as exc:
+        raise ImportError(
+            f"flowrl.integrations.verl needs verl=={SUPPORTED_VERL}, which is not installed "
+            f"({exc}); {_INSTALL}"
+        ) from exc
+    found = getattr(verl, "__version__", "unknown")
+    if found != SUPPORTED_VERL:
+        raise ImportError(
+            f"flowrl.integrations.verl supports verl=={SUPPORTED_VERL} only, found verl "
+            f"{found}: its DataProto and agent-loop interfaces differ between releases; "
+            f"install verl=={SUPPORTED_VERL} ({_INSTALL})"
+        )
+    return verl

@@ -1,0 +1,135 @@
+"""flowrl.compat.transfer_queue across processes: the zmq placement (a second process joins
+with a bare ``tq.init()``, as TransferQueue's second process finds its controller) and the
+Ray placement (a Ray task joins through the named actor)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+tensordict = pytest.importorskip("tensordict", reason="needs the compat extra (tensordict)")
+torch = pytest.importorskip("torch")
+
+import flowrl.compat.transfer_queue as tq  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+TensorDict = tensordict.TensorDict
+
+WORKER = textwrap.dedent(
+    """
+    import torch
+    from tensordict import TensorDict
+    import flowrl.compat.transfer_queue as tq
+
+    tq.init()  # joins the parent's hub through FLOWRL_TQ_ADDRESS
+    client = tq.get_client()
+    meta = client.get_meta(["prompts"], 4, "train", task_name="generate")
+    prompts = client.get_data(meta)["prompts"]
+    responses = [p * 10 for p in prompts.unbind(0)]
+    out = TensorDict(
+        {"responses": torch.nested.as_nested_tensor(responses, layout=torch.jagged)},
+        batch_size=4,
+    )
+    client.put(out, metadata=meta)
+    tags = [{"status": "done", "index": i} for i in meta.global_indexes]
+    tq.kv_batch_put(keys=[f"k{i}" for i in meta.global_indexes], partition_id="kv",
+                    fields=TensorDict({"score": torch.ones(4)}, batch_size=4), tags=tags)
+    tq.close()
+    """
+)
+
+
+def test_zmq_placement_second_process_joins() -> None:
+    tq.init({"flowrl": {"placement": "zmq", "fetch_timeout": 60.0}})
+    try:
+        client = tq.get_client()
+        prompts = TensorDict({"prompts": torch.arange(12).reshape(4, 3)}, batch_size=4)
+        client.put(prompts, partition_id="train")
+        subprocess.run([sys.executable, "-c", WORKER], check=True, timeout=120)
+
+        meta = client.get_meta(["prompts", "responses"], 4, "train", task_name="train")
+        data = client.get_data(meta)
+        for p, r in zip(data["prompts"].unbind(0), data["responses"].unbind(0), strict=True):
+            assert torch.equal(r, p * 10)  # the worker's field, declared in its process
+        listed = tq.kv_list("kv")["kv"]
+        assert sorted(listed) == sorted(f"k{i}" for i in meta.global_indexes)
+        assert all(t["status"] == "done" for t in listed.values())
+        scores = tq.kv_batch_get(keys=list(listed), partition_id="kv")
+        assert scores["score"].tolist() == [1.0] * 4
+        tq.kv_clear(keys=list(listed), partition_id="kv")
+        client.clear_partition("train")
+        assert client.hub.statistics().live == 0
+    finally:
+        tq.close()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ray_placement_task_joins(ray_runtime) -> None:
+    ray = pytest.importorskip("ray")
+    ray_runtime.single()
+    try:
+        tq.init({"flowrl": {"placement": "ray"}})
+
+        @ray.remote(num_cpus=0)
+        def producer() -> list[str]:
+            import flowrl.compat.transfer_queue as joined
+
+            joined.init()
+            fields = TensorDict({"x": torch.arange(3)}, batch_size=3)
+            meta = joined.kv_batch_put(keys=["a", "b", "c"], partition_id="p", fields=fields)
+            joined.close()
+            return meta.keys
+
+        assert ray.get(producer.remote()) == ["a", "b", "c"]
+        got = tq.kv_batch_get(keys=["c", "a"], partition_id="p")
+        assert got["x"].tolist() == [2, 0]
+    finally:
+        tq.close()
+
+
+@pytest.mark.parametrize("where", ["inproc", "zmq"])
+def test_compat_benchmark_runs_and_checks_what_it_read(where: str) -> None:
+    """The --peer benchmark's compat side at a tiny size (it compares every sample read
+    with what was put, and fails otherwise)."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "_compat_peer.py"
+    args = ["--placement", where, "--samples", "64", "--seq-len", "16", "--batch", "8"]
+    out = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout[out.stdout.index("{") :])
+    assert report["placement"] == where and report["samples"] == 64
+    assert report["put_samples_per_s"] > 0 and report["get_samples_per_s"] > 0
+
+
+def test_zmq_streaming_dataloader_worker_process_joins() -> None:
+    """A DataLoader worker (a forked process) joins the hub instead of using the parent's
+    sockets, and the parent's iteration sees every sample once."""
+    tq.init({"flowrl": {"placement": "zmq", "fetch_timeout": 30.0}})
+    try:
+        tq.get_client().put(TensorDict({"ids": torch.arange(12)}, [12]), partition_id="train")
+        dataset = tq.StreamingDataset(
+            config=None,
+            batch_size=4,
+            micro_batch_size=2,
+            data_fields=["ids"],
+            partition_id="train",
+            task_name="update_actor",
+            dp_rank=0,
+            should_check_consumption_status=True,
+        )
+        seen = [
+            i
+            for batch, _ in tq.StreamingDataLoader(dataset, num_workers=1)
+            for i in batch["ids"].tolist()
+        ]
+        assert sorted(seen) == list(range(12))
+    finally:
+        tq.close()

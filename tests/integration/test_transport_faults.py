@@ -1,0 +1,170 @@
+"""A multi-process hub's client when the controller dies or restarts, and the indices its
+producer threads reserve ahead (issue 16: F3, F4, F5)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import flowrl
+from flowrl import Column, HubConfig, JournalConfig
+from flowrl._transport import remote
+from flowrl.errors import HubFull, TransportError
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+COLS = [Column.scalar("x", "int64")]
+TASKS = {"train": ["x"]}
+#: Longest a call may take to come back (a hang is what these tests catch).
+HANG_S = 60.0
+
+
+def launch(capacity: int, journal: Path | None = None, rpc_timeout: float = 1.0) -> Any:
+    config = HubConfig(
+        capacity=capacity,
+        lease_timeout=30.0,
+        journal=None if journal is None else JournalConfig(path=str(journal)),
+    )
+    hub = flowrl.launch_hub(COLS, tasks=TASKS, config=config)
+    hub.rpc_timeout = rpc_timeout
+    return hub
+
+
+def controller_pid(hub: Any) -> int:
+    return int(hub.servers.procs[-1].pid)
+
+
+def in_thread(fn: Any) -> tuple[threading.Thread, list[Any]]:
+    """Run ``fn`` in a thread; the list gets its result or its exception."""
+    out: list[Any] = []
+
+    def body() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:  # surfaced by the test
+            out.append(exc)
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread, out
+
+
+@pytest.mark.parametrize("call", ["put", "claim"])
+def test_a_call_waiting_without_timeout_raises_when_the_controller_dies(call: str) -> None:
+    """F3: a put waiting for room (or a claim waiting for samples) with ``timeout=None``
+    on a hub whose controller dies (no journal: nothing restarts it) raises
+    TransportError after about ``rpc_timeout``; it used to wait for ever."""
+    hub = launch(capacity=8)
+    try:
+        if call == "put":
+            hub.put({"x": np.arange(8)})  # full
+            thread, out = in_thread(lambda: hub.put({"x": [8]}, timeout=None))
+        else:
+            thread, out = in_thread(lambda: hub.claim("train", 1, timeout=None))
+        time.sleep(0.5)  # parked in the controller
+        assert thread.is_alive()
+        os.kill(controller_pid(hub), signal.SIGKILL)
+        thread.join(HANG_S)
+        assert not thread.is_alive(), f"{call}(timeout=None) still waits on a dead controller"
+        (outcome,) = out
+        assert isinstance(outcome, TransportError), outcome
+        assert "controller did not answer" in str(outcome)
+    finally:
+        hub.close()
+
+
+def test_a_put_waiting_for_room_is_sent_again_after_a_controller_restart(
+    tmp_path: Path,
+) -> None:
+    """F3: a producer blocked on a full journaled hub when its controller is SIGKILLed:
+    the restarted controller never knew the waiting put; the client finds out (its ping
+    is answered "not parked") and sends it again, so it completes once room is freed."""
+    hub = launch(capacity=8, journal=tmp_path, rpc_timeout=5.0)
+    try:
+        hub.put({"x": np.arange(8)})
+        thread, out = in_thread(lambda: hub.put({"x": [100]}, timeout=None))
+        time.sleep(0.5)
+        assert thread.is_alive()  # parked: the hub is full
+        os.kill(controller_pid(hub), signal.SIGKILL)
+        deadline = time.monotonic() + HANG_S
+        while hub.servers.restarts < 1:
+            assert time.monotonic() < deadline, "the supervisor did not restart the controller"
+            time.sleep(0.05)
+        while True:  # room, once the restarted controller answers
+            try:
+                hub.ack(hub.claim("train", 8, timeout=5))
+                break
+            except TransportError:
+                assert time.monotonic() < deadline
+        thread.join(HANG_S)
+        assert not thread.is_alive(), "the waiting put was never sent again"
+        (outcome,) = out
+        assert isinstance(outcome, np.ndarray), outcome
+        meta = hub.claim("train", 1, timeout=5)
+        assert hub.get(meta)["x"].tolist() == [100]
+    finally:
+        hub.close()
+
+
+def test_put_async_pending_at_a_controller_crash_fail_together() -> None:
+    """F4: put_async requests unanswered when the controller crashes all fail once one
+    of them went unanswered for ``rpc_timeout`` (16 of them used to take 16 timeouts)."""
+    hub = launch(capacity=4096, rpc_timeout=1.0)
+    try:
+        hub.put({"x": [0]})  # this thread's pool of indices reserved ahead
+        pid = controller_pid(hub)
+        os.kill(pid, signal.SIGSTOP)  # the commits the unit hands on go unanswered
+        futures = [hub.put_async({"x": [k]}) for k in range(16)]
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(TransportError):
+            futures[0].result()
+        assert all(f.done() for f in futures), "later puts still wait, one timeout each"
+        for f in futures:
+            assert isinstance(f.exception(), TransportError)
+    finally:
+        hub.close()
+
+
+def test_threads_that_end_give_their_reserved_indices_back() -> None:
+    """F5: each producer thread reserves indices ahead; 63 short-lived threads used to
+    strand 63 pools (1,953 of 2,048 slots). A thread's pool is given back when it ends."""
+    hub = launch(capacity=2048, rpc_timeout=30.0)
+    try:
+        for k in range(63):
+            thread = threading.Thread(target=hub.put, args=({"x": [k]},))
+            thread.start()
+            thread.join()
+        hub.put({"x": [63]})  # this reserve gives the ended threads' pools back
+        stats = hub.statistics()
+        assert stats.live == 64
+        assert stats.reserved_ahead <= remote.RESERVE_AHEAD  # this thread's pool only
+    finally:
+        hub.close()
+
+
+def test_a_full_hub_takes_back_indices_reserved_ahead_before_refusing_a_put() -> None:
+    """F5: indices reserved ahead by producers that are idle (here: a client that never
+    puts again and never closes) do not make the hub full."""
+    hub = launch(capacity=2048, rpc_timeout=30.0)
+    idle = flowrl.connect(hub.address)
+    try:
+        idle.put({"x": [0]})  # keeps a pool of indices reserved ahead
+        assert hub.statistics().reserved_ahead > 0
+        room = hub.statistics().capacity - 1
+        assert hub.put_nowait({"x": np.arange(room)}).size == room
+        assert hub.statistics().reserved_ahead == 0
+        with pytest.raises(HubFull):
+            hub.put_nowait({"x": [1]})
+        hub.ack(hub.claim("train", 1, timeout=5))  # room for one
+        # the idle client's pooled index was taken back: refused, it reserves afresh
+        assert idle.put({"x": [1]}, timeout=5).size == 1
+    finally:
+        idle.close()
+        hub.close()

@@ -1,0 +1,58 @@
+"""The compat client's key directory: the same answers in-process and through its zmq server
+(msgpack messages), errors crossing back as TransportError."""
+
+from __future__ import annotations
+
+import pytest
+
+from flowrl import Column
+from flowrl.compat.transfer_queue._directory import DirectoryServer, KeyDirectory, RemoteDirectory
+from flowrl.errors import TransportError
+
+
+@pytest.fixture(params=["local", "served"])
+def directory(request, tmp_path):
+    local = KeyDirectory()
+    if request.param == "local":
+        yield local
+        return
+    server = DirectoryServer(local, f"ipc://{tmp_path}/directory")
+    remote = RemoteDirectory(server.address)
+    yield remote
+    remote.close()
+    server.close()
+
+
+def test_keys_tags_fields_and_columns(directory) -> None:
+    assert directory.lookup("train", ["a", "b"]) == [-1, -1]
+    assert directory.bind("train", ["a", "b"], [10, 11]) == [10, 11]
+    assert directory.bind("train", ["b", "c"], [20, 21]) == [11, 21]  # b keeps its sample
+    directory.update("train", [10, 11], [{"s": 1}, {"s": 2}], ["ids"])
+    directory.update("train", [11], [{"t": 3}], ["response"])
+    assert directory.describe([10, 11]) == ([{"s": 1}, {"s": 2, "t": 3}], ["ids"])
+    assert directory.describe([11]) == ([{"s": 2, "t": 3}], ["ids", "response"])
+    assert directory.listing(None) == {"train": {"a": {"s": 1}, "b": {"s": 2, "t": 3}, "c": {}}}
+    assert directory.listing("val") == {}
+    assert directory.remove("train", ["a", "zz"]) == [10]
+    assert list(directory.listing("train")["train"]) == ["b", "c"]
+    directory.bind("train", ["d"], [30])
+    directory.forget([30, 99])  # by index: an unknown one is ignored
+    assert list(directory.listing("train")["train"]) == ["b", "c"]
+    directory.remove_partition("train")
+    assert directory.listing(None) == {}
+    ids = Column.ragged("ids", "int64")
+    directory.declare([ids, Column.scalar("r", "float32")])
+    directory.declare([Column.scalar("ids", "int64")])  # the first declaration stays
+    assert directory.columns(["ids", "nope"]) == [ids]
+
+
+def test_a_refused_request_raises_transport_error(tmp_path) -> None:
+    server = DirectoryServer(KeyDirectory(), f"ipc://{tmp_path}/directory")
+    remote = RemoteDirectory(server.address)
+    try:
+        with pytest.raises(TransportError, match="bind"):
+            remote.bind("p", ["a", "b"], [1])  # lengths differ: refused by the server
+        assert remote.lookup("p", ["a"]) == [-1]  # the server still answers
+    finally:
+        remote.close()
+        server.close()

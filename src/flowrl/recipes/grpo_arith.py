@@ -35,6 +35,10 @@ the hub's event stream). It logs a line every ``--log-every`` steps on stderr an
 JSON summary (with the scheduler's statistics under ``sched``) as the last line of stdout.
 A configuration that cannot make progress is refused before the warm-up (``GRPOConfig``),
 and a trainer that gets no batch for ``--stall-timeout`` seconds fails with a diagnosis.
+The engines underneath are chosen with ``--engine`` (the rollout's sampler: builtin,
+torch or vllm; ``flowrl.recipes.grpo_rollout``), ``--trainer`` (the optimizer step:
+builtin, torch or deepspeed; ``flowrl.recipes.grpo_update``) and ``--model`` (tinylm or a
+Hugging Face llama); the defaults are the path described above.
 A synchronous run (``max_staleness`` 0) with one rollout worker (the
 default) is reproducible for a seed; with several, which worker samples which prompt
 depends on timing, and so does each micro-batch's random stream.

@@ -87,11 +87,16 @@ def load_named(module: torch.nn.Module, weights: Iterable[tuple[str, torch.Tenso
 
 @final
 class WeightStore:
-    """Versioned weights shared by a trainer and the workers that sample with them."""
+    """Versioned weights shared by a trainer and the workers that sample with them.
+
+    It holds the named tensors :func:`module_weights` gives (a tied tensor once) and loads
+    them into a worker's model with :func:`load_named`; :meth:`publish_weights` takes named
+    tensors from anywhere, e.g. an update engine's ``named_weights()``.
+    """
 
     def __init__(self, model: torch.nn.Module, *, version: int = 0) -> None:
         self._lock = threading.Lock()
-        self._tensors = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self._tensors = {k: v.clone() for k, v in module_weights(model)}
         self._version = version
 
     @property
@@ -100,16 +105,25 @@ class WeightStore:
 
     def publish(self, model: torch.nn.Module, version: int | None = None) -> int:
         """Copy ``model``'s weights in as the next (or the given) version; returns it."""
-        state = model.state_dict()
-        if state.keys() != self._tensors.keys():
+        return self.publish_weights(module_weights(model), version)
+
+    def publish_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> int:
+        """Copy named tensors (every one the store holds) in as the next (or the given)
+        version; returns it."""
+        named = dict(weights)
+        if named.keys() != self._tensors.keys():
+            odd = sorted(named.keys() ^ self._tensors.keys())
             raise ConfigError(
-                "WeightStore.publish: the model's parameters differ from the ones the store "
-                "was built with; publish the same architecture"
+                f"WeightStore.publish: the weights differ from the ones the store was built "
+                f"with (names {odd[:4]} are in one and not the other); publish the same "
+                "architecture"
             )
         import torch
 
         with self._lock, torch.no_grad():
-            for name, tensor in state.items():
+            for name, tensor in named.items():
                 self._tensors[name].copy_(tensor)
             self._version = self._version + 1 if version is None else version
             return self._version
@@ -119,8 +133,16 @@ class WeightStore:
         if self._version == have:
             return have
         with self._lock:
-            model.load_state_dict(self._tensors)
+            load_named(model, self._tensors.items())
             return self._version
+
+    def newer(self, have: int) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
+        """The latest version and a copy of its tensors if it is not ``have``, else None
+        (for a rollout engine's ``update_weights``)."""
+        if self._version == have:
+            return None
+        with self._lock:
+            return self._version, [(n, t.clone()) for n, t in self._tensors.items()]
 
 
 class TensorEntry(msgspec.Struct, frozen=True, array_like=True):

@@ -33,7 +33,7 @@ from flowrl.errors import ConfigError
 from flowrl.models.causal import CausalLM, as_causal_lm
 from flowrl.models.hf import HFCausalLM
 
-__all__ = ["DeepSpeedUpdateEngine"]
+__all__ = ["DeepSpeedUpdateEngine", "checkpoint_globals"]
 
 
 @final
@@ -127,21 +127,31 @@ class DeepSpeedUpdateEngine(TokenWeightedTrainer):
         return iter(full)
 
     def state_dict(self) -> dict[str, Any]:
-        """Full model weights (gathered) and the version; every rank calls it. The ZeRO
-        optimizer state is sharded across ranks and is not included: checkpoint it with
-        DeepSpeed's own ``self.engine.save_checkpoint(folder)`` / ``load_checkpoint``."""
-        return {"model": dict(self.named_weights()), "version": self._version}
+        """Full model weights (gathered), this rank's shard of the optimizer state, the
+        version. Every rank calls it; each restores its own with :meth:`load_state_dict`
+        (checked in one process, the main job's; over several ranks DeepSpeed's own
+        ``self.engine.save_checkpoint`` / ``load_checkpoint`` is the tested path)."""
+        return {
+            "model": dict(self.named_weights()),
+            "optimizer": self.engine.optimizer.state_dict(),
+            "version": self._version,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s weights and version on every rank (the optimizer
-        state is DeepSpeed's checkpoint's business, see :meth:`state_dict`)."""
-        self._load_checked(state, ("model", "version"))
+        """Restore :meth:`state_dict`'s weights, optimizer shard and version on every rank."""
+        self._load_checked(state, ("model", "optimizer", "version"))
         import deepspeed
 
         params = list(self.model.parameters())
         with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
             if self.zero_stage < 3 or self.rank == 0:
                 load_named(self.model, state["model"].items())
+        optimizer = self.engine.optimizer
+        if self.zero_stage == 0:
+            optimizer.load_state_dict(state["optimizer"])
+        else:  # ZeRO optimizers take one state per data-parallel rank, indexed by rank
+            shards = [state["optimizer"]] * self.world_size
+            optimizer.load_state_dict(shards, load_from_fp32_weights=False)
         self._version = int(state["version"])
 
     def close(self) -> None:
@@ -173,3 +183,15 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def checkpoint_globals() -> list[type]:
+    """The DeepSpeed classes in :meth:`DeepSpeedUpdateEngine.state_dict`'s optimizer state
+    (ZeRO's stage enum, its loss scalers, ZeRO-1/2's fragment addresses): allow them with
+    ``torch.serialization.safe_globals`` to read a checkpoint back with
+    ``torch.load(weights_only=True)``. Imports deepspeed."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]

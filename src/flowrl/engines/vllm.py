@@ -20,7 +20,10 @@ Weights. :meth:`~VLLMRolloutEngine.load_weights` passes named tensors (Hugging F
 checkpoint names, what a ``transformers`` update engine exports) to vLLM's in-place
 ``reload_weights`` through ``collective_rpc`` (every worker, tensor-parallel included)
 and then empties the prefix cache: KV blocks computed under the old weights must not be
-reused by the resumed requests. :meth:`~flowrl.engines.base.RolloutEngine.update_weights`
+reused by the resumed requests. A model with tied input/output embeddings gets the
+embedding's tensor for its output head too when the names lack ``lm_head.weight`` (as
+``named_parameters()`` does): vLLM's in-place reload keeps the old values of a layer it
+gets nothing for. :meth:`~flowrl.engines.base.RolloutEngine.update_weights`
 (the base class) aborts every running request, loads, and re-adds each with
 ``prompt + prefix`` as its prompt and the rest of its token budget: AReaL-style partial
 rollout, the new tokens tagged with the new version.
@@ -150,6 +153,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self._engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**args))
         self._max_model_len = self._engine.model_config.max_model_len
         self._vocab_size = self._engine.model_config.get_vocab_size()
+        hf_config = self._engine.model_config.hf_config
+        self._tied_head = bool(getattr(hf_config, "tie_word_embeddings", False))
         self._running: dict[int, _Running] = {}
         self._by_vllm_id: dict[str, int] = {}
         self._submissions = itertools.count()
@@ -222,6 +227,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 "call update_weights (it interrupts and resumes them) or abort them first"
             )
         named = [(name, tensor.detach()) for name, tensor in weights]
+        if self._tied_head:
+            named += _tied_head(named)
         self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
         if not self._engine.reset_prefix_cache():
             raise FlowRLError(
@@ -284,6 +291,16 @@ class VLLMRolloutEngine(RolloutEngine):
             self._by_vllm_id.pop(run.vllm_id, None)
         self._forget([i])
         return run
+
+
+def _tied_head(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The output head's weights of a model with tied embeddings, when ``named`` lacks
+    them: ``named_parameters()`` lists a tied tensor once (as the embedding), and vLLM's
+    in-place reload keeps the old values of a layer it gets no weights for, so the head
+    would go on sampling with the old embedding."""
+    if any(name == "lm_head.weight" for name, _ in named):
+        return []
+    return [("lm_head.weight", t) for name, t in named if name == "model.embed_tokens.weight"]
 
 
 def _repeated(ids: Sequence[int]) -> set[int]:

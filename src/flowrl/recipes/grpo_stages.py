@@ -1,7 +1,8 @@
 """The main job's stages: the prompt source, rollout, reward, log-probs and advantages.
 
 ``build_pipeline`` closes the five stages over the run's config, the trainer's
-:class:`~flowrl.WeightStore`, the frozen reference and the scheduling layer (see
+:class:`~flowrl.WeightStore`, the frozen reference, the rollout backend (what the rollout
+workers sample with, ``flowrl.recipes.grpo_rollout``) and the scheduling layer (see
 ``flowrl.recipes.grpo_arith`` for the dataflow).
 """
 
@@ -25,9 +26,10 @@ from flowrl import (
     WeightStore,
 )
 from flowrl._pipeline.sched_hooks import RolloutScheduler
-from flowrl.models import TinyLM
+from flowrl.models import as_causal_lm
 from flowrl.recipes.grpo_config import N_HEADS, GRPOConfig, groups_per_put
-from flowrl.rl import build_batch, generate_resumable, group_advantages, token_logprobs
+from flowrl.recipes.grpo_rollout import RolloutBackend
+from flowrl.rl import build_batch, group_advantages, token_logprobs
 from flowrl.sched import (
     BalancerConfig,
     ForecastConfig,
@@ -37,7 +39,7 @@ from flowrl.sched import (
     PlannerConfig,
     kv_capacity_tokens,
 )
-from flowrl.tasks import EOS_ID, VOCAB_SIZE, ArithTask, verify
+from flowrl.tasks import VOCAB_SIZE, ArithTask, verify
 
 __all__ = [
     "STAGE_NAMES",
@@ -88,28 +90,23 @@ def build_scheduler(cfg: GRPOConfig, max_new: int) -> RolloutScheduler:
 def build_pipeline(
     cfg: GRPOConfig,
     store: WeightStore,
-    reference: TinyLM,
+    reference: torch.nn.Module,
+    backend: RolloutBackend,
     scheduler: RolloutScheduler | None = None,
     *,
     start_step: int = 0,
 ) -> Pipeline:
-    """The five stages, closed over the run's config, weights, reference and scheduler.
+    """The five stages, closed over the run's config, weights, reference, rollout backend
+    and scheduler.
 
-    ``start_step``: the stream of problems starts at this step's (a resumed run).
+    ``start_step``: the stream of problems starts at this step's (a resumed run; the
+    backend's ``first_sample`` is its first sample).
     """
     task = ArithTask(digits=(1, cfg.max_digits), seed=cfg.seed)
-    max_new = task.max_response_len + 1
     g = cfg.group_size
     per_put = groups_per_put(cfg)
     prompts = prompts_stage(cfg, task, start_step)
-    rollout = rollout_stage(
-        cfg,
-        store,
-        reference,
-        scheduler,
-        max_new,
-        first_sample=start_step * cfg.prompts_per_step * g,
-    )
+    rollout = rollout_stage(cfg, backend, scheduler)
 
     @flowrl.stage(
         inputs=["prompt", "response"],
@@ -134,14 +131,16 @@ def build_pipeline(
     class Logprob:
         def setup(self) -> None:
             self.model = copy.deepcopy(reference).eval()
+            self.lm = as_causal_lm(self.model)
+            self.ref = as_causal_lm(reference)
             self.version = -1
 
         def __call__(self, batch: flowrl.Batch) -> dict[str, Any]:
             self.version = store.pull(self.model, self.version)
             ids, mask, starts, cu = model_inputs(batch)
             with torch.no_grad():
-                old = token_logprobs(self.model, ids, mask, starts, cu, temperature=cfg.temperature)
-                ref = token_logprobs(reference, ids, mask, starts, cu, temperature=cfg.temperature)
+                old = token_logprobs(self.lm, ids, mask, starts, cu, temperature=cfg.temperature)
+                ref = token_logprobs(self.ref, ids, mask, starts, cu, temperature=cfg.temperature)
             cu_np = cu.numpy()
             return {
                 "old_logprobs": flowrl.RaggedArray(old.numpy(), cu_np),
@@ -192,20 +191,10 @@ def prompts_stage(cfg: GRPOConfig, task: ArithTask, start_step: int) -> StageSpe
 
 
 def rollout_stage(
-    cfg: GRPOConfig,
-    store: WeightStore,
-    reference: TinyLM,
-    scheduler: RolloutScheduler | None,
-    max_new: int,
-    *,
-    first_sample: int = 0,
+    cfg: GRPOConfig, backend: RolloutBackend, scheduler: RolloutScheduler | None
 ) -> StageSpec:
-    """The rollout workers: sample responses with the newest published weights.
-
-    Each micro-batch's random stream is seeded by its first sample's position in the run's
-    stream (``first_sample`` + its hub index), so a resumed synchronous run samples what
-    the uninterrupted run would have.
-    """
+    """The rollout workers: sample responses with the newest published weights, each
+    worker with a sampler of ``backend`` (the builtin sampler or a rollout engine)."""
 
     @flowrl.stage(
         inputs=["prompt"],
@@ -223,27 +212,10 @@ def rollout_stage(
         def setup(self, ctx: StageContext) -> None:
             if scheduler is not None:
                 scheduler.bind(ctx.worker)
-            self.model = copy.deepcopy(reference).eval()
-            self.version = store.pull(self.model, -1)
-            self.hub = ctx.hub
+            self.sampler = backend.sampler(ctx.hub)
 
         def __call__(self, batch: flowrl.Batch) -> Rows:
-            self.version = store.pull(self.model, self.version)  # between micro-batches
-            position = first_sample + int(batch.indices[0])
-            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + position)
-            with torch.no_grad():
-                out = generate_resumable(
-                    self.model,
-                    self.hub,
-                    batch.meta,
-                    batch.ragged("prompt").tolist(),
-                    max_new,
-                    version=self.version,
-                    eos_id=EOS_ID,
-                    temperature=cfg.temperature,
-                    generator=gen,
-                    append_every=cfg.append_every,
-                )
+            out = self.sampler.generate(batch)
             return Rows(
                 {
                     "response": out.responses,
@@ -252,7 +224,7 @@ def rollout_stage(
                 },
                 # A resumed response mixes versions: each sample counts as old as its
                 # oldest token, so the staleness bound holds for every token.
-                version=out.sample_versions(self.version),
+                version=out.sample_versions(self.sampler.version),
                 tokens=out.responses.lengths,  # response lengths, for the forecaster
             )
 
@@ -264,6 +236,7 @@ TRAIN_COLUMNS = [
     "prompt",
     "response",
     "response_versions",
+    "sample_logprobs",
     "old_logprobs",
     "ref_logprobs",
     "advantage",

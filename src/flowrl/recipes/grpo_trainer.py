@@ -1,7 +1,10 @@
 """The main job's trainer side: the policy, its warm-up, the GRPO update and evaluation.
 
-``Trainer`` holds what a checkpoint holds (policy, optimizer, frozen reference, step,
-version, metrics so far) and starts either from a supervised warm-up or from a checkpoint.
+``Trainer`` holds what a checkpoint holds (the policy's update — its weights and optimizer,
+see ``flowrl.recipes.grpo_update`` — the frozen reference, step, version, metrics so far)
+and starts either from a supervised warm-up or from a checkpoint. The policy is a
+:class:`~flowrl.models.TinyLM` or (``--model llama``) a Hugging Face Llama of the same
+width built in code; everything calls it through :func:`~flowrl.models.as_causal_lm`.
 """
 
 from __future__ import annotations
@@ -14,12 +17,11 @@ import msgspec
 import numpy as np
 import torch
 
-import flowrl
-from flowrl.models import TinyLM, TinyLMConfig, generate
-from flowrl.recipes.grpo_config import MAX_SEQ_LEN, N_HEADS, GRPOConfig
-from flowrl.recipes.grpo_stages import model_inputs
+from flowrl._pipeline.weights import load_named
+from flowrl.models import TinyLM, TinyLMConfig, as_causal_lm, generate
+from flowrl.recipes.grpo_config import LLAMA_HEAD_DIM, MAX_SEQ_LEN, N_HEADS, GRPOConfig
+from flowrl.recipes.grpo_update import PolicyUpdate, make_update, update_policy
 from flowrl.recipes.progress import bar, log
-from flowrl.rl import grpo_loss, token_logprobs
 from flowrl.tasks import EOS_ID, VOCAB_SIZE, ArithTask, pretrain, verify
 
 __all__ = ["Trainer", "build_model", "evaluate", "update_policy", "warm_up"]
@@ -27,12 +29,11 @@ __all__ = ["Trainer", "build_model", "evaluate", "update_policy", "warm_up"]
 
 @dataclasses.dataclass
 class Trainer:
-    """The trainer's side of a run: the policy, its optimizer, the frozen reference, and
-    how far it got — what a checkpoint holds."""
+    """The trainer's side of a run: the policy's update (weights and optimizer), the
+    frozen reference, and how far it got — what a checkpoint holds."""
 
-    model: TinyLM
-    opt: torch.optim.Optimizer
-    reference: TinyLM
+    update: PolicyUpdate
+    reference: torch.nn.Module
     eval_before: dict[str, float]
     step: int = 0
     version: int = 0
@@ -49,7 +50,6 @@ class Trainer:
     ) -> Trainer:
         """A warmed-up policy, or the checkpoint's."""
         model = build_model(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
         if checkpoint is None:
             warm_up(cfg, model, task)
             model.eval()
@@ -59,25 +59,31 @@ class Trainer:
                 eval_before["sampled"],
                 eval_before["greedy"],
             )
-            return cls(model, opt, copy.deepcopy(model).requires_grad_(False), eval_before)
-        model.load_state_dict(checkpoint["model"])
+            reference = copy.deepcopy(model).requires_grad_(False)
+            return cls(make_update(cfg, model, version=0), reference, eval_before)
+        load_named(model, checkpoint["model"].items())
         model.eval()
         reference = copy.deepcopy(model).requires_grad_(False)
         reference.load_state_dict(checkpoint["reference"])
-        opt.load_state_dict(checkpoint["optimizer"])
+        version = checkpoint["version"]
+        update = make_update(cfg, model, version=version)
+        update.load_state_dict(checkpoint, version)
         torch.set_rng_state(checkpoint["torch_rng"])
-        log.info(
-            "resumed at step %d (policy version %d)", checkpoint["step"], checkpoint["version"]
-        )
+        log.info("resumed at step %d (policy version %d)", checkpoint["step"], version)
         return cls(
-            model,
-            opt,
+            update,
             reference,
             checkpoint["eval_before"],
             checkpoint["step"],
-            checkpoint["version"],
+            version,
             list(checkpoint["metrics"]),
         )
+
+    def policy(self) -> torch.nn.Module:
+        """A copy of the policy with the current weights (in eval mode)."""
+        model = copy.deepcopy(self.reference)
+        load_named(model, self.update.weights())
+        return model.eval()
 
     def finish_step(self, metrics: dict[str, Any]) -> None:
         self.metrics.append(metrics)
@@ -88,8 +94,7 @@ class Trainer:
         return {
             "step": self.step,
             "version": self.version,
-            "model": self.model.state_dict(),
-            "optimizer": self.opt.state_dict(),
+            **self.update.state_dict(),  # model, optimizer
             "reference": self.reference.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "eval_before": self.eval_before,
@@ -98,8 +103,22 @@ class Trainer:
         }
 
 
-def build_model(cfg: GRPOConfig) -> TinyLM:
-    """The policy, freshly initialised (from the global torch seed)."""
+def build_model(cfg: GRPOConfig) -> torch.nn.Module:
+    """The policy, freshly initialised (from the global torch seed): ``cfg.model``'s
+    architecture, ``cfg.d_model`` wide, two layers, over the task's vocabulary and
+    context."""
+    if cfg.model == "llama":
+        from flowrl.models.hf import tiny_llama
+
+        return tiny_llama(
+            vocab_size=VOCAB_SIZE,
+            hidden_size=cfg.d_model,
+            n_layers=2,
+            n_heads=cfg.d_model // LLAMA_HEAD_DIM,
+            intermediate_size=4 * cfg.d_model,
+            max_positions=MAX_SEQ_LEN,
+            seed=cfg.seed,
+        )
     return TinyLM(
         TinyLMConfig(
             vocab_size=VOCAB_SIZE,
@@ -112,7 +131,7 @@ def build_model(cfg: GRPOConfig) -> TinyLM:
     )
 
 
-def warm_up(cfg: GRPOConfig, model: TinyLM, task: ArithTask) -> None:
+def warm_up(cfg: GRPOConfig, model: torch.nn.Module, task: ArithTask) -> None:
     """Learn the task, then unlearn part of it on noisy answers, so the policy's samples
     are right only some of the time and GRPO has a signal to climb."""
     total = cfg.clean_steps + cfg.noisy_steps
@@ -138,43 +157,16 @@ def warm_up(cfg: GRPOConfig, model: TinyLM, task: ArithTask) -> None:
         )
 
 
-def update_policy(
-    cfg: GRPOConfig, model: TinyLM, opt: torch.optim.Optimizer, batch: flowrl.Batch
-) -> dict[str, Any]:
-    """One optimizer step on a training batch (clipped GRPO with a k3 KL penalty)."""
-    model.train()
-    ids, mask, starts, cu = model_inputs(batch)
-    old, _ = batch.packed("old_logprobs", torch=True)
-    ref, _ = batch.packed("ref_logprobs", torch=True)
-    logprobs = token_logprobs(model, ids, mask, starts, cu, temperature=cfg.temperature)
-    loss, m = grpo_loss(
-        logprobs,
-        old,
-        batch.torch("advantage"),
-        cu,
-        ref_logprobs=ref,
-        clip_eps=cfg.clip_eps,
-        kl_coef=cfg.kl_coef,
-    )
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    model.eval()
-    m["loss"] = loss.item()
-    m["reward"] = float(batch.numpy("reward").mean())
-    return m
-
-
-def evaluate(model: TinyLM, problems: list[Any], max_new: int) -> dict[str, float]:
+def evaluate(model: torch.nn.Module, problems: list[Any], max_new: int) -> dict[str, float]:
     """Accuracy on held-out problems, sampled at temperature 1 and greedy."""
     prompts = [p.prompt_ids for p in problems]
+    lm = as_causal_lm(model)
     scores = {}
     for name, temperature in (("sampled", 1.0), ("greedy", 0.0)):
         gen = torch.Generator().manual_seed(12345)
         with torch.no_grad():
             out = generate(
-                model, prompts, max_new, temperature=temperature, eos_id=EOS_ID, generator=gen
+                lm, prompts, max_new, temperature=temperature, eos_id=EOS_ID, generator=gen
             )
         pairs = zip(problems, out.responses(), strict=True)
         scores[name] = float(np.mean([verify(p.prompt_ids, r) for p, r in pairs]))

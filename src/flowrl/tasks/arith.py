@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from flowrl.models.causal import as_causal_lm
+
 __all__ = [
     "BOS_ID",
     "EOS_ID",
@@ -173,11 +175,14 @@ def pretrain(
     AdamW at ``lr`` with a short linear warm-up and cosine decay to ``lr / 10``.
     ``on_step`` is called after every step (e.g. a progress bar's ``update``).
 
-    ``model(ids, attention_mask=mask)`` must return logits ``(B, T, vocab)``.
+    ``model``: a :class:`~flowrl.models.TinyLM` or a ``transformers`` causal LM, called
+    through :func:`~flowrl.models.as_causal_lm`.
     """
+
     if not 0.0 <= noise <= 1.0:
         raise ValueError(f"pretrain expects 0 <= noise <= 1, got {noise}")
     rng = random.Random(seed)
+    lm = as_causal_lm(model)
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     warmup = min(20, max(steps // 10, 1))
@@ -205,7 +210,7 @@ def pretrain(
             ids[i, : len(row)] = torch.tensor(row)
             labels[i, : len(tgt)] = torch.tensor(tgt)
         ids, labels = ids.to(device), labels.to(device)
-        logits = model(ids, attention_mask=ids != PAD_ID)[:, :-1]
+        logits = lm(ids, attention_mask=ids != PAD_ID)[:, :-1]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()

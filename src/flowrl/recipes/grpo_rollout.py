@@ -1,0 +1,193 @@
+"""How the Rollout stage samples: the builtin sampler or a rollout engine (``--engine``).
+
+Each rollout worker gets a sampler from the run's :class:`RolloutBackend`; the stage hands
+it every claimed micro-batch and puts what it returns (one row per sample: the response,
+the sampler's log-probs and each token's policy version).
+
+* ``builtin`` (:class:`BuiltinSampler`): the KV-cache sampler through
+  :func:`flowrl.rl.generate_resumable` (durable token-granular appends, resumption from a
+  stored prefix), loading a newer published version between micro-batches.
+* ``torch`` / ``vllm`` (:class:`EngineSampler`): a :class:`~flowrl.engines.RolloutEngine`
+  (:class:`~flowrl.engines.TorchRolloutEngine` over a copy of the policy, or
+  ``VLLMRolloutEngine`` over the policy saved as a Hugging Face directory). The
+  micro-batch's prompts are added as requests, the request id being the sample's position
+  in the run's stream, and the engine steps until they finish. Before each step it checks
+  the :class:`~flowrl.WeightStore`: a newer version is loaded with
+  :meth:`~flowrl.engines.RolloutEngine.update_weights`, which resumes the running requests
+  from their prefixes under it, so a response may mix versions, each token tagged with
+  its own; the stage puts the sample with its oldest token's version, as the builtin
+  sampler does.
+
+Each sample's random stream is seeded from ``--seed`` and its position in the run's stream
+(the builtin sampler seeds a micro-batch from its first sample's), so a synchronous run
+with one worker resumed from a checkpoint samples what the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import tempfile
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import torch
+
+import flowrl
+from flowrl import WeightStore
+from flowrl.engines import GenerationRequest, RolloutEngine, SamplingParams, TorchRolloutEngine
+from flowrl.models import as_causal_lm
+from flowrl.recipes.grpo_config import MAX_SEQ_LEN, GRPOConfig
+from flowrl.rl import generate_resumable
+from flowrl.rl.rollout import ResumableGeneration
+from flowrl.tasks import EOS_ID, PAD_ID
+
+if TYPE_CHECKING:
+    from flowrl._client.base import HubClient
+    from flowrl.engines import Completion
+
+__all__ = ["BuiltinSampler", "EngineSampler", "RolloutBackend", "Sampler"]
+
+
+class Sampler(Protocol):
+    """One rollout worker's way to sample a claimed micro-batch."""
+
+    @property
+    def version(self) -> int:
+        """The policy version it samples new tokens with."""
+        ...
+
+    def generate(self, batch: flowrl.Batch) -> ResumableGeneration: ...
+
+
+class RolloutBackend:
+    """Makes each rollout worker's sampler (``cfg.engine``); :meth:`close` releases the
+    engines and files they hold at the end of the run.
+
+    ``first_sample``: the position of the hub's sample 0 in the run's stream (a resumed
+    run's hub starts over at 0).
+    """
+
+    def __init__(
+        self,
+        cfg: GRPOConfig,
+        store: WeightStore,
+        reference: torch.nn.Module,
+        max_new: int,
+        *,
+        first_sample: int = 0,
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.reference = reference
+        self.max_new = max_new
+        self.first_sample = first_sample
+        self._engines: list[RolloutEngine] = []
+        self._folders: list[str] = []
+
+    def sampler(self, hub: HubClient) -> Sampler:
+        """A new worker's sampler, with the latest published weights."""
+        model = copy.deepcopy(self.reference).eval()
+        version = self.store.pull(model, -1)
+        if self.cfg.engine == "builtin":
+            return BuiltinSampler(self, model, version, hub)
+        engine: RolloutEngine
+        if self.cfg.engine == "vllm":
+            from flowrl.engines.vllm import VLLMRolloutEngine
+
+            folder = tempfile.mkdtemp(prefix="flowrl-policy-")
+            self._folders.append(folder)
+            model.save_pretrained(folder)  # type: ignore[operator]
+            engine = VLLMRolloutEngine(
+                folder,
+                version=version,
+                dtype="float32",
+                max_model_len=MAX_SEQ_LEN,
+                seed=self.cfg.seed,
+            )
+        else:
+            engine = TorchRolloutEngine(model, version=version, pad_id=PAD_ID, seed=self.cfg.seed)
+        self._engines.append(engine)
+        return EngineSampler(self, engine)
+
+    def close(self) -> None:
+        for engine in self._engines:
+            engine.close()
+        for folder in self._folders:
+            shutil.rmtree(folder, ignore_errors=True)
+        self._engines.clear()
+        self._folders.clear()
+
+
+class BuiltinSampler:
+    """The KV-cache sampler with durable appends (module docstring)."""
+
+    def __init__(
+        self, backend: RolloutBackend, model: torch.nn.Module, version: int, hub: HubClient
+    ) -> None:
+        self._backend = backend
+        self._model = model
+        self._lm = as_causal_lm(model)
+        self._hub = hub
+        self.version = version
+
+    def generate(self, batch: flowrl.Batch) -> ResumableGeneration:
+        b, cfg = self._backend, self._backend.cfg
+        self.version = b.store.pull(self._model, self.version)  # between micro-batches
+        position = b.first_sample + int(batch.indices[0])
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + position)
+        with torch.no_grad():
+            return generate_resumable(
+                self._lm,
+                self._hub,
+                batch.meta,
+                batch.ragged("prompt").tolist(),
+                b.max_new,
+                version=self.version,
+                eos_id=EOS_ID,
+                temperature=cfg.temperature,
+                generator=gen,
+                append_every=cfg.append_every,
+            )
+
+
+class EngineSampler:
+    """A rollout engine stepping a micro-batch's requests to the end (module docstring)."""
+
+    def __init__(self, backend: RolloutBackend, engine: RolloutEngine) -> None:
+        self._backend = backend
+        self.engine = engine
+        self._params = SamplingParams(
+            max_new_tokens=backend.max_new,
+            temperature=backend.cfg.temperature,
+            eos_id=EOS_ID,
+            seed=backend.cfg.seed,
+        )
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def generate(self, batch: flowrl.Batch) -> ResumableGeneration:
+        ids = [self._backend.first_sample + int(i) for i in batch.indices]
+        prompts = batch.ragged("prompt")
+        self.engine.add(
+            [
+                GenerationRequest(i, np.asarray(p, dtype=np.int64))
+                for i, p in zip(ids, prompts, strict=True)
+            ],
+            self._params,
+        )
+        done: dict[int, Completion] = {}
+        while self.engine.pending:
+            newer = self._backend.store.newer(self.engine.version)
+            if newer is not None:  # running requests resume from their prefixes under it
+                self.engine.update_weights(newer[1], newer[0])
+            done.update((c.id, c) for c in self.engine.step())
+        rows = [done[i] for i in ids]
+        return ResumableGeneration(
+            flowrl.RaggedArray.from_list([c.tokens for c in rows]),
+            flowrl.RaggedArray.from_list([c.logprobs for c in rows]),
+            flowrl.RaggedArray.from_list([c.versions for c in rows]),
+            0,
+        )

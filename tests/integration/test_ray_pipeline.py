@@ -26,6 +26,7 @@ ID = Column.scalar("id", "int64")
 NODE = Column.string("node")
 Y = Column.scalar("y", "int64")
 MAILBOX = "flowrl-test-mailbox"
+NODE_LOG = "flowrl-test-source-nodes"
 
 
 @stage(outputs=[ID, NODE], batch_size=5, workers=3, num_cpus=1)
@@ -35,6 +36,7 @@ class Source:
     def setup(self, ctx: flowrl.StageContext) -> None:
         self.next = ctx.worker * 1000
         self.node = ray.get_runtime_context().get_node_id()
+        ray.get(ray.get_actor(NODE_LOG).volunteer.remote(self.node))  # where this worker runs
 
     def __call__(self) -> dict[str, Any]:
         ids = np.arange(self.next, self.next + 5)
@@ -59,12 +61,17 @@ class Mailbox:
 
     def __init__(self) -> None:
         self.victim: Any = None
+        self.volunteers: list[Any] = []
 
     def volunteer(self, handle: Any) -> bool:
+        self.volunteers.append(handle)
         if self.victim is not None:
             return False
         self.victim = handle
         return True
+
+    def seen(self) -> list[Any]:
+        return self.volunteers
 
     def get(self) -> Any:
         return self.victim
@@ -128,6 +135,7 @@ def _drain(loader: Loader, columns: tuple[str, ...]) -> tuple[dict[str, list[Any
 
 def test_pipeline_on_three_nodes_every_sample_once_per_task_and_local_puts(cluster: Any) -> None:
     pipe = Pipeline([Source, double, audit])
+    node_log = Mailbox.options(name=NODE_LOG).remote()
     hub = flowrl.launch_ray_hub(pipe.columns)
     try:
         loader = Loader(hub, task="check", columns=["id", "node", "y"], batch_size=8, timeout=120)
@@ -141,7 +149,9 @@ def test_pipeline_on_three_nodes_every_sample_once_per_task_and_local_puts(clust
         assert seen["y"] == [2 * i for i in seen["id"]]
         for unit, node in zip(units, seen["node"], strict=True):
             assert hub.unit_nodes[unit] == node  # stored on the producing worker's node
-        assert len(set(seen["node"])) >= 2  # the source workers ran on several nodes
+        # The source workers were placed on several nodes (which of them produced the
+        # samples is a race: the first to start may make all 60 before the others start).
+        assert len(set(ray.get(node_log.seen.remote()))) >= 2
         stats = hub.statistics()
         for task in ("double", "audit", "check"):
             assert stats.tasks[task].consumed == produced, task
@@ -149,6 +159,7 @@ def test_pipeline_on_three_nodes_every_sample_once_per_task_and_local_puts(clust
         assert stats.live == 0 and stats.leases == 0
     finally:
         hub.close()
+        ray.kill(node_log)
 
 
 def test_killed_worker_leases_expire_and_go_to_another_worker(cluster: Any) -> None:

@@ -152,13 +152,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     unless the test or its module chose its own placements."""
     if "placement" not in metafunc.fixturenames:
         return
-    closest = metafunc._arg2fixturedefs["placement"][-1]
-    if closest.func is not placement.__wrapped__:
-        return  # a module's own placement fixture
     for mark in metafunc.definition.iter_markers("parametrize"):
         names = mark.args[0]
         if "placement" in (names.replace(" ", "").split(",") if isinstance(names, str) else names):
-            return
+            return  # the test's own placements (pytest then has no fixture def for it)
+    closest = metafunc._arg2fixturedefs["placement"][-1]
+    if closest.func is not placement.__wrapped__:
+        return  # a module's own placement fixture
     module = metafunc.module.__name__.rsplit(".", 1)[-1]
     chosen = PLACEMENTS if module in RAY_MODULES else PLACEMENTS[:2]
     metafunc.parametrize("placement", chosen, indirect=True)

@@ -171,7 +171,9 @@ def test_publish_async_and_sync_into_a_rollout_engine(channel: str) -> None:
         while engine.pending:
             done += engine.step()
         assert done[0].versions.tolist() == [0] + [1] * 7  # one step: one token
-        for (_, p), (_, q) in zip(engine.model.named_parameters(), new.named_parameters()):
+        for (_, p), (_, q) in zip(
+            engine.model.named_parameters(), new.named_parameters(), strict=True
+        ):
             assert torch.equal(p, q)
     finally:
         sub.close()
@@ -196,7 +198,7 @@ def test_larger_weights_get_a_larger_arena(channel: str) -> None:
 def test_publisher_rejects_bad_input(channel: str) -> None:
     with pytest.raises(ConfigError, match="letters, digits"):
         flowrl.WeightPublisher("../etc")
-    with pytest.raises(ConfigError, match="floating torch.dtype"):
+    with pytest.raises(ConfigError, match="floating torch"):
         flowrl.WeightPublisher(channel, dtype=torch.int8)
     with pytest.raises(ConfigError, match="max_arenas expects >= 2"):
         flowrl.WeightPublisher(channel, max_arenas=1)

@@ -43,8 +43,8 @@ model; engines whose package is missing are reported as skipped. One torch threa
 process. Add an engine by adding a factory to ``ROLLOUT_ENGINES`` or ``UPDATE_ENGINES``.
 
     python benchmarks/engines.py --json
-    PYTHONPATH=src /work/venvs/vllm/bin/python benchmarks/engines.py --json --engines none \
-        --sync-transports vllm-shm      # where vLLM is installed in another venv
+    # vLLM in another venv (its python, flowrl on PYTHONPATH): the vllm-shm transport alone
+    $VLLM_PYTHON benchmarks/engines.py --json --engines none --sync-transports vllm-shm
 """
 
 from __future__ import annotations

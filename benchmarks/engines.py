@@ -24,18 +24,21 @@ What it measures, on one model and one set of prompts for every engine:
     the registry call and ``ray.get``, a transfer between nodes on a real cluster);
   - ``load``: ``update_weights`` (one copy from the transport into the model, or vLLM's
     in-place reload);
+  - ``sync``: the four above, from the step's end until the weights are in the model;
   - ``first_use``: the first step under the new weights, which re-prefills the
-    interrupted request's prompt + prefix (its KV cache was the old weights').
+    interrupted request's prompt + prefix (its KV cache was the old weights'); with it,
+    ``latency``.
 
   Transports: ``shm`` (``flowrl.WeightPublisher`` / ``WeightSubscriber``), ``ray``
   (``RayWeightPublisher`` / ``RayWeightSubscriber`` on a local one-node Ray, the rollout
   process a second Ray driver), ``vllm-shm`` (shared memory into a ``VLLMRolloutEngine``;
   skipped without vLLM), and ``shm-bf16`` (bf16 transfer into a bf16 rollout model; not
   in the default set: on a CPU without bf16 matmul units the cast and the bf16 decoding
-  cost more than the halved bytes save). ``memcpy_floor_ms`` is one plain copy of the
-  same bytes into memory whose pages are already mapped, measured in the same run: the
-  floor of ``publish`` and of ``load`` (a sync is one copy on each side); read the parts
-  against it on a shared machine, where memory bandwidth is what other jobs take.
+  cost more than the halved bytes save). ``memcpy_ms_median`` is one plain copy of the
+  same bytes in the trainer process into memory whose pages are already mapped, timed in
+  every round while the rollout decodes, as the publish is: the floor of ``publish`` and
+  of ``load`` (a sync is one copy on each side). Read the parts against it on a shared
+  machine, where memory bandwidth is what other jobs take.
 
 The model is a randomly initialised Hugging Face Llama (``flowrl.models.hf.tiny_llama``)
 of ``--hidden`` x ``--layers``, and TinyLM of the same width and depth for the built-in
@@ -234,20 +237,21 @@ def _sync_rollout(
     sub.close()
 
 
-def _memcpy_floor_ms(weights: list[tuple[str, torch.Tensor]]) -> float:
+class _MemcpyFloor:
     """One copy of the weights' bytes into a buffer whose pages are already mapped: what
-    publishing (or loading) costs at best. Median of three."""
-    out = torch.empty(sum(t.numel() for _, t in weights))
-    out.zero_()  # fault every page in first
-    times = []
-    for _ in range(3):
+    publishing (or loading) costs at best, timed each round next to the sync."""
+
+    def __init__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        self._weights = weights
+        self._out = torch.zeros(sum(t.numel() for _, t in weights))  # every page faulted in
+
+    def copy_ms(self) -> float:
         t0 = time.perf_counter()
         offset = 0
-        for _, t in weights:
-            out[offset : offset + t.numel()].copy_(t.reshape(-1))
+        for _, t in self._weights:
+            self._out[offset : offset + t.numel()].copy_(t.reshape(-1))
             offset += t.numel()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        return (time.perf_counter() - t0) * 1e3
 
 
 def bench_weight_sync(args: argparse.Namespace, transport: str) -> dict[str, float]:
@@ -278,8 +282,13 @@ def bench_weight_sync(args: argparse.Namespace, transport: str) -> dict[str, flo
     )
     child.start()
     parts: dict[str, list[float]] = {
-        k: [] for k in ("latency", "publish", "wait", "poll", "load", "first_use", "step")
+        k: []
+        for k in (
+            *("latency", "sync", "publish", "wait", "poll", "load", "first_use"),
+            *("step", "memcpy"),
+        )
     }
+    floor = _MemcpyFloor(weights)
     try:
         _receive(here, child, "start")
         for version in range(1, args.sync_rounds + 1):
@@ -294,6 +303,7 @@ def bench_weight_sync(args: argparse.Namespace, transport: str) -> dict[str, flo
                 raise RuntimeError(f"rollout used version {got}, expected {version}")
             for key, ms in (
                 ("latency", t_used - t_end),
+                ("sync", t_loaded - t_end),
                 ("publish", t_published - t_end),
                 ("wait", max(t_poll - t_published, 0.0)),
                 ("poll", t_seen - max(t_poll, t_published)),
@@ -302,6 +312,8 @@ def bench_weight_sync(args: argparse.Namespace, transport: str) -> dict[str, flo
             ):
                 parts[key].append(ms * 1e3)
             parts["step"] += steps
+            time.sleep(0.1)  # the rollout decodes again, as during the publish
+            parts["memcpy"].append(floor.copy_ms())
         child.join(120)
     finally:
         pub.close()
@@ -375,10 +387,6 @@ def main() -> None:
                 report["weight_sync"][transport] = bench_weight_sync(args, transport)
             except ImportError as exc:
                 report["skipped"][f"weight_sync/{transport}"] = str(exc).splitlines()[0]
-        weights = list(
-            TorchUpdateEngine(hf_llama(args, args.sync_hidden, args.sync_layers)).named_weights()
-        )
-        report["weight_sync"]["memcpy_floor_ms"] = _memcpy_floor_ms(weights)
     report["config"] = {k: v for k, v in vars(args).items() if k != "json"}
     if args.json:
         print(json.dumps(report))

@@ -36,12 +36,10 @@ def test_engines_benchmark_reports_every_engine_and_the_sync_latency() -> None:
     }
     sync = report["weight_sync"]
     assert {"shm", "ray", "vllm-shm"} <= set(sync) | {k.split("/")[1] for k in report["skipped"]}
-    assert "shm" in sync and sync["memcpy_floor_ms"] > 0
+    assert "shm" in sync
     for transport, figures in sync.items():
-        if transport == "memcpy_floor_ms":
-            continue
-        assert figures["rounds"] == 2, transport
+        assert figures["rounds"] == 2 and figures["memcpy_ms_median"] > 0, transport
         parts = ("publish", "wait", "poll", "load", "first_use")
         total = sum(figures[f"{p}_ms_median"] for p in parts)
         assert 0 < figures["load_ms_median"] < figures["latency_ms_max"], transport
-        assert total > 0 and figures["latency_ms_median"] > 0, transport
+        assert total > 0 and figures["sync_ms_median"] < figures["latency_ms_max"], transport

@@ -185,7 +185,7 @@ def _sync_engine(transport: str, args: argparse.Namespace, checkpoint: str) -> R
     if transport.startswith("vllm"):
         from flowrl.engines.vllm import VLLMRolloutEngine
 
-        length = args.prompt_len + args.new_tokens + 16
+        length = args.prompt_len + args.new_tokens + 8  # the positions hf_llama has
         return VLLMRolloutEngine(checkpoint, dtype="float32", max_model_len=length, max_num_seqs=8)
     model = hf_llama(args, args.sync_hidden, args.sync_layers)
     if transport.endswith("bf16"):

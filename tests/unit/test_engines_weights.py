@@ -207,8 +207,11 @@ def test_publisher_rejects_bad_input(channel: str) -> None:
         pub.publish(_model(0).named_parameters(), version=3)
         with pytest.raises(ConfigError, match="not newer"):
             pub.publish(_model(0).named_parameters(), version=3)
+        with pytest.raises(ConfigError, match=r"expects \(name, tensor\) pairs"):
+            pub.publish(_model(0).state_dict(), version=4)  # its keys alone
+        pub.publish([("w", torch.ones(2))], version=4)  # a refused version is not taken
         sub = flowrl.WeightSubscriber(channel)
-        assert sub.poll().version == 3
+        assert sub.poll().version == 4
         sub.close()
     finally:
         pub.close()

@@ -244,6 +244,23 @@ def _transfer_dtype(dtype: torch.dtype | None, who: str) -> torch.dtype | None:
     return dtype
 
 
+def _named_tensors(
+    weights: Iterable[tuple[str, torch.Tensor]], who: str
+) -> list[tuple[str, torch.Tensor]]:
+    import torch
+
+    named = []
+    for item in weights:
+        name, tensor = item if isinstance(item, tuple) and len(item) == 2 else (None, None)
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise ConfigError(
+                f"{who}.publish expects (name, tensor) pairs, e.g. model.named_parameters(), "
+                f"got {type(item).__name__} {str(item)[:60]!r}"
+            )
+        named.append((name, tensor.detach()))
+    return named
+
+
 class _LoadsWeights(Protocol):
     """What :meth:`BaseWeightSubscriber.sync` needs of a rollout engine."""
 
@@ -343,8 +360,9 @@ class BaseWeightPublisher(abc.ABC):
                     f"{type(self).__name__}.publish: version {version} is not newer than the "
                     f"published {self._claimed}; versions must increase"
                 )
+            tensors = _named_tensors(weights, type(self).__name__)
             self._claimed = version
-        return [(n, t.detach()) for n, t in weights]
+        return tensors
 
     def _publish(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
         entries, size = layout(tensors, self.dtype)

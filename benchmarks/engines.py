@@ -30,8 +30,9 @@ What it measures, on one model and one set of prompts for every engine:
     ``latency``.
 
   Transports: ``shm`` (``flowrl.WeightPublisher`` / ``WeightSubscriber``), ``ray``
-  (``RayWeightPublisher`` / ``RayWeightSubscriber`` on a local one-node Ray, the rollout
-  process a second Ray driver), ``vllm-shm`` (shared memory into a ``VLLMRolloutEngine``;
+  (``RayWeightPublisher`` / ``RayWeightSubscriber`` on a local one-node Ray with a
+  ``--sync-store-gib`` object store preallocated at start, the rollout process a second
+  Ray driver), ``vllm-shm`` (shared memory into a ``VLLMRolloutEngine``;
   skipped without vLLM), and ``shm-bf16`` (bf16 transfer into a bf16 rollout model; not
   in the default set: on a CPU without bf16 matmul units the cast and the bf16 decoding
   cost more than the halved bytes save). ``memcpy_ms_median`` is one plain copy of the
@@ -55,6 +56,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import secrets
 import statistics
 import tempfile
@@ -267,7 +269,15 @@ def bench_weight_sync(args: argparse.Namespace, transport: str) -> dict[str, flo
         import ray
 
         if not ray.is_initialized():
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            # the store's pages faulted in once at start, as docs/engines.md advises: a put
+            # into never-touched store memory costs up to 10x a copy on this machine
+            os.environ.setdefault("RAY_preallocate_plasma_memory", "1")
+            ray.init(
+                num_cpus=2,
+                object_store_memory=args.sync_store_gib << 30,
+                include_dashboard=False,
+                log_to_driver=False,
+            )
         ray_address = ray.get_runtime_context().gcs_address
     if transport.startswith("vllm"):
         import vllm  # noqa: F401 (skipped when missing)
@@ -355,6 +365,7 @@ def main() -> None:
     parser.add_argument("--sync-hidden", type=int, default=768)
     parser.add_argument("--sync-layers", type=int, default=8)
     parser.add_argument("--sync-rounds", type=int, default=5)
+    parser.add_argument("--sync-store-gib", type=int, default=2, help="Ray's object store")
     parser.add_argument(
         "--sync-transports",
         nargs="*",

@@ -31,7 +31,7 @@ What it measures, on one model and one set of prompts for every engine:
 
   Transports: ``shm`` (``flowrl.WeightPublisher`` / ``WeightSubscriber``), ``ray``
   (``RayWeightPublisher`` / ``RayWeightSubscriber`` on a local one-node Ray with a
-  ``--sync-store-gib`` object store preallocated at start, the rollout process a second
+  ``--sync-store-mib`` object store preallocated at start, the rollout process a second
   Ray driver), ``vllm-shm`` (shared memory into a ``VLLMRolloutEngine``;
   skipped without vLLM), and ``shm-bf16`` (bf16 transfer into a bf16 rollout model; not
   in the default set: on a CPU without bf16 matmul units the cast and the bf16 decoding
@@ -274,7 +274,7 @@ def bench_weight_sync(args: argparse.Namespace, transport: str) -> dict[str, flo
             os.environ.setdefault("RAY_preallocate_plasma_memory", "1")
             ray.init(
                 num_cpus=2,
-                object_store_memory=args.sync_store_gib << 30,
+                object_store_memory=args.sync_store_mib << 20,
                 include_dashboard=False,
                 log_to_driver=False,
             )
@@ -365,7 +365,7 @@ def main() -> None:
     parser.add_argument("--sync-hidden", type=int, default=768)
     parser.add_argument("--sync-layers", type=int, default=8)
     parser.add_argument("--sync-rounds", type=int, default=5)
-    parser.add_argument("--sync-store-gib", type=int, default=2, help="Ray's object store")
+    parser.add_argument("--sync-store-mib", type=int, default=2048, help="Ray's object store")
     parser.add_argument(
         "--sync-transports",
         nargs="*",

@@ -17,7 +17,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "engines.py"
 
 def test_engines_benchmark_reports_every_engine_and_the_sync_latency() -> None:
     tiny = "--hidden 32 --layers 1 --prompts 3 --prompt-len 4 --new-tokens 4 --rounds 1"
-    sync = "--sync-hidden 32 --sync-layers 1 --sync-rounds 2"
+    sync = "--sync-hidden 32 --sync-layers 1 --sync-rounds 2 --sync-store-mib 128"
     out = subprocess.run(
         [sys.executable, str(SCRIPT), "--json", *tiny.split(), *sync.split()],
         capture_output=True,

@@ -273,6 +273,7 @@ def bench_weight_sync(args: argparse.Namespace, transport: str) -> dict[str, flo
             # into never-touched store memory costs up to 10x a copy on this machine
             os.environ.setdefault("RAY_preallocate_plasma_memory", "1")
             ray.init(
+                address="local",  # a fresh instance, not a cluster another job left running
                 num_cpus=2,
                 object_store_memory=args.sync_store_mib << 20,
                 include_dashboard=False,

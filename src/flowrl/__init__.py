@@ -30,7 +30,15 @@ from flowrl._pipeline.result import RunResult, StageStats
 from flowrl._pipeline.stage import Rows, StageContext, StageSpec, stage
 from flowrl._pipeline.staleness import StalenessMetrics, StalenessStep
 from flowrl._pipeline.timeline import Timeline
-from flowrl._pipeline.weights import WeightPublisher, WeightStore, WeightSubscriber
+from flowrl._pipeline.weights import (
+    BaseWeightPublisher,
+    BaseWeightSubscriber,
+    WeightPublisher,
+    WeightSnapshot,
+    WeightStore,
+    WeightSubscriber,
+)
+from flowrl._pipeline.weights_ray import RayWeightPublisher, RayWeightSubscriber
 from flowrl._schema.columns import Column
 from flowrl._schema.ragged import RaggedArray
 from flowrl._store.batch import Batch
@@ -46,6 +54,8 @@ __all__ = [
     "AdmissionController",
     "AdmissionStats",
     "BalancedSampler",
+    "BaseWeightPublisher",
+    "BaseWeightSubscriber",
     "Batch",
     "BatchMeta",
     "CandidateView",
@@ -68,6 +78,8 @@ __all__ = [
     "PutFuture",
     "RaggedArray",
     "RayExecutor",
+    "RayWeightPublisher",
+    "RayWeightSubscriber",
     "RemoteHub",
     "Rows",
     "RunResult",
@@ -84,6 +96,7 @@ __all__ = [
     "Timeline",
     "UnitStats",
     "WeightPublisher",
+    "WeightSnapshot",
     "WeightStore",
     "WeightSubscriber",
     "__version__",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -258,6 +259,42 @@ def test_weight_update_mid_generation_resumes_each_request_from_its_prefix(
             np.testing.assert_array_equal(c.tokens[k:], logits[0, len(p) - 1 :].argmax(-1).numpy())
         assert any(not np.array_equal(resumed[i].tokens, reference[i].tokens) for i in ids)
     finally:
+        engine.update_weights(rig.model.named_parameters(), version=old + 2)
+
+
+def test_a_version_synced_through_shared_memory_is_what_the_engine_samples_with(
+    rig: Rig, engine: VLLMRolloutEngine
+) -> None:
+    """``WeightSubscriber.sync`` hands vLLM read-only views of the publisher's arena (no
+    copy on the way): greedy tokens after the update are the new weights' own."""
+    import flowrl
+
+    channel = f"test-{secrets.token_hex(4)}"
+    pub, sub = flowrl.WeightPublisher(channel), flowrl.WeightSubscriber(channel)
+    new_model = tiny_llama(seed=2)
+    old = engine.version
+    engine.add(
+        [GenerationRequest(i, prompt(i)) for i in range(2)],
+        SamplingParams(max_new_tokens=10, temperature=0.0),
+    )
+    engine.step()
+    engine.step()
+    try:
+        pub.publish(new_model.named_parameters(), version=old + 1)
+        assert sub.sync(engine) and engine.version == old + 1
+        done = {c.id: c for cs in drain(engine) for c in cs}
+        for i in range(2):
+            c = done[i]
+            k = int((c.versions == old).sum())
+            assert 1 <= k < len(c.tokens) == 10, (i, k)
+            p = np.concatenate([prompt(i), c.tokens[:k]])
+            tail = Completion(i, c.tokens[k:], c.logprobs[k:], c.versions[k:], True)
+            np.testing.assert_allclose(
+                c.logprobs[k:], recompute(new_model, tail, p, 0.0), atol=2e-4
+            )
+    finally:
+        sub.close()
+        pub.close()
         engine.update_weights(rig.model.named_parameters(), version=old + 2)
 
 

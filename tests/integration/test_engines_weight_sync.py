@@ -38,11 +38,10 @@ def _rollout(channel: str, started: Any, published: Any, out: Any) -> None:
     started.set()
     published.wait(60)  # the update lands while every request is running
     while engine.pending:
-        snap = sub.poll(engine.version)
-        if snap is not None:
-            engine.update_weights(snap.tensors(), snap.version)
+        sub.sync(engine)  # loads a newer version, if any, between two steps
         done += engine.step()
     weights = {n: p.detach().numpy().copy() for n, p in engine.model.named_parameters()}
+    sub.close()
     out.put(([(c.id, c.versions.tolist()) for c in done], weights))
 
 

@@ -5,28 +5,46 @@ the trainer's parameters into them under a lock and returns the new version, whi
 trainer then announces with ``hub.publish_version`` (a ``VersionPublished`` event);
 ``pull`` copies them into a worker's model only when the version moved.
 
-Across processes on one machine, :class:`WeightPublisher` writes each version's tensors
-into a fresh shared-memory *segment* (a file under ``/dev/shm``: the tensors back to back,
-64-byte aligned) and then replaces a small *header* file (a msgspec-encoded
-:class:`WeightHeader`: version, segment, and each tensor's name, dtype, shape and offset)
-with an atomic rename. A :class:`WeightSubscriber` polls the header (one ``stat``, a read
-when it changed), maps the segment read-only and hands out tensors built over the mapping
-without a copy; the rollout engine copies them into its model between decoding steps
-(``RolloutEngine.update_weights``), so the stream never stops. A segment's bytes are never
-rewritten: the publisher unlinks segments older than the last ``keep``, and a subscriber
-that mapped one keeps reading the same bytes (Linux keeps an unlinked file's pages while
-mapped). Cost: one copy in (trainer), one copy out (rollout), no serialisation.
+Across processes, a *publisher* and its *subscribers* share one interface
+(:class:`BaseWeightPublisher`, :class:`BaseWeightSubscriber`, :class:`WeightSnapshot`):
+``publish(weights, version)`` (or ``publish_async``), ``poll(have)`` for a snapshot of
+the newest version, ``snapshot.tensors()`` views to copy from and ``snapshot.release()``;
+``subscriber.sync(engine)`` does all of it between two decoding steps of a rollout
+engine (``RolloutEngine.update_weights``), so the stream never stops. Two transports:
+
+- shared memory on one machine (:class:`WeightPublisher`, :class:`WeightSubscriber`,
+  here): the publisher owns a small pool of *arenas*, files under ``/dev/shm`` made and
+  mapped once (their pages faulted in once: fresh pages cost several times a copy on a
+  loaded machine) and reused for every version. A version's tensors are written straight
+  into a free arena (cast to a transfer dtype on the way when one is set), 64-byte
+  aligned, then a small *header* file (a msgspec-encoded :class:`WeightHeader`: version,
+  arena, each tensor's name, dtype, shape and offset) is replaced with an atomic rename.
+  Subscribers keep each arena mapped read-only, so a load is one copy from memory whose
+  pages are already mapped.
+- the Ray object store on a cluster (:mod:`flowrl._pipeline.weights_ray`).
+
+Torn-read safety (shared memory): an arena is ``flock``-ed exclusively while a version
+is written into it and shared while a subscriber reads it. The publisher writes only
+into an arena that is not the newest and that it can lock at once (it adds an arena, up
+to ``max_arenas``, when every other one is being read); a subscriber locks the arena the
+header names and rereads the header: if it still names that arena, the arena holds that
+complete version, and no publisher can rewrite it until the snapshot is released.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
+import fcntl
 import mmap
 import os
 import secrets
 import threading
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, NamedTuple, final
+import time
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Protocol, final
 
 import msgspec
 
@@ -36,18 +54,25 @@ if TYPE_CHECKING:  # torch is imported lazily: hub servers import flowrl without
     import torch
 
 __all__ = [
+    "BaseWeightPublisher",
+    "BaseWeightSubscriber",
+    "TensorEntry",
     "WeightHeader",
     "WeightPublisher",
+    "WeightSnapshot",
     "WeightStore",
     "WeightSubscriber",
+    "layout",
     "load_named",
     "module_weights",
+    "typed",
 ]
 
 _FOLDER = "/dev/shm"
 _PREFIX = "flowrl-weights-"
 _ALIGN = 64
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map every page at once, not one fault each
+_LOCK_RETRY_S = 0.001
 
 
 def module_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -146,7 +171,8 @@ class WeightStore:
 
 
 class TensorEntry(msgspec.Struct, frozen=True, array_like=True):
-    """One tensor of a segment: its bytes are ``[offset, offset + nbytes)``."""
+    """One tensor of a published version: its bytes are ``[offset, offset + nbytes)`` of
+    the version's buffer, in ``dtype`` (the transfer dtype, when the publisher has one)."""
 
     name: str
     dtype: str
@@ -164,8 +190,243 @@ class WeightHeader(msgspec.Struct, frozen=True, tag="weights"):
     tensors: tuple[TensorEntry, ...]
 
 
-_ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(WeightHeader)
+def layout(
+    tensors: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
+) -> tuple[list[TensorEntry], int]:
+    """Where each tensor goes in one buffer (back to back, 64-byte aligned) and the
+    buffer's size; floating-point tensors take ``dtype`` when it is given."""
+    entries, offset = [], 0
+    for name, t in tensors:
+        out = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        nbytes = t.numel() * out.itemsize
+        entries.append(
+            TensorEntry(name, str(out).removeprefix("torch."), tuple(t.shape), offset, nbytes)
+        )
+        offset = -(-(offset + nbytes) // _ALIGN) * _ALIGN
+    return entries, offset
+
+
+def _copy_in(
+    flat: torch.Tensor, tensors: Sequence[torch.Tensor], entries: list[TensorEntry]
+) -> None:
+    """Write each tensor into its place of the uint8 buffer ``flat``, casting on the way."""
+    import torch
+
+    with torch.no_grad():
+        for t, e in zip(tensors, entries, strict=True):
+            if e.nbytes:
+                _view(flat, e).copy_(t)
+
+
+def _view(flat: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """``entry``'s tensor over the uint8 buffer ``flat``, without a copy."""
+    return typed(flat[entry.offset : entry.offset + entry.nbytes], entry)
+
+
+def typed(data: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """``entry``'s tensor over its own bytes (a uint8 tensor of ``entry.nbytes``)."""
+    import torch
+
+    dtype = getattr(torch, entry.dtype)
+    if entry.nbytes == 0:
+        return torch.empty(entry.shape, dtype=dtype)
+    return data.view(dtype).view(entry.shape)
+
+
+def _transfer_dtype(dtype: torch.dtype | None, who: str) -> torch.dtype | None:
+    import torch
+
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ConfigError(
+            f"{who} dtype expects a floating torch.dtype (e.g. torch.bfloat16, what the "
+            f"rollout engine runs in) or None (send as they are), got {dtype!r}"
+        )
+    return dtype
+
+
+def _named_tensors(
+    weights: Iterable[tuple[str, torch.Tensor]], who: str
+) -> list[tuple[str, torch.Tensor]]:
+    import torch
+
+    named = []
+    for item in weights:
+        name, tensor = item if isinstance(item, tuple) and len(item) == 2 else (None, None)
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise ConfigError(
+                f"{who}.publish expects (name, tensor) pairs, e.g. model.named_parameters(), "
+                f"got {type(item).__name__} {str(item)[:60]!r}"
+            )
+        named.append((name, tensor.detach()))
+    return named
+
+
+class _LoadsWeights(Protocol):
+    """What :meth:`BaseWeightSubscriber.sync` needs of a rollout engine."""
+
+    @property
+    def version(self) -> int: ...
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> int: ...
+
+
+class WeightSnapshot(abc.ABC):
+    """One published version as a subscriber holds it: ``version`` and :meth:`tensors`,
+    views of the transport's memory that stay valid (and unchanged) until
+    :meth:`release` or the subscriber's next ``poll``. A context manager releases it."""
+
+    def __init__(self, version: int, entries: Sequence[TensorEntry]) -> None:
+        self.version = version
+        self._entries = entries
+        self._released = False
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` in published order, read-only views without a copy: copy
+        them (``param.copy_``, ``update_weights``) to keep them past :meth:`release`."""
+        if self._released:
+            raise TransportError(
+                f"weight snapshot of version {self.version} was released (by release() or "
+                "the next poll()); poll again for the newest version"
+            )
+        for i, e in enumerate(self._entries):
+            yield e.name, self._tensor(i, e)
+
+    def release(self) -> None:
+        """Let the publisher reuse this version's memory; idempotent."""
+        if not self._released:
+            self._released = True
+            self._release()
+
+    @abc.abstractmethod
+    def _tensor(self, index: int, entry: TensorEntry) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _release(self) -> None: ...
+
+    def __enter__(self) -> WeightSnapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class BaseWeightPublisher(abc.ABC):
+    """Publishes increasing versions of named tensors to subscribers (module docstring).
+
+    Subclasses implement :meth:`_write` (the tensors are detached, their layout computed
+    in the transfer dtype) and :meth:`_close`.
+    """
+
+    def __init__(self, *, dtype: torch.dtype | None) -> None:
+        self.dtype = _transfer_dtype(dtype, type(self).__name__)
+        #: the newest version written (``None`` before the first)
+        self.version: int | None = None
+        self._claimed: int | None = None
+        self._claim_lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+
+    def publish(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Write ``version``'s named tensors, then make it the newest; returns when
+        subscribers can see it."""
+        tensors = self._claim(weights, version)
+        self._publish(tensors, version)
+
+    def publish_async(
+        self, weights: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> Future[None]:
+        """:meth:`publish` in a background thread, so the trainer is not held: the
+        tensors must not change until the future is done (wait for it before the next
+        optimizer step). Versions are checked here, at once; errors come from the future."""
+        tensors = self._claim(weights, version)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="flowrl-weights")
+        return self._executor.submit(self._publish, tensors, version)
+
+    def close(self) -> None:
+        """Wait for an asynchronous publish, then free what the publisher holds."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        with self._write_lock:
+            self._close()
+
+    def _claim(
+        self, weights: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> list[tuple[str, torch.Tensor]]:
+        with self._claim_lock:
+            if self._claimed is not None and version <= self._claimed:
+                raise ConfigError(
+                    f"{type(self).__name__}.publish: version {version} is not newer than the "
+                    f"published {self._claimed}; versions must increase"
+                )
+            tensors = _named_tensors(weights, type(self).__name__)
+            self._claimed = version
+        return tensors
+
+    def _publish(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
+        entries, size = layout(tensors, self.dtype)
+        with self._write_lock:
+            try:
+                self._write([t for _, t in tensors], entries, size, version)
+            except BaseException:
+                with self._claim_lock:  # the version was not published: it may be retried
+                    self._claimed = self.version
+                raise
+            self.version = version
+
+    @abc.abstractmethod
+    def _write(
+        self, tensors: list[torch.Tensor], entries: list[TensorEntry], size: int, version: int
+    ) -> None: ...
+
+    @abc.abstractmethod
+    def _close(self) -> None: ...
+
+
+class BaseWeightSubscriber(abc.ABC):
+    """Finds the newest version a publisher of the same channel published. A subscriber
+    holds at most one snapshot: :meth:`poll` releases the previous one first."""
+
+    def __init__(self) -> None:
+        self._held: WeightSnapshot | None = None
+
+    def poll(self, have: int | None = None) -> WeightSnapshot | None:
+        """The newest published version if it is newer than ``have`` (any, when None),
+        else None; cheap enough to call between decoding steps."""
+        self.release()
+        self._held = self._poll(have)
+        return self._held
+
+    def sync(self, engine: _LoadsWeights) -> bool:
+        """Load the newest version into a rollout engine if it is newer than the engine's
+        (``engine.update_weights``: running requests resume under it); returns whether
+        it loaded one."""
+        snapshot = self.poll(engine.version)
+        if snapshot is None:
+            return False
+        try:
+            engine.update_weights(snapshot.tensors(), snapshot.version)
+        finally:
+            snapshot.release()
+        return True
+
+    def release(self) -> None:
+        """Release the snapshot the last :meth:`poll` returned, if any."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.release()
+
+    def close(self) -> None:
+        """Release the held snapshot and what the subscriber maps or references."""
+        self.release()
+        self._close()
+
+    @abc.abstractmethod
+    def _poll(self, have: int | None) -> WeightSnapshot | None: ...
+
+    def _close(self) -> None:  # noqa: B027 (a subscriber without resources needs nothing)
+        """Free the transport's resources."""
 
 
 def _check_name(name: str) -> None:
@@ -180,194 +441,240 @@ def _header_path(name: str, folder: str) -> str:
     return os.path.join(folder, f"{_PREFIX}{name}.header")
 
 
-class _Spare(NamedTuple):
-    """A segment made ahead of the next publish: allocated and mapped, not yet written."""
-
-    path: str
-    size: int
-    mem: mmap.mmap
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(WeightHeader)
 
 
 @final
-class WeightPublisher:
-    """Publishes versions of named tensors to subscribers on this machine (module
-    docstring). ``name``: the channel (one per trainer); ``keep``: segments kept besides
-    the newest, for subscribers still opening them.
+class _Arena:
+    """A shared-memory file mapped once, with a uint8 tensor over the whole mapping."""
 
-    After each publish a background thread allocates and maps the next segment (of the
-    same size), so the next publish is one copy into memory whose pages already exist:
-    on a loaded machine, faulting in fresh pages costs several times the copy itself.
-    The price is one spare segment of the model's size in ``/dev/shm``.
-    """
-
-    def __init__(self, name: str, *, keep: int = 1, folder: str = _FOLDER) -> None:
-        _check_name(name)
-        if keep < 0:
-            raise ConfigError(f"WeightPublisher keep expects >= 0 older segments, got {keep}")
-        if not os.path.isdir(folder):
-            raise ConfigError(f"WeightPublisher needs the shared-memory folder {folder!r}")
-        self.name = name
-        self._folder = folder
-        self._keep = keep
-        self._token = secrets.token_hex(4)
-        self._count = 0
-        self._segments: list[str] = []
-        self._spare: _Spare | None = None
-        self._preparing: threading.Thread | None = None
-        self.version: int | None = None
-
-    def publish(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> WeightHeader:
-        """Write ``version``'s tensors to a new segment, then point the header at it."""
-        if self.version is not None and version <= self.version:
-            raise ConfigError(
-                f"WeightPublisher.publish: version {version} is not newer than the published "
-                f"{self.version}; versions must increase"
-            )
-        tensors = [(n, t.detach().cpu().contiguous()) for n, t in weights]
-        entries, offset = [], 0
-        for name, t in tensors:
-            nbytes = t.numel() * t.element_size()
-            dtype = str(t.dtype).removeprefix("torch.")
-            entries.append(TensorEntry(name, dtype, tuple(t.shape), offset, nbytes))
-            offset = -(-(offset + nbytes) // _ALIGN) * _ALIGN
-        size = max(offset, 1)
-        segment = self._take_segment(size)
-        try:
-            _copy_in(segment.mem, tensors, entries)
-        except BaseException:
-            os.unlink(segment.path)
-            raise
-        finally:
-            segment.mem.close()
-        header = WeightHeader(version, segment.path, tuple(entries))
-        path = _header_path(self.name, self._folder)
-        tmp = f"{path}.{self._token}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(_ENCODER.encode(header))
-        os.replace(tmp, path)  # atomic: a subscriber reads the old header or the new one
-        self.version = version
-        self._segments.append(segment.path)
-        while len(self._segments) > self._keep + 1:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._segments.pop(0))
-        self._preparing = threading.Thread(target=self._prepare, args=(size,), daemon=True)
-        self._preparing.start()
-        return header
-
-    def close(self) -> None:
-        """Remove the header, every segment of this publisher and its spare."""
-        if self._preparing is not None:
-            self._preparing.join()
-            self._preparing = None
-        if self._spare is not None:
-            self._spare.mem.close()
-            self._segments.append(self._spare.path)
-            self._spare = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(_header_path(self.name, self._folder))
-        for segment in self._segments:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(segment)
-        self._segments.clear()
-
-    def _take_segment(self, size: int) -> _Spare:
-        if self._preparing is not None:
-            self._preparing.join()
-            self._preparing = None
-        spare, self._spare = self._spare, None
-        if spare is not None and spare.size == size:
-            return spare
-        if spare is not None:  # the tensors changed size: a fresh one
-            spare.mem.close()
-            os.unlink(spare.path)
-        return self._new_segment(size)
-
-    def _prepare(self, size: int) -> None:
-        with contextlib.suppress(OSError):  # no room: the next publish allocates then
-            self._spare = self._new_segment(size)
-
-    def _new_segment(self, size: int) -> _Spare:
-        self._count += 1
-        path = os.path.join(self._folder, f"{_PREFIX}{self.name}-{self._token}-{self._count}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, size)  # ENOSPC now, not SIGBUS on a later write
-            mem = mmap.mmap(fd, size, flags=_MAP_FLAGS)  # pages mapped in bulk
-        except BaseException:
-            os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
-        return _Spare(path, size, mem)
-
-
-def _copy_in(
-    mem: mmap.mmap, tensors: list[tuple[str, torch.Tensor]], entries: list[TensorEntry]
-) -> None:
-    import torch
-
-    for (_, t), e in zip(tensors, entries, strict=True):
-        if e.nbytes:
-            dst = torch.frombuffer(mem, dtype=t.dtype, count=t.numel(), offset=e.offset)
-            dst.copy_(t.reshape(-1))
-            del dst  # the mapping closes only when no tensor exports it
-
-
-@final
-class WeightSnapshot:
-    """One published version, mapped read-only: :meth:`tensors` are views of the segment."""
-
-    def __init__(self, header: WeightHeader, mem: mmap.mmap) -> None:
-        self.version = header.version
-        self._header = header
-        self._mem = mem
-
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` in published order; the tensors share the mapping (copy them
-        to keep them past the next version)."""
+    def __init__(self, path: str, *, size: int | None) -> None:
+        """``size`` given: create the file that large (the publisher's side, read-write);
+        ``None``: open an existing one read-only (a subscriber's)."""
+        import numpy as np
         import torch
 
-        for e in self._header.tensors:
-            dtype = getattr(torch, e.dtype)
-            count = e.nbytes // torch.empty(0, dtype=dtype).element_size()
-            if count == 0:
-                yield e.name, torch.empty(e.shape, dtype=dtype)
-                continue
-            flat = torch.frombuffer(self._mem, dtype=dtype, count=count, offset=e.offset)
-            yield e.name, flat.view(e.shape)
+        self.path = path
+        writer = size is not None
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL if writer else os.O_RDONLY
+        self.fd = os.open(path, flags, 0o600)
+        try:
+            if size is not None:
+                os.posix_fallocate(self.fd, 0, size)  # ENOSPC now, not SIGBUS on a write
+            self.size = os.fstat(self.fd).st_size
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writer else 0)
+            self._mem = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | _POPULATE, prot=prot)
+        except BaseException:
+            os.close(self.fd)
+            if writer:
+                os.unlink(path)
+            raise
+        with warnings.catch_warnings():  # a subscriber's views are read-only by design
+            warnings.simplefilter("ignore", UserWarning)
+            self.flat = torch.from_numpy(np.frombuffer(self._mem, dtype=np.uint8))
+
+    def try_lock(self, exclusive: bool) -> bool:
+        try:
+            fcntl.flock(self.fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def unlock(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def close(self, *, unlink: bool = False) -> None:
+        del self.flat
+        with contextlib.suppress(BufferError):  # views still held: unmapped when they go
+            self._mem.close()
+        os.close(self.fd)
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
 
 
 @final
-class WeightSubscriber:
-    """Notices and maps the versions a :class:`WeightPublisher` of ``name`` publishes."""
+class WeightPublisher(BaseWeightPublisher):
+    """Publishes versions of named tensors to subscribers on this machine through shared
+    memory (module docstring). ``name``: the channel (one per trainer); ``dtype``: the
+    transfer dtype of floating-point tensors (e.g. ``torch.bfloat16`` when the rollout
+    engine runs in it: half the bytes to write and read), ``None`` to send them as they
+    are; ``max_arenas``: the pool's bound (each the size of one version): two suffice
+    while subscribers release their snapshots, each subscriber holding one adds one.
 
-    def __init__(self, name: str, *, folder: str = _FOLDER) -> None:
+    After the first publish a background thread makes the second arena, so no later
+    publish waits for fresh pages. A publish that finds every arena held waits up to
+    ``wait_s`` for a subscriber to release one, then raises :class:`TransportError`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        dtype: torch.dtype | None = None,
+        max_arenas: int = 4,
+        wait_s: float = 60.0,
+        folder: str = _FOLDER,
+    ) -> None:
         _check_name(name)
+        if max_arenas < 2:
+            raise ConfigError(
+                f"WeightPublisher max_arenas expects >= 2 (one read, one written), got {max_arenas}"
+            )
+        if not os.path.isdir(folder):
+            raise ConfigError(f"WeightPublisher needs the shared-memory folder {folder!r}")
+        super().__init__(dtype=dtype)
+        self.name = name
+        self._folder = folder
+        self._max_arenas = max_arenas
+        self._wait_s = wait_s
+        self._token = secrets.token_hex(4)
+        self._count = 0
+        self._arenas: list[_Arena] = []
+        self._newest: _Arena | None = None
+        self._preparing: threading.Thread | None = None
+
+    @property
+    def arenas(self) -> int:
+        """Arenas made so far (each the size of one version)."""
+        return len(self._arenas)
+
+    def _write(
+        self, tensors: list[torch.Tensor], entries: list[TensorEntry], size: int, version: int
+    ) -> None:
+        arena = self._free_arena(max(size, 1))
+        try:
+            _copy_in(arena.flat, tensors, entries)
+            header = WeightHeader(version, arena.path, tuple(entries))
+            path = _header_path(self.name, self._folder)
+            tmp = f"{path}.{self._token}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(_ENCODER.encode(header))
+            os.replace(tmp, path)  # atomic: a subscriber reads the old header or the new one
+            self._newest = arena
+        finally:
+            arena.unlock()
+        if len(self._arenas) < 2:
+            self._preparing = threading.Thread(target=self._prepare, args=(arena.size,))
+            self._preparing.start()
+
+    def _free_arena(self, size: int) -> _Arena:
+        """An arena of at least ``size`` bytes, locked exclusively, that is not the newest."""
+        self._join_preparing()
+        deadline = time.monotonic() + self._wait_s
+        while True:
+            for arena in list(self._arenas):
+                if arena is self._newest or not arena.try_lock(exclusive=True):
+                    continue
+                if arena.size >= size:
+                    return arena
+                self._arenas.remove(arena)  # the tensors grew: make a larger one
+                arena.close(unlink=True)
+            if len(self._arenas) < self._max_arenas:
+                arena = self._new_arena(size)
+                arena.try_lock(exclusive=True)
+                return arena
+            if time.monotonic() > deadline:
+                raise TransportError(
+                    f"WeightPublisher {self.name!r}: all {self._max_arenas} arenas stayed held "
+                    f"by subscribers for {self._wait_s} s; release snapshots (or use "
+                    "subscriber.sync) or raise max_arenas"
+                )
+            time.sleep(_LOCK_RETRY_S)
+
+    def _new_arena(self, size: int) -> _Arena:
+        self._count += 1
+        path = os.path.join(self._folder, f"{_PREFIX}{self.name}-{self._token}-{self._count}")
+        arena = _Arena(path, size=size)
+        self._arenas.append(arena)
+        return arena
+
+    def _prepare(self, size: int) -> None:
+        with contextlib.suppress(OSError):  # no room: a later publish tries again
+            self._new_arena(size)
+
+    def _join_preparing(self) -> None:
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
+
+    def _close(self) -> None:
+        self._join_preparing()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_header_path(self.name, self._folder))
+        for arena in self._arenas:
+            arena.close(unlink=True)
+        self._arenas.clear()
+        self._newest = None
+
+
+@final
+class _ShmSnapshot(WeightSnapshot):
+    def __init__(self, header: WeightHeader, arena: _Arena) -> None:
+        super().__init__(header.version, header.tensors)
+        self._arena = arena
+
+    def _tensor(self, index: int, entry: TensorEntry) -> torch.Tensor:
+        return _view(self._arena.flat, entry)
+
+    def _release(self) -> None:
+        self._arena.unlock()
+
+
+@final
+class WeightSubscriber(BaseWeightSubscriber):
+    """Notices and maps the versions a :class:`WeightPublisher` of ``name`` publishes.
+    Each arena is mapped once (read-only) and kept until :meth:`close`."""
+
+    def __init__(self, name: str, *, folder: str = _FOLDER, wait_s: float = 10.0) -> None:
+        _check_name(name)
+        super().__init__()
         self.name = name
         self._path = _header_path(name, folder)
+        self._wait_s = wait_s
+        self._arenas: dict[str, _Arena] = {}
 
-    def poll(self, have: int | None = None) -> WeightSnapshot | None:
-        """The newest published version if it is newer than ``have`` (any, when None),
-        else None. One small file read: cheap enough to call between decoding steps."""
-        for _ in range(3):  # the segment named may be unlinked by a newer publish: reread
-            try:
-                with open(self._path, "rb") as f:
-                    header = _DECODER.decode(f.read())
-                if have is not None and header.version <= have:
-                    return None
-                return WeightSnapshot(header, _map(header.segment))
-            except FileNotFoundError:
-                if not os.path.exists(self._path):
-                    return None  # nothing published yet
+    def _poll(self, have: int | None) -> WeightSnapshot | None:
+        deadline = time.monotonic() + self._wait_s
+        while time.monotonic() < deadline:
+            header = self._header()
+            if header is None or (have is not None and header.version <= have):
+                return None
+            arena = self._arena(header.segment)
+            if arena is not None and arena.try_lock(exclusive=False):
+                again = self._header()
+                if again is not None and again.segment == header.segment:
+                    return _ShmSnapshot(again, arena)  # complete, and kept so until release
+                arena.unlock()
+            time.sleep(_LOCK_RETRY_S)  # the header moved on meanwhile: read it again
         raise TransportError(
-            f"weight channel {self.name!r}: the published segments disappeared while being "
-            "opened three times; raise the publisher's keep"
+            f"weight channel {self.name!r}: could not lock the newest version's arena for "
+            f"{self._wait_s} s; is the publisher alive?"
         )
 
+    def _header(self) -> WeightHeader | None:
+        try:
+            with open(self._path, "rb") as f:
+                return _DECODER.decode(f.read())
+        except FileNotFoundError:
+            return None  # nothing published yet, or the publisher closed
 
-def _map(path: str) -> mmap.mmap:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)  # private: torch wants writable
-    finally:
-        os.close(fd)
+    def _arena(self, path: str) -> _Arena | None:
+        arena = self._arenas.get(path)
+        if arena is None:
+            self._forget_removed()
+            try:
+                arena = self._arenas[path] = _Arena(path, size=None)
+            except FileNotFoundError:
+                return None  # replaced by a larger one meanwhile
+        return arena
+
+    def _forget_removed(self) -> None:
+        for path in [p for p in self._arenas if not os.path.exists(p)]:
+            self._arenas.pop(path).close()
+
+    def _close(self) -> None:
+        for arena in self._arenas.values():
+            arena.close()
+        self._arenas.clear()

@@ -19,8 +19,6 @@ environment (torchrun's), or, with none of them set, a one-process group on loop
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Iterator, Mapping
 from typing import Any, cast, final
 
@@ -28,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from flowrl._pipeline.weights import load_named, module_weights
+from flowrl.engines._distributed import set_single_process_env
 from flowrl.engines._training import OptimConfig, TokenWeightedTrainer
 from flowrl.errors import ConfigError
 from flowrl.models.causal import CausalLM, as_causal_lm
@@ -168,21 +167,8 @@ def _init_process_group(backend: str | None) -> None:
     # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (a C++ build of
     # minutes) unless its table of compatible ops says no; plain gloo needs no build.
     vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
-    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
-        os.environ.update(
-            RANK="0",
-            LOCAL_RANK="0",
-            WORLD_SIZE="1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
-        )
+    set_single_process_env()
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def checkpoint_globals() -> list[type]:

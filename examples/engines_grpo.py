@@ -4,8 +4,8 @@ What it shows: the engine layer end to end on CPU. A rollout process runs a
 ``TorchRolloutEngine`` and streams each finished response to the trainer the moment it is
 done (a ``multiprocessing`` queue stands in for the hub here), checking for new weights
 between decoding steps (``flowrl.WeightSubscriber``) and resuming interrupted requests
-under them. The trainer (``--trainer torch`` or ``deepspeed``: ZeRO-``--zero-stage`` on one
-gloo rank) groups ``--samples`` responses per problem, scores them with the arithmetic
+under them. The trainer (``--trainer torch``, ``deepspeed``: ZeRO-``--zero-stage`` on one
+gloo rank, or ``megatron``: a Megatron-core GPT rebuilt from ``--model hf``) groups ``--samples`` responses per problem, scores them with the arithmetic
 task's ``verify``, recomputes log-probs, takes one step of the clipped GRPO objective with
 the truncated importance-sampling correction (``--tis-cap``) and publishes the new version
 (``flowrl.WeightPublisher``). ``--model tinylm`` (flowrl's model) or ``hf`` (a small
@@ -100,13 +100,17 @@ def make_trainer(args: argparse.Namespace, policy: torch.nn.Module) -> UpdateEng
         from flowrl.engines import DeepSpeedUpdateEngine
 
         return DeepSpeedUpdateEngine(policy, optim, zero_stage=args.zero_stage)
+    if args.trainer == "megatron":
+        from flowrl.engines import MegatronUpdateEngine
+
+        return MegatronUpdateEngine(policy, optim)
     return TorchUpdateEngine(policy, optim)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["tinylm", "hf"], default="tinylm")
-    parser.add_argument("--trainer", choices=["torch", "deepspeed"], default="torch")
+    parser.add_argument("--trainer", choices=["torch", "deepspeed", "megatron"], default="torch")
     parser.add_argument("--zero-stage", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--prompts", type=int, default=8)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import re
 from typing import Any
 
 import pytest
@@ -166,3 +167,39 @@ def _assert_weights(got: dict[str, Any], want: dict[str, Any], stage: int, atol:
         torch.testing.assert_close(
             torch.from_numpy(got[name]), torch.from_numpy(w), atol=atol, rtol=0
         )
+
+
+def test_a_state_from_another_setup_is_refused_and_changes_nothing() -> None:
+    # One rank in this process: the ZeRO-1 state of a 2-rank run, a ZeRO-3 state, and a
+    # bare optimizer state (the format before shards were labelled) are each refused.
+    from flowrl.engines import DeepSpeedUpdateEngine
+    from flowrl.errors import ConfigError
+
+    torch.set_num_threads(1)
+    engine = DeepSpeedUpdateEngine(_model(), _optim(), zero_stage=1)
+    try:
+        engine.train_step([_batch()], _nll)
+        state = engine.state_dict()
+        before = _numpy(engine.named_weights())
+        label = state["optimizer"]
+        cases = {
+            "saved by 2 rank(s) under ZeRO-1, this engine runs 1 under ZeRO-1": {
+                **label,
+                "world_size": 2,
+            },
+            "saved by 1 rank(s) under ZeRO-3, this engine runs 1 under ZeRO-1": {
+                **label,
+                "zero_stage": 3,
+            },
+            "the optimizer entry is not a DeepSpeedUpdateEngine shard": label["shard"],
+        }
+        for says, optimizer in cases.items():
+            fresh = {n: w * 0 for n, w in state["model"].items()}
+            with pytest.raises(ConfigError, match=re.escape(says)):
+                engine.load_state_dict({"model": fresh, "optimizer": optimizer, "version": 9})
+        assert engine.version == 1
+        after = _numpy(engine.named_weights())
+        assert all((after[n] == before[n]).all() for n in before)  # nothing loaded
+        engine.load_state_dict(state)  # its own state still loads
+    finally:
+        engine.close()

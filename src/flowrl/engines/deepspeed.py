@@ -12,9 +12,10 @@ turns off DeepSpeed's shared-memory all-reduce, which would JIT-compile C++ at s
 :meth:`~DeepSpeedUpdateEngine.named_weights` gathers ZeRO-3's sharded parameters, so
 every rank yields full tensors.
 
-Process group: the engine joins the default one when it exists; otherwise DeepSpeed
-creates it from the usual ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``
-environment (torchrun's), or, with none of them set, a one-process group on loopback.
+Process group: the engine joins the default one when it exists; otherwise it creates it
+from the usual ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` environment
+(torchrun's), or, with none of them set, a one-process group over an in-process store,
+and DeepSpeed adopts it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from flowrl._pipeline.weights import load_named, module_weights
-from flowrl.engines._distributed import set_single_process_env
+from flowrl.engines._distributed import init_default_group
 from flowrl.engines._training import OptimConfig, TokenWeightedTrainer, missing_state
 from flowrl.errors import ConfigError
 from flowrl.models.causal import CausalLM, as_causal_lm
@@ -187,8 +188,8 @@ def _init_process_group(backend: str | None) -> None:
     # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (a C++ build of
     # minutes) unless its table of compatible ops says no; plain gloo needs no build.
     vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
-    set_single_process_env()
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    init_default_group(backend)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)  # adopts it
 
 
 def _refusal(state: Mapping[str, Any], rank: int, world_size: int, stage: int) -> str | None:

@@ -23,7 +23,7 @@ as well as on GPUs, through Megatron's own extension points and without patching
 
 Parallelism: tensor and pipeline parallel size 1; data parallel over every rank of the
 default process group (joined when it exists, else created from torchrun's ``RANK`` /
-``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``, or a one-process group on loopback;
+``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``, or a one-process group in-process;
 gloo on CPU, NCCL with CUDA), gradients summed over Megatron's data-parallel group. The
 optimizer is torch's AdamW (:class:`~flowrl.engines.OptimConfig`), as in the other
 engines. Megatron is imported only when an engine is constructed.
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from flowrl._pipeline.weights import load_named, module_weights
-from flowrl.engines._distributed import set_single_process_env
+from flowrl.engines._distributed import init_default_group
 from flowrl.engines._megatron_llama import LlamaShape, hf_to_megatron, megatron_to_hf
 from flowrl.engines._training import OptimConfig, TokenWeightedTrainer
 from flowrl.engines.base import TrainBatch
@@ -260,9 +260,8 @@ def _init_parallel(backend: str | None) -> bool:
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        set_single_process_env()
         cuda = torch.cuda.is_available()
-        dist.init_process_group(backend or ("nccl" if cuda else "gloo"))
+        init_default_group(backend or ("nccl" if cuda else "gloo"))
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if parallel_state.model_parallel_is_initialized():

@@ -10,7 +10,9 @@ What it measures, on one model and one set of prompts for every engine:
   step over the same prompts with random responses of ``--new-tokens`` tokens, in
   ``--micro-batches`` micro-batches, a token-mean NLL loss; the fastest of ``--rounds``
   steps after one warm-up step. DeepSpeed runs ZeRO-2 on one gloo rank here (its sharding
-  pays off with more ranks; the figure shows its per-rank overhead).
+  pays off with more ranks; the figure shows its per-rank overhead); Megatron-core runs
+  its GPT rebuilt from the Llama (tensor and pipeline parallel 1, one gloo rank, SDPA
+  core attention): read it against ``torch-hf-llama``, the same weights in transformers.
 - ``weight_sync``: for each transport of ``--sync-transports``, the latency from the end of
   a trainer step to the first decoding step of a rollout engine *in another process*
   sampling with the new version, for a Llama of ``--sync-hidden`` x ``--sync-layers``
@@ -116,6 +118,12 @@ def _deepspeed(model: torch.nn.Module) -> UpdateEngine:
     return DeepSpeedUpdateEngine(model, OptimConfig(lr=1e-4), zero_stage=2)
 
 
+def _megatron(model: torch.nn.Module) -> UpdateEngine:
+    from flowrl.engines import MegatronUpdateEngine
+
+    return MegatronUpdateEngine(model, OptimConfig(lr=1e-4))
+
+
 ROLLOUT_ENGINES: dict[str, Callable[[argparse.Namespace], RolloutEngine]] = {
     "torch-tinylm": lambda a: TorchRolloutEngine(tinylm(a)),
     "torch-hf-llama": lambda a: TorchRolloutEngine(hf_llama(a, a.hidden, a.layers)),
@@ -126,6 +134,7 @@ UPDATE_ENGINES: dict[str, Callable[[argparse.Namespace], UpdateEngine]] = {
         hf_llama(a, a.hidden, a.layers), OptimConfig(lr=1e-4)
     ),
     "deepspeed-zero2-hf-llama": lambda a: _deepspeed(hf_llama(a, a.hidden, a.layers)),
+    "megatron-hf-llama": lambda a: _megatron(hf_llama(a, a.hidden, a.layers)),
 }
 
 

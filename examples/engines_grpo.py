@@ -4,8 +4,9 @@ What it shows: the engine layer end to end on CPU. A rollout process runs a
 ``TorchRolloutEngine`` and streams each finished response to the trainer the moment it is
 done (a ``multiprocessing`` queue stands in for the hub here), checking for new weights
 between decoding steps (``flowrl.WeightSubscriber``) and resuming interrupted requests
-under them. The trainer (``--trainer torch`` or ``deepspeed``: ZeRO-``--zero-stage`` on one
-gloo rank) groups ``--samples`` responses per problem, scores them with the arithmetic
+under them. The trainer (``--trainer torch``; ``deepspeed``: ZeRO-``--zero-stage`` on one
+gloo rank; ``megatron``: a Megatron-core GPT rebuilt from ``--model hf``) groups
+``--samples`` responses per problem, scores them with the arithmetic
 task's ``verify``, recomputes log-probs, takes one step of the clipped GRPO objective with
 the truncated importance-sampling correction (``--tis-cap``) and publishes the new version
 (``flowrl.WeightPublisher``). ``--model tinylm`` (flowrl's model) or ``hf`` (a small
@@ -40,21 +41,9 @@ from flowrl.engines import (
     TrainBatch,
     UpdateEngine,
 )
-from flowrl.models import TinyLM, TinyLMConfig, as_causal_lm
+from flowrl.models import TinyLM, TinyLMConfig
 from flowrl.rl import group_advantages, grpo_loss
 from flowrl.tasks import EOS_ID, VOCAB_SIZE, ArithTask, pretrain, verify
-
-
-class _Logits(torch.nn.Module):
-    """``forward(ids, attention_mask) -> logits`` over any policy, for the warm-up."""
-
-    def __init__(self, policy: torch.nn.Module) -> None:
-        super().__init__()
-        self.policy = policy
-        self._lm = as_causal_lm(policy)
-
-    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self._lm(ids, attention_mask=attention_mask)
 
 
 def build_policy(kind: str, seed: int) -> torch.nn.Module:
@@ -66,8 +55,8 @@ def build_policy(kind: str, seed: int) -> torch.nn.Module:
     else:
         model = TinyLM(TinyLMConfig(vocab_size=VOCAB_SIZE, d_model=64, max_seq_len=32))
     task = ArithTask(digits=(1, 2), seed=seed)
-    pretrain(_Logits(model), task, 300, lr=3e-3, noise=0.0, seed=seed)
-    pretrain(_Logits(model), task, 100, lr=3e-4, noise=0.8, seed=seed + 1)
+    pretrain(model, task, 300, lr=3e-3, noise=0.0, seed=seed)
+    pretrain(model, task, 100, lr=3e-4, noise=0.8, seed=seed + 1)
     return model.eval()
 
 
@@ -100,13 +89,17 @@ def make_trainer(args: argparse.Namespace, policy: torch.nn.Module) -> UpdateEng
         from flowrl.engines import DeepSpeedUpdateEngine
 
         return DeepSpeedUpdateEngine(policy, optim, zero_stage=args.zero_stage)
+    if args.trainer == "megatron":
+        from flowrl.engines import MegatronUpdateEngine
+
+        return MegatronUpdateEngine(policy, optim)
     return TorchUpdateEngine(policy, optim)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["tinylm", "hf"], default="tinylm")
-    parser.add_argument("--trainer", choices=["torch", "deepspeed"], default="torch")
+    parser.add_argument("--trainer", choices=["torch", "deepspeed", "megatron"], default="torch")
     parser.add_argument("--zero-stage", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--prompts", type=int, default=8)

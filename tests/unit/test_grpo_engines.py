@@ -87,7 +87,8 @@ def test_deepspeed_trainer_resumes_its_checkpoint_exactly(tmp_path: Path, capsys
         ({"engine": "vllm"}, "--engine vllm with --model tinylm: vLLM loads a Hugging Face"),
         ({"engine": "torch"}, "--append-every 2 with --engine torch: token-granular appends"),
         ({"engine": "sglang"}, "--engine 'sglang': expected one of builtin, torch, vllm"),
-        ({"trainer": "megatron"}, "--trainer 'megatron': expected one of builtin, torch,"),
+        ({"trainer": "nemo"}, "--trainer 'nemo': expected one of builtin, torch, deepspeed,"),
+        ({"trainer": "megatron"}, "--trainer megatron with --model tinylm: the Megatron"),
         ({"model": "llama", "d_model": 48}, "--d-model 48: expected a multiple of 32 with"),
         ({"zero_stage": 4}, "--zero-stage 4: expected an int in [0, 3]"),
         ({"tis_cap": -1.0}, "--tis-cap -1.0: expected a number >= 0"),
@@ -97,6 +98,19 @@ def test_combinations_that_cannot_run_are_refused(options: dict, says: str) -> N
     with pytest.raises(ConfigError) as refused:
         GRPOConfig(**options)
     assert str(refused.value).startswith(says)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is not None, reason="megatron is installed"
+)
+def test_megatron_without_megatron_names_the_install_line(tmp_path: Path, capsys) -> None:
+    argv = ["--trainer=megatron", "--model=llama", f"--out={tmp_path}"]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "flowrl run grpo: error: --trainer megatron needs megatron, which is not" in err
+    assert "flowrl[megatron]" in err and "Traceback" not in err
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")

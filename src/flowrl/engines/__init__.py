@@ -3,8 +3,10 @@
 ``flowrl.engines.base`` defines the protocol; implementations live beside it:
 :class:`TorchRolloutEngine` and :class:`TorchUpdateEngine` (the built-in ones, over a
 :class:`~flowrl.models.TinyLM` or a Hugging Face causal LM), :class:`DeepSpeedUpdateEngine`
-(ZeRO 1-3; imports ``deepspeed`` only when constructed) and, in ``flowrl.engines.vllm``,
-vLLM. Importing this package imports torch but no optional dependency. See docs/engines.md.
+(ZeRO 1-3; imports ``deepspeed`` only when constructed), :class:`MegatronUpdateEngine`
+(a Megatron-core GPT; imports ``megatron.core`` only when constructed) and, in
+``flowrl.engines.vllm``, vLLM. Importing this package imports torch but no optional
+dependency. See docs/engines.md.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from flowrl.engines.base import (
     UpdateEngine,
 )
 from flowrl.engines.deepspeed import DeepSpeedUpdateEngine
+from flowrl.engines.megatron import MegatronUpdateEngine
 from flowrl.engines.torch_rollout import TorchRolloutEngine
 from flowrl.engines.torch_update import TorchUpdateEngine
 
@@ -28,6 +31,7 @@ __all__ = [
     "DeepSpeedUpdateEngine",
     "GenerationRequest",
     "LossFn",
+    "MegatronUpdateEngine",
     "OptimConfig",
     "RolloutEngine",
     "SamplingParams",

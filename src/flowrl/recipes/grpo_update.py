@@ -7,12 +7,13 @@ log-probs), over the Loader's batch packed as a :class:`~flowrl.engines.TrainBat
 (:func:`train_batch`):
 
 * ``builtin`` (:class:`BuiltinUpdate`): AdamW on the policy, in the recipe;
-* ``torch`` and ``deepspeed`` (:class:`EngineUpdate`): one
+* ``torch``, ``deepspeed`` and ``megatron`` (:class:`EngineUpdate`): one
   :meth:`~flowrl.engines.UpdateEngine.train_step` of a
-  :class:`~flowrl.engines.TorchUpdateEngine` or a
+  :class:`~flowrl.engines.TorchUpdateEngine`, a
   :class:`~flowrl.engines.DeepSpeedUpdateEngine` (ZeRO ``--zero-stage`` on a process group
-  of one rank). The weights published are the engine's ``named_weights()`` (gathered
-  under ZeRO-3).
+  of one rank) or a :class:`~flowrl.engines.MegatronUpdateEngine` (a Megatron-core GPT
+  built from the Llama, one rank). The weights published are the engine's
+  ``named_weights()`` (gathered under ZeRO-3, under the Llama's names from Megatron).
 
 All use AdamW at ``--lr`` without weight decay and clip gradients to norm 1.
 """
@@ -82,6 +83,10 @@ def make_update(cfg: GRPOConfig, model: torch.nn.Module, *, version: int) -> Pol
         engine: TokenWeightedTrainer = DeepSpeedUpdateEngine(
             model, optim, zero_stage=cfg.zero_stage, version=version
         )
+    elif cfg.trainer == "megatron":
+        from flowrl.engines import MegatronUpdateEngine
+
+        engine = MegatronUpdateEngine(model, optim, version=version)
     else:
         engine = TorchUpdateEngine(model, optim, version=version)
     return EngineUpdate(cfg, engine)

@@ -211,6 +211,51 @@ def reload(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     }
 
 
+def grpo_step_times(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """The main job on the vLLM engine, streaming (``max_staleness`` 1) against synchronous
+    (``max_staleness`` 0): same seed, model, prompts and steps; each step's wall time
+    (``step_s`` in metrics.jsonl), the first ``--grpo-warmup`` steps left out."""
+    from flowrl.recipes.grpo_arith import GRPOConfig, run
+
+    modes: dict[str, dict[str, Any]] = {}
+    for mode, staleness in (("streaming", 1), ("synchronous", 0)):
+        cfg = GRPOConfig(
+            steps=args.grpo_warmup + args.grpo_steps,
+            clean_steps=args.grpo_clean_steps,
+            noisy_steps=args.grpo_clean_steps // 5,
+            eval_size=8,
+            engine="vllm",
+            model="llama",
+            append_every=0,
+            max_staleness=staleness,
+            log_every=0,
+            checkpoint_every=0,
+            progress=False,
+            out=str(root / f"grpo-{mode}"),
+        )
+        summary = run(cfg)
+        lines = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+        timed = [m for m in map(json.loads, lines) if "summary" not in m][args.grpo_warmup :]
+        step_s = statistics.median(m["step_s"] for m in timed)
+        tokens = sum(m["n_tokens"] for m in timed)
+        modes[mode] = {
+            "step_s_median": round(step_s, 3),
+            "step_s": [round(m["step_s"], 3) for m in timed],
+            "wait_s_median": round(statistics.median(m["wait_s"] for m in timed), 3),
+            "trained_tokens_per_s": round(tokens / sum(m["step_s"] for m in timed), 1),
+            "lag_mean": round(statistics.mean(m["lag_mean"] for m in timed), 3),
+        }
+    return {
+        "timed_steps": args.grpo_steps,
+        "warmup_steps_excluded": args.grpo_warmup,
+        "samples_per_step": cfg.prompts_per_step * cfg.group_size,
+        **modes,
+        "streaming_speedup": round(
+            modes["synchronous"]["step_s_median"] / modes["streaming"]["step_s_median"], 3
+        ),
+    }
+
+
 def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the JSON only
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -228,13 +273,22 @@ def main() -> None:
     parser.add_argument("--reload-intermediate", type=int, default=2048)
     parser.add_argument("--reload-repeats", type=int, default=5)
     parser.add_argument("--skip-reload", action="store_true")
+    parser.add_argument("--grpo-steps", type=int, default=8, help="timed GRPO steps per mode")
+    parser.add_argument("--grpo-warmup", type=int, default=2, help="GRPO steps not timed")
+    parser.add_argument("--grpo-clean-steps", type=int, default=200)
+    parser.add_argument("--skip-grpo", action="store_true")
+    parser.add_argument("--only-grpo", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
-        report: dict[str, Any] = {"throughput": throughput(args, Path(tmp))}
-        if not args.skip_reload:
-            report["reload"] = reload(args, Path(tmp))
+        report: dict[str, Any] = {}
+        if not args.only_grpo:
+            report["throughput"] = throughput(args, Path(tmp))
+            if not args.skip_reload:
+                report["reload"] = reload(args, Path(tmp))
+        if not args.skip_grpo:
+            report["grpo"] = grpo_step_times(args, Path(tmp))
     import vllm
 
     report["vllm"] = vllm.__version__

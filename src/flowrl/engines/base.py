@@ -70,7 +70,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to sample: ``max_new_tokens`` bounds a whole response (a resumed prefix counts).
 
     ``temperature`` 0 is greedy; log-probs are ``log_softmax(logits / temperature)`` in
-    float32 (of the unscaled logits when greedy), the quantity a trainer recomputes.
+    float32 (of the unscaled logits when greedy), the quantity a trainer recomputes. With
+    ``top_p`` < 1 they are renormalised over the nucleus sampled from
+    (:func:`flowrl.models.nucleus_logprobs`; ``token_logprobs(..., top_p=)`` recomputes
+    them): the behaviour policy's log-probs, which a TIS correction needs.
     ``seed``: a request's random stream is seeded from ``seed``, the request id and its
     prefix length where the engine supports it (reproducible per sample, whatever the batch
     it runs in; a resumed request does not replay the draws it started with).

@@ -157,6 +157,7 @@ def run(cfg: GRPOConfig, *, resume: str | Path | None = None) -> dict[str, Any]:
                 step=trainer.step,
                 version=trainer.version,
                 wait_s=waited,
+                step_s=time.time() - step_start,  # this step's wall time, waits included
                 samples_per_s=(trainer.step + 1 - start) * batch_size / (time.time() - t_rl),
                 busy={  # stage busy fractions over this step, from the event stream
                     name: round(timeline.busy_fraction(name, step_start, time.time()), 3)

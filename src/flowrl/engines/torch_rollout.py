@@ -144,6 +144,15 @@ class TorchRolloutEngine(RolloutEngine):
         self._forget(c.id for c in out)
         return out
 
+    def partial(self, ids: Iterable[int] | None = None) -> list[Completion]:
+        wanted = None if ids is None else set(ids)
+        return [
+            r.completion(False)
+            for cohort in (*self._waiting, *self._running)
+            for r in cohort.rows
+            if wanted is None or r.request.id in wanted
+        ]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named(self.model, weights)
 

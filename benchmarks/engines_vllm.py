@@ -211,44 +211,57 @@ def reload(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     }
 
 
-def grpo_step_times(args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    """The main job on the vLLM engine, streaming (``max_staleness`` 1) against synchronous
-    (``max_staleness`` 0): same seed, model, prompts and steps; each step's wall time
-    (``step_s`` in metrics.jsonl), the first ``--grpo-warmup`` steps left out."""
+GRPO_MODES = {"streaming": 1, "synchronous": 0}  # mode: max_staleness
+
+
+def grpo_run(args: argparse.Namespace, root: Path, staleness: int) -> list[dict[str, Any]]:
+    """One run of the main job on vLLM; its timed steps' metrics (warm-up steps left out)."""
     from flowrl.recipes.grpo_arith import GRPOConfig, run
 
-    modes: dict[str, dict[str, Any]] = {}
-    for mode, staleness in (("streaming", 1), ("synchronous", 0)):
-        cfg = GRPOConfig(
-            steps=args.grpo_warmup + args.grpo_steps,
-            clean_steps=args.grpo_clean_steps,
-            noisy_steps=args.grpo_clean_steps // 5,
-            eval_size=8,
-            engine="vllm",
-            model="llama",
-            append_every=0,
-            max_staleness=staleness,
-            log_every=0,
-            checkpoint_every=0,
-            progress=False,
-            out=str(root / f"grpo-{mode}"),
-        )
-        summary = run(cfg)
-        lines = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
-        timed = [m for m in map(json.loads, lines) if "summary" not in m][args.grpo_warmup :]
-        step_s = statistics.median(m["step_s"] for m in timed)
-        tokens = sum(m["n_tokens"] for m in timed)
-        modes[mode] = {
-            "step_s_median": round(step_s, 3),
-            "step_s": [round(m["step_s"], 3) for m in timed],
-            "wait_s_median": round(statistics.median(m["wait_s"] for m in timed), 3),
-            "trained_tokens_per_s": round(tokens / sum(m["step_s"] for m in timed), 1),
-            "lag_mean": round(statistics.mean(m["lag_mean"] for m in timed), 3),
+    cfg = GRPOConfig(
+        steps=args.grpo_warmup + args.grpo_steps,
+        clean_steps=args.grpo_clean_steps,
+        noisy_steps=args.grpo_clean_steps // 5,
+        eval_size=8,
+        engine="vllm",
+        model="llama",
+        append_every=0,
+        max_staleness=staleness,
+        log_every=0,
+        checkpoint_every=0,
+        progress=False,
+        out=str(root),
+    )
+    summary = run(cfg)
+    lines = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    return [m for m in map(json.loads, lines) if "summary" not in m][args.grpo_warmup :]
+
+
+def grpo_step_times(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """The main job on the vLLM engine, streaming against synchronous: ``--grpo-rounds``
+    runs of each, the order alternating (S, Y, Y, S, ...) so the machine's drift hits both
+    alike; each step's wall time from metrics.jsonl, warm-up steps left out, pooled."""
+    timed: dict[str, list[dict[str, Any]]] = {mode: [] for mode in GRPO_MODES}
+    for r in range(args.grpo_rounds):
+        order = list(GRPO_MODES) if r % 2 == 0 else list(GRPO_MODES)[::-1]
+        for mode in order:
+            timed[mode] += grpo_run(args, root / f"grpo-{mode}", GRPO_MODES[mode])
+    modes = {
+        mode: {
+            "step_s_median": round(statistics.median(m["step_s"] for m in steps), 3),
+            "step_s": [round(m["step_s"], 3) for m in steps],
+            "wait_s_median": round(statistics.median(m["wait_s"] for m in steps), 3),
+            "trained_tokens_per_s": round(
+                sum(m["n_tokens"] for m in steps) / sum(m["step_s"] for m in steps), 1
+            ),
+            "lag_mean": round(statistics.mean(m["lag_mean"] for m in steps), 3),
         }
+        for mode, steps in timed.items()
+    }
     return {
-        "timed_steps": args.grpo_steps,
-        "warmup_steps_excluded": args.grpo_warmup,
-        "samples_per_step": cfg.prompts_per_step * cfg.group_size,
+        "runs_per_mode": args.grpo_rounds,
+        "timed_steps_per_run": args.grpo_steps,
+        "warmup_steps_excluded_per_run": args.grpo_warmup,
         **modes,
         "streaming_speedup": round(
             modes["synchronous"]["step_s_median"] / modes["streaming"]["step_s_median"], 3
@@ -273,9 +286,10 @@ def main() -> None:
     parser.add_argument("--reload-intermediate", type=int, default=2048)
     parser.add_argument("--reload-repeats", type=int, default=5)
     parser.add_argument("--skip-reload", action="store_true")
-    parser.add_argument("--grpo-steps", type=int, default=8, help="timed GRPO steps per mode")
-    parser.add_argument("--grpo-warmup", type=int, default=2, help="GRPO steps not timed")
-    parser.add_argument("--grpo-clean-steps", type=int, default=200)
+    parser.add_argument("--grpo-steps", type=int, default=30, help="timed GRPO steps per run")
+    parser.add_argument("--grpo-warmup", type=int, default=3, help="GRPO steps not timed")
+    parser.add_argument("--grpo-rounds", type=int, default=2, help="GRPO runs per mode")
+    parser.add_argument("--grpo-clean-steps", type=int, default=100)
     parser.add_argument("--skip-grpo", action="store_true")
     parser.add_argument("--only-grpo", action="store_true")
     parser.add_argument("--json", action="store_true")

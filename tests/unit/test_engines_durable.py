@@ -76,7 +76,7 @@ def test_appends_are_each_response_in_order_and_change_nothing_sampled() -> None
         response, sent = out.responses[k].tolist(), recording.appended["response"][k]
         assert stored.values[k].tolist() == sent == response[: len(sent)]
         assert recording.appended["sample_logprobs"][k] == out.logprobs[k][: len(sent)].tolist()
-        assert len(sent) >= 2 * (len(response) // 2) - 1  # nothing waits more than 2 steps
+        assert len(sent) >= len(response) - 2  # nothing waits more than 2 steps
     assert all(v == [0] * len(v) for v in stored.versions.tolist())
     hub.close()
 

@@ -13,11 +13,12 @@ is :func:`flowrl.rl.generate_resumable`). It
    before adding the requests and between steps when ``poll_weights`` offers one
    (``update_weights``: running requests resume from their prefixes under it, their next
    tokens tagged with it);
-3. every ``append_every`` engine steps, and before every weight update, appends what each
-   request generated since the last append (:meth:`~flowrl.engines.RolloutEngine.partial`
-   for those still running, the whole response for those that finished) to the hub's
-   ``response`` and ``logprobs`` columns in one ``hub.append``, tagged with the version
-   that sampled those tokens (one version: an append comes before every update);
+3. every ``append_every`` engine steps while any request runs, and before every weight
+   update, appends what each request generated since the last append
+   (:meth:`~flowrl.engines.RolloutEngine.partial` for those still running, the whole
+   response for those that finished) to the hub's ``response`` and ``logprobs`` columns
+   in one ``hub.append``, tagged with the version that sampled those tokens (one
+   version: an append comes before every update);
 4. returns each sample's whole response (stored prefix + new tokens), log-probs and the
    version of every token, for the stage to ``put``: the put completes the columns.
 
@@ -113,8 +114,8 @@ def generate_durable(
             load_newer()
             stream.done.update((c.id, c) for c in engine.step())
             steps += 1
-            if append_every and steps % append_every == 0:
-                stream.append()
+            if append_every and steps % append_every == 0 and engine.pending:
+                stream.append()  # (not once all are done: the put follows at once)
     except BaseException:
         engine.abort(ids)
         raise

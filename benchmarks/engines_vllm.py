@@ -23,6 +23,21 @@ in a temp dir; nothing downloaded):
    produced new-version tokens for them (abort, reload, re-prefill of prompt + prefix,
    one decoding step). Target: <= 1 s.
 
+3. The issue's streaming GRPO step time against synchronous with the vLLM engine
+   (``grpo``; ``--only-grpo`` runs just this, ``--skip-grpo`` leaves it out): the main
+   job (``flowrl run grpo --engine vllm --model llama``, its default shape: 16 groups of
+   8 per step, micro-batches of 32, a 2-layer Llama 64 wide, the same seed, prompts and
+   steps) in its streaming mode (``--max-staleness 1``: the rollout of step k+1 overlaps
+   the update of step k) and its synchronous mode (``--max-staleness 0``), ``--grpo-rounds``
+   runs each in alternating order (S, Y, Y, S, ...), each run ``--grpo-warmup`` untimed
+   steps then ``--grpo-steps`` timed ones (the warm-up training and the vLLM start-up are
+   never timed). Per mode: the median step wall time (``step_s`` of metrics.jsonl, the
+   trainer's wait included), the trainer's median wait, trained response tokens per
+   second, the median CPU seconds per step of the whole process (``cpu_s``) and
+   ``cpu_per_wall``, the cores the job kept busy on average: overlap shows there, and it
+   needs idle cores. ``streaming_speedup`` = synchronous / streaming median step time;
+   ``load_average_1min`` (before, after) says how busy the machine was.
+
 How to read it: ``throughput_ratio`` = engine path / ``LLM.generate`` in tokens per CPU
 second of this process (every thread; the best round of each), the figure other jobs on
 a shared machine disturb least; ``throughput_ratio_wall`` (best rounds) and
@@ -242,6 +257,7 @@ def grpo_step_times(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     runs of each, the order alternating (S, Y, Y, S, ...) so the machine's drift hits both
     alike; each step's wall time from metrics.jsonl, warm-up steps left out, pooled."""
     timed: dict[str, list[dict[str, Any]]] = {mode: [] for mode in GRPO_MODES}
+    load_before = os.getloadavg()[0]
     for r in range(args.grpo_rounds):
         order = list(GRPO_MODES) if r % 2 == 0 else list(GRPO_MODES)[::-1]
         for mode in order:
@@ -251,6 +267,10 @@ def grpo_step_times(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "step_s_median": round(statistics.median(m["step_s"] for m in steps), 3),
             "step_s": [round(m["step_s"], 3) for m in steps],
             "wait_s_median": round(statistics.median(m["wait_s"] for m in steps), 3),
+            "cpu_s_median": round(statistics.median(m["cpu_s"] for m in steps), 3),
+            "cpu_per_wall": round(
+                sum(m["cpu_s"] for m in steps) / sum(m["step_s"] for m in steps), 2
+            ),
             "trained_tokens_per_s": round(
                 sum(m["n_tokens"] for m in steps) / sum(m["step_s"] for m in steps), 1
             ),
@@ -259,6 +279,8 @@ def grpo_step_times(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         for mode, steps in timed.items()
     }
     return {
+        "load_average_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+        "cpu_cores": os.cpu_count(),
         "runs_per_mode": args.grpo_rounds,
         "timed_steps_per_run": args.grpo_steps,
         "warmup_steps_excluded_per_run": args.grpo_warmup,

@@ -4,7 +4,9 @@
 :class:`TorchRolloutEngine` and :class:`TorchUpdateEngine` (the built-in ones, over a
 :class:`~flowrl.models.TinyLM` or a Hugging Face causal LM), :class:`DeepSpeedUpdateEngine`
 (ZeRO 1-3; imports ``deepspeed`` only when constructed) and, in ``flowrl.engines.vllm``,
-vLLM. Importing this package imports torch but no optional dependency. See docs/engines.md.
+vLLM. :func:`generate_durable` runs a claimed micro-batch on any rollout engine durably
+(token-granular appends to the hub, resumption from a stored prefix). Importing this
+package imports torch but no optional dependency. See docs/engines.md.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from flowrl.engines.base import (
     UpdateEngine,
 )
 from flowrl.engines.deepspeed import DeepSpeedUpdateEngine
+from flowrl.engines.durable import generate_durable
 from flowrl.engines.torch_rollout import TorchRolloutEngine
 from flowrl.engines.torch_update import TorchUpdateEngine
 
@@ -35,4 +38,5 @@ __all__ = [
     "TorchUpdateEngine",
     "TrainBatch",
     "UpdateEngine",
+    "generate_durable",
 ]

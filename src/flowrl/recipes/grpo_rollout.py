@@ -192,6 +192,9 @@ class EngineSampler:
         )
 
     def _policy(self) -> tuple[CausalLM, int]:
-        """The torch copy with the newest weights (rarely needed: see ``read_prefixes``)."""
+        """The torch copy with the newest weights (rarely needed: see ``read_prefixes``).
+        The torch engine samples with this very model: ``generate_durable`` loads that
+        newest version into the engine right after, so its version catches up before any
+        token is sampled."""
         self._model_version = self._backend.store.pull(self._model, self._model_version)
         return as_causal_lm(self._model), self._model_version

@@ -23,6 +23,21 @@ in a temp dir; nothing downloaded):
    produced new-version tokens for them (abort, reload, re-prefill of prompt + prefix,
    one decoding step). Target: <= 1 s.
 
+3. The issue's streaming GRPO step time against synchronous with the vLLM engine
+   (``grpo``; ``--only-grpo`` runs just this, ``--skip-grpo`` leaves it out): the main
+   job (``flowrl run grpo --engine vllm --model llama``, its default shape: 16 groups of
+   8 per step, micro-batches of 32, a 2-layer Llama 64 wide, the same seed, prompts and
+   steps) in its streaming mode (``--max-staleness 1``: the rollout of step k+1 overlaps
+   the update of step k) and its synchronous mode (``--max-staleness 0``), ``--grpo-rounds``
+   runs each in alternating order (S, Y, Y, S, ...), each run ``--grpo-warmup`` untimed
+   steps then ``--grpo-steps`` timed ones (the warm-up training and the vLLM start-up are
+   never timed). Per mode: the median step wall time (``step_s`` of metrics.jsonl, the
+   trainer's wait included), the trainer's median wait, trained response tokens per
+   second, the median CPU seconds per step of the whole process (``cpu_s``) and
+   ``cpu_per_wall``, the cores the job kept busy on average: overlap shows there, and it
+   needs idle cores. ``streaming_speedup`` = synchronous / streaming median step time;
+   ``load_average_1min`` (before, after) says how busy the machine was.
+
 How to read it: ``throughput_ratio`` = engine path / ``LLM.generate`` in tokens per CPU
 second of this process (every thread; the best round of each), the figure other jobs on
 a shared machine disturb least; ``throughput_ratio_wall`` (best rounds) and
@@ -211,6 +226,71 @@ def reload(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     }
 
 
+GRPO_MODES = {"streaming": 1, "synchronous": 0}  # mode: max_staleness
+
+
+def grpo_run(args: argparse.Namespace, root: Path, staleness: int) -> list[dict[str, Any]]:
+    """One run of the main job on vLLM; its timed steps' metrics (warm-up steps left out)."""
+    from flowrl.recipes.grpo_arith import GRPOConfig, run
+
+    cfg = GRPOConfig(
+        steps=args.grpo_warmup + args.grpo_steps,
+        clean_steps=args.grpo_clean_steps,
+        noisy_steps=args.grpo_clean_steps // 5,
+        eval_size=8,
+        engine="vllm",
+        model="llama",
+        append_every=0,
+        max_staleness=staleness,
+        log_every=0,
+        checkpoint_every=0,
+        progress=False,
+        out=str(root),
+    )
+    summary = run(cfg)
+    lines = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    return [m for m in map(json.loads, lines) if "summary" not in m][args.grpo_warmup :]
+
+
+def grpo_step_times(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """The main job on the vLLM engine, streaming against synchronous: ``--grpo-rounds``
+    runs of each, the order alternating (S, Y, Y, S, ...) so the machine's drift hits both
+    alike; each step's wall time from metrics.jsonl, warm-up steps left out, pooled."""
+    timed: dict[str, list[dict[str, Any]]] = {mode: [] for mode in GRPO_MODES}
+    load_before = os.getloadavg()[0]
+    for r in range(args.grpo_rounds):
+        order = list(GRPO_MODES) if r % 2 == 0 else list(GRPO_MODES)[::-1]
+        for mode in order:
+            timed[mode] += grpo_run(args, root / f"grpo-{mode}", GRPO_MODES[mode])
+    modes = {
+        mode: {
+            "step_s_median": round(statistics.median(m["step_s"] for m in steps), 3),
+            "step_s": [round(m["step_s"], 3) for m in steps],
+            "wait_s_median": round(statistics.median(m["wait_s"] for m in steps), 3),
+            "cpu_s_median": round(statistics.median(m["cpu_s"] for m in steps), 3),
+            "cpu_per_wall": round(
+                sum(m["cpu_s"] for m in steps) / sum(m["step_s"] for m in steps), 2
+            ),
+            "trained_tokens_per_s": round(
+                sum(m["n_tokens"] for m in steps) / sum(m["step_s"] for m in steps), 1
+            ),
+            "lag_mean": round(statistics.mean(m["lag_mean"] for m in steps), 3),
+        }
+        for mode, steps in timed.items()
+    }
+    return {
+        "load_average_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+        "cpu_cores": os.cpu_count(),
+        "runs_per_mode": args.grpo_rounds,
+        "timed_steps_per_run": args.grpo_steps,
+        "warmup_steps_excluded_per_run": args.grpo_warmup,
+        **modes,
+        "streaming_speedup": round(
+            modes["synchronous"]["step_s_median"] / modes["streaming"]["step_s_median"], 3
+        ),
+    }
+
+
 def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the JSON only
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -228,13 +308,23 @@ def main() -> None:
     parser.add_argument("--reload-intermediate", type=int, default=2048)
     parser.add_argument("--reload-repeats", type=int, default=5)
     parser.add_argument("--skip-reload", action="store_true")
+    parser.add_argument("--grpo-steps", type=int, default=30, help="timed GRPO steps per run")
+    parser.add_argument("--grpo-warmup", type=int, default=3, help="GRPO steps not timed")
+    parser.add_argument("--grpo-rounds", type=int, default=2, help="GRPO runs per mode")
+    parser.add_argument("--grpo-clean-steps", type=int, default=100)
+    parser.add_argument("--skip-grpo", action="store_true")
+    parser.add_argument("--only-grpo", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
-        report: dict[str, Any] = {"throughput": throughput(args, Path(tmp))}
-        if not args.skip_reload:
-            report["reload"] = reload(args, Path(tmp))
+        report: dict[str, Any] = {}
+        if not args.only_grpo:
+            report["throughput"] = throughput(args, Path(tmp))
+            if not args.skip_reload:
+                report["reload"] = reload(args, Path(tmp))
+        if not args.skip_grpo:
+            report["grpo"] = grpo_step_times(args, Path(tmp))
     import vllm
 
     report["vllm"] = vllm.__version__

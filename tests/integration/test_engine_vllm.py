@@ -9,6 +9,7 @@ Every test leaves the engine with nothing pending.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import secrets
@@ -100,13 +101,16 @@ def drain(engine: VLLMRolloutEngine, steps: int = 10_000) -> list[list[Completio
 
 
 def recompute(
-    model: torch.nn.Module, c: Completion, p: np.ndarray, temperature: float
+    model: torch.nn.Module, c: Completion, p: np.ndarray, temperature: float, top_p: float = 1.0
 ) -> np.ndarray:
-    """The trainer's quantity: log_softmax(logits / T) of each response token, float32."""
+    """The trainer's quantity: log_softmax(logits / T) of each response token, float32
+    (renormalised over the top-p nucleus when ``top_p`` < 1)."""
+    from flowrl.models import nucleus_logprobs
+
     ids = torch.as_tensor(np.concatenate([p, c.tokens]))[None]
     with torch.no_grad():
         logits = model(ids).logits[0, len(p) - 1 : -1].float()
-    logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+    logp = nucleus_logprobs(logits / (temperature or 1.0), top_p)
     return logp.gather(1, torch.as_tensor(c.tokens)[:, None])[:, 0].numpy()
 
 
@@ -188,6 +192,102 @@ def test_logprobs_match_the_hf_models_recompute(rig: Rig, engine: VLLMRolloutEng
         for c in (c for cs in drain(engine) for c in cs):
             expected = recompute(rig.model, c, prompt(c.id), temperature)
             np.testing.assert_allclose(c.logprobs, expected, atol=2e-4, rtol=0)
+
+
+def test_top_p_logprobs_are_the_nucleus_ones_in_vllm_and_the_torch_engine(
+    rig: Rig, engine: VLLMRolloutEngine
+) -> None:
+    """At top_p < 1 both engines record the log-prob under the distribution they sampled
+    from, the nucleus renormalised (what TIS needs): each matches the same recompute, the
+    HF model's ``nucleus_logprobs``, vLLM to 2e-4 and the torch engine to 2e-5 (so they
+    agree to 2.2e-4), and neither is the untruncated log-prob."""
+    from flowrl.engines import TorchRolloutEngine
+
+    params = SamplingParams(max_new_tokens=12, temperature=1.3, top_p=0.6, seed=5)
+    torch_engine = TorchRolloutEngine(copy.deepcopy(rig.model))
+    for eng, atol in ((engine, 2e-4), (torch_engine, 2e-5)):
+        eng.add([GenerationRequest(i, prompt(i)) for i in range(6)], params)
+        gap = 0.0
+        for c in (c for cs in drain(eng) for c in cs):  # type: ignore[arg-type]
+            nucleus = recompute(rig.model, c, prompt(c.id), 1.3, top_p=0.6)
+            np.testing.assert_allclose(c.logprobs, nucleus, atol=atol, rtol=0)
+            gap = max(gap, float((nucleus - recompute(rig.model, c, prompt(c.id), 1.3)).max()))
+        assert gap > 0.05, type(eng).__name__  # truncation mattered for some token
+
+
+def test_partial_reads_running_requests_without_stopping_them(engine: VLLMRolloutEngine) -> None:
+    engine.add(
+        [GenerationRequest(i, prompt(i)) for i in range(3)], SamplingParams(max_new_tokens=9)
+    )
+    for _ in range(4):
+        engine.step()
+    now = {c.id: c for c in engine.partial([0, 2, 99])}
+    assert sorted(now) == [0, 2] and engine.pending == 3
+    assert all(not c.finished and 1 <= len(c.tokens) < 9 for c in now.values())
+    done = {c.id: c for cs in drain(engine) for c in cs}
+    for i, c in now.items():
+        np.testing.assert_array_equal(done[i].tokens[: len(c.tokens)], c.tokens)
+        np.testing.assert_array_equal(done[i].logprobs[: len(c.logprobs)], c.logprobs)
+
+
+def test_durable_generation_resumes_a_preempted_batch_from_its_appended_prefix(
+    rig: Rig, engine: VLLMRolloutEngine
+) -> None:
+    """``generate_durable`` on vLLM with a real embedded hub: the worker is preempted right
+    after its first append (the engine lets go of the batch); the same samples, claimed
+    again under the next version, continue from the appended tokens, log-probs and
+    versions, the new tokens tagged with the new version."""
+    import flowrl
+    from flowrl import Column
+    from flowrl.engines.durable import generate_durable
+
+    class Preempted(Exception):
+        pass
+
+    class PreemptedAfterFirstAppend:
+        def __init__(self, hub: flowrl.Hub) -> None:
+            self.hub = hub
+            self.appended: dict[str, list[list[float]]] = {}
+
+        def partial(self, *args: object, **kwargs: object) -> object:
+            return self.hub.partial(*args, **kwargs)  # type: ignore[arg-type]
+
+        def append(self, meta: object, chunk: dict, *, version: int) -> None:
+            self.hub.append(meta, chunk, version=version)  # type: ignore[arg-type]
+            self.appended = {k: [np.asarray(v).tolist() for v in vs] for k, vs in chunk.items()}
+            raise Preempted
+
+    columns = [
+        Column.ragged("prompt", "int64"),
+        Column.ragged("response", "int64"),
+        Column.ragged("sample_logprobs", "float32"),
+    ]
+    hub = flowrl.Hub(columns, tasks={"generate": ["prompt"]})
+    prompts = [prompt(i).tolist() for i in range(6)]
+    hub.put({"prompt": prompts})
+    meta = hub.claim("generate", 6, min_n=6, timeout=10)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=7)
+    old = engine.version
+    cut = PreemptedAfterFirstAppend(hub)
+    with pytest.raises(Preempted):
+        generate_durable(engine, cut, meta, prompts, params, ids=list(range(6)), append_every=3)
+    assert engine.pending == 0
+    assert [len(r) for r in cut.appended["response"]] == [3] * 6
+
+    def next_version(have: int) -> tuple[int, object] | None:
+        return None if have == old + 1 else (old + 1, rig.model.named_parameters())
+
+    out = generate_durable(
+        engine, hub, meta, prompts, params, ids=list(range(6)), append_every=3,
+        poll_weights=next_version,  # type: ignore[arg-type]
+    )  # fmt: skip
+    hub.close()
+    assert out.resumed == 6 and engine.version == old + 1
+    for k in range(6):
+        response = out.responses[k].tolist()
+        assert response[:3] == cut.appended["response"][k] and len(response) == 12
+        assert out.logprobs[k][:3].tolist() == cut.appended["sample_logprobs"][k]
+        assert out.versions[k].tolist() == [old] * 3 + [old + 1] * 9
 
 
 def test_seeded_requests_are_reproducible(engine: VLLMRolloutEngine) -> None:
@@ -315,6 +415,7 @@ def test_the_benchmark_reports_every_figure() -> None:
     business, not this test's)."""
     bench = Path(__file__).resolve().parents[2] / "benchmarks" / "engines_vllm.py"
     tiny = "--prompts 4 --max-new 8 --hidden 64 --layers 2 --vocab 128 --rounds 1"
+    grpo = "--grpo-steps 2 --grpo-warmup 1 --grpo-rounds 1 --grpo-clean-steps 5"
     reload = "--reload-hidden 128 --reload-layers 1 --reload-vocab 128 --reload-intermediate 128"
     out = subprocess.run(
         [
@@ -323,6 +424,7 @@ def test_the_benchmark_reports_every_figure() -> None:
             "--json",
             *tiny.split(),
             *reload.split(),
+            *grpo.split(),
             "--reload-repeats",
             "2",
         ],
@@ -335,5 +437,9 @@ def test_the_benchmark_reports_every_figure() -> None:
     t = report["throughput"]
     assert t["generated_tokens"]["engine"] == t["generated_tokens"]["offline"] > 0
     assert t["throughput_ratio"] > 0
+    g = report["grpo"]
+    for mode in ("streaming", "synchronous"):
+        assert len(g[mode]["step_s"]) == 2 and g[mode]["step_s_median"] > 0
+    assert g["synchronous"]["lag_mean"] == 0 and g["streaming_speedup"] > 0
     assert report["reload"]["reload_s"] > 0
     assert report["reload"]["update_to_first_token_s"] > 0

@@ -1,7 +1,8 @@
 """``flowrl run grpo --engine vllm --model llama`` at toy size: the job runs with vLLM as the
 rollout engine, the trainer's weights reaching it through ``update_weights`` between
-decoding steps. Synchronous, so every sample comes from the trainer's current weights and
-vLLM's sampler log-probs must be the trainer's recompute: the TIS ratio is 1 at every step,
+decoding steps, its tokens appended to the hub every engine step (durable rollouts).
+Synchronous, so every sample comes from the trainer's current weights and vLLM's sampler
+log-probs must be the trainer's recompute: the TIS ratio is 1 at every step,
 the first (weights from the saved directory) and the later ones (weights reloaded into
 vLLM). Skipped without vllm and transformers (see docs/engines_vllm.md to install)."""
 
@@ -38,7 +39,7 @@ def test_the_job_runs_on_vllm_and_its_logprobs_are_the_trainers(tmp_path: Path) 
         log_every=0,
         engine="vllm",
         model="llama",
-        append_every=0,
+        append_every=1,  # durable: every engine step's tokens reach the hub as they stream
         tis_cap=2.0,
         max_staleness=0,
         lr=3e-3,

@@ -75,13 +75,18 @@ def _drain(engine: TorchRolloutEngine, out: list[Completion], max_steps: int = 2
 
 
 def _recompute(
-    model: torch.nn.Module, prompts: list[np.ndarray], tokens: list[np.ndarray], temperature: float
+    model: torch.nn.Module,
+    prompts: list[np.ndarray],
+    tokens: list[np.ndarray],
+    temperature: float,
+    top_p: float = 1.0,
 ) -> list[np.ndarray]:
     ids, mask, starts, cu = build_batch(
         [torch.from_numpy(p) for p in prompts], [torch.from_numpy(t) for t in tokens]
     )
+    lm = as_causal_lm(model)
     with torch.no_grad():
-        lp = token_logprobs(as_causal_lm(model), ids, mask, starts, cu, temperature=temperature)
+        lp = token_logprobs(lm, ids, mask, starts, cu, temperature=temperature, top_p=top_p)
     return [lp[a:b].numpy() for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)]
 
 
@@ -143,6 +148,25 @@ def test_sampler_logprobs_match_recompute(make_model) -> None:
     again = _recompute(model, [r.prompt for r in requests], [c.tokens for c in out], 0.7)
     for c, lp in zip(out, again, strict=True):
         np.testing.assert_allclose(c.logprobs, lp, atol=2e-5)
+
+
+def test_top_p_logprobs_are_the_renormalised_nucleus(make_model) -> None:
+    # Recorded: the log-prob under the distribution sampled from (the nucleus, renormalised),
+    # what vLLM records and what a TIS correction needs; not the untruncated one.
+    model = make_model()
+    engine = TorchRolloutEngine(model)
+    requests = _requests(range(8))
+    engine.add(requests, SamplingParams(max_new_tokens=10, temperature=1.3, top_p=0.6, seed=5))
+    out: list[Completion] = []
+    _drain(engine, out)
+    out.sort(key=lambda c: c.id)
+    prompts, tokens = [r.prompt for r in requests], [c.tokens for c in out]
+    nucleus = np.concatenate(_recompute(model, prompts, tokens, 1.3, top_p=0.6))
+    full = np.concatenate(_recompute(model, prompts, tokens, 1.3))
+    recorded = np.concatenate([c.logprobs for c in out])
+    np.testing.assert_allclose(recorded, nucleus, atol=2e-5)
+    assert np.isfinite(recorded).all()  # every sampled token lies in its nucleus
+    assert (recorded >= full - 1e-6).all() and (recorded - full).max() > 0.1
 
 
 def test_seeded_request_does_not_depend_on_its_batch(make_model) -> None:

@@ -1,6 +1,7 @@
 """The main job on the engines (``--engine``, ``--trainer``, ``--model``) at toy size: a
 streaming run through the torch rollout and update engines over a Hugging Face Llama with
-the TIS correction, DeepSpeed ZeRO-3 as the trainer with a checkpoint that resumes, and
+the TIS correction and durable appends, appends that change nothing in a synchronous run,
+DeepSpeed ZeRO-3 as the trainer with a checkpoint that resumes, and
 combinations that cannot run refused before the warm-up, naming the flag."""
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def test_torch_engines_run_a_llama_with_tis(tmp_path: Path) -> None:
         engine="torch",
         trainer="torch",
         model="llama",
-        append_every=0,
+        append_every=1,  # durable: every engine step's tokens go to the hub as they stream
         tis_cap=2.0,
         max_staleness=1,
         out=str(tmp_path),
@@ -59,6 +60,18 @@ def test_torch_engines_run_a_llama_with_tis(tmp_path: Path) -> None:
         assert 0.0 <= m["is_truncated_fraction"] <= 1.0
         assert 0.0 <= m["token_lag_mean"] <= 1.0
     assert 0.0 <= summary["eval_greedy_after"] <= 1.0
+
+
+def test_engine_appends_change_nothing_that_is_sampled_or_trained(tmp_path: Path) -> None:
+    # Synchronous, one worker: the run is reproducible, and appending every engine step's
+    # tokens to the hub (then putting whole responses) leaves it the same run.
+    sync = {**TINY, "max_staleness": 0, "engine": "torch"}
+    a = run(GRPOConfig(**sync, append_every=0, out=str(tmp_path)))
+    b = run(GRPOConfig(**sync, append_every=1, out=str(tmp_path)))
+    keys = ("reward", "loss", "kl_ref", "n_tokens", "version", "lag_max", "token_lag_mean")
+    ma, mb = _metrics(a["run_dir"]), _metrics(b["run_dir"])
+    assert [[m[k] for k in keys] for m in ma] == [[m[k] for k in keys] for m in mb]
+    assert a["eval_greedy_after"] == b["eval_greedy_after"]
 
 
 def test_deepspeed_trainer_resumes_its_checkpoint_exactly(tmp_path: Path, capsys) -> None:
@@ -85,7 +98,6 @@ def test_deepspeed_trainer_resumes_its_checkpoint_exactly(tmp_path: Path, capsys
     ("options", "says"),
     [
         ({"engine": "vllm"}, "--engine vllm with --model tinylm: vLLM loads a Hugging Face"),
-        ({"engine": "torch"}, "--append-every 2 with --engine torch: token-granular appends"),
         ({"engine": "sglang"}, "--engine 'sglang': expected one of builtin, torch, vllm"),
         ({"trainer": "nemo"}, "--trainer 'nemo': expected one of builtin, torch, deepspeed,"),
         ({"trainer": "megatron"}, "--trainer megatron with --model tinylm: the Megatron"),

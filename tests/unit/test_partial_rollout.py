@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
+from preemption import Preempted, PreemptedAfter
 
 import flowrl
 from flowrl import Column
@@ -93,34 +93,6 @@ def test_chunks_are_the_response_in_order_and_do_not_change_what_is_sampled() ->
         assert len(sent[i]) == min(len(row), 3 * len(chunks))
 
 
-class Preempted(Exception):
-    """Stands for the worker being preempted right after an append."""
-
-
-class _PreemptedAfter:
-    """A real hub whose user is preempted after ``n`` appends (it records what they were)."""
-
-    def __init__(self, hub: flowrl.Hub, n: int) -> None:
-        self.hub = hub
-        self.n = n
-        self.appended: dict[str, list[list[Any]]] = {}
-
-    def partial(self, *args: Any, **kwargs: Any) -> Any:
-        return self.hub.partial(*args, **kwargs)
-
-    def append(self, meta: Any, column: Any, values: Any = None, *, version: int) -> Any:
-        lengths = self.hub.append(meta, column, values, version=version)
-        data = column if isinstance(column, dict) else {column: values}
-        for name, vals in data.items():
-            rows = self.appended.setdefault(name, [[] for _ in range(len(meta))])
-            for i, v in enumerate(vals):
-                rows[i].extend(np.asarray(v).tolist())
-        self.n -= 1
-        if self.n == 0:
-            raise Preempted
-        return lengths
-
-
 def _claim(hub: flowrl.Hub, n: int, lease_timeout: float) -> Any:
     meta = hub.claim("generate", n, min_n=n, lease_timeout=lease_timeout, timeout=10)
     assert len(meta) == n
@@ -132,7 +104,7 @@ def test_a_preempted_batch_resumes_from_its_prefix_with_mixed_versions() -> None
     model = _model(2)
     hub.put({"prompt": PROMPTS})
     first = _claim(hub, len(PROMPTS), lease_timeout=0.2)
-    cut = _PreemptedAfter(hub, 1)  # the tokens and log-probs of the first chunk, then gone
+    cut = PreemptedAfter(hub, 1)  # the tokens and log-probs of the first chunk, then gone
     with pytest.raises(Preempted):
         generate_resumable(
             model, cut, first, PROMPTS, MAX_NEW, version=0, eos_id=EOS, append_every=3,

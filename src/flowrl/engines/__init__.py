@@ -5,8 +5,10 @@
 :class:`~flowrl.models.TinyLM` or a Hugging Face causal LM), :class:`DeepSpeedUpdateEngine`
 (ZeRO 1-3; imports ``deepspeed`` only when constructed), :class:`MegatronUpdateEngine`
 (a Megatron-core GPT; imports ``megatron.core`` only when constructed) and, in
-``flowrl.engines.vllm``, vLLM. Importing this package imports torch but no optional
-dependency. See docs/engines.md.
+``flowrl.engines.vllm``, vLLM. :func:`generate_durable` runs a claimed micro-batch on any
+rollout engine durably (token-granular appends to the hub, resumption from a stored
+prefix). Importing this package imports torch but no optional dependency. See
+docs/engines.md.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from flowrl.engines.base import (
     UpdateEngine,
 )
 from flowrl.engines.deepspeed import DeepSpeedUpdateEngine
+from flowrl.engines.durable import generate_durable
 from flowrl.engines.megatron import MegatronUpdateEngine
 from flowrl.engines.torch_rollout import TorchRolloutEngine
 from flowrl.engines.torch_update import TorchUpdateEngine
@@ -39,4 +42,5 @@ __all__ = [
     "TorchUpdateEngine",
     "TrainBatch",
     "UpdateEngine",
+    "generate_durable",
 ]

@@ -27,6 +27,8 @@ Invariants every implementation keeps (the shared conformance tests assert them)
   response token and start with the request's prefix, unchanged;
 - a request is returned by :meth:`~RolloutEngine.step` or :meth:`~RolloutEngine.abort`
   exactly once; :attr:`~RolloutEngine.pending` counts those added and not yet returned;
+  :meth:`~RolloutEngine.partial` reads a pending request's tokens so far without
+  returning it;
 - ``max_new_tokens`` bounds the whole response, prefix included; a response is
   ``finished`` when it ends with ``eos_id`` or reaches ``max_new_tokens``;
 - after :meth:`~RolloutEngine.update_weights`, tokens sampled later carry the new version
@@ -70,7 +72,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to sample: ``max_new_tokens`` bounds a whole response (a resumed prefix counts).
 
     ``temperature`` 0 is greedy; log-probs are ``log_softmax(logits / temperature)`` in
-    float32 (of the unscaled logits when greedy), the quantity a trainer recomputes.
+    float32 (of the unscaled logits when greedy), the quantity a trainer recomputes. With
+    ``top_p`` < 1 they are renormalised over the nucleus sampled from
+    (:func:`flowrl.models.nucleus_logprobs`; ``token_logprobs(..., top_p=)`` recomputes
+    them): the behaviour policy's log-probs, which a TIS correction needs.
     ``seed``: a request's random stream is seeded from ``seed``, the request id and its
     prefix length where the engine supports it (reproducible per sample, whatever the batch
     it runs in; a resumed request does not replay the draws it started with).
@@ -149,8 +154,8 @@ class Completion:
 class RolloutEngine(abc.ABC):
     """Streaming generation (module docstring). Not thread-safe: one driver thread calls it.
 
-    Subclasses implement :meth:`add`, :meth:`step`, :meth:`abort`, :meth:`pending` and
-    :meth:`load_weights`; :meth:`update_weights` is built on them.
+    Subclasses implement :meth:`add`, :meth:`step`, :meth:`abort`, :meth:`partial`,
+    :meth:`pending` and :meth:`load_weights`; :meth:`update_weights` is built on them.
     """
 
     def __init__(self, *, version: int = 0) -> None:
@@ -181,6 +186,12 @@ class RolloutEngine(abc.ABC):
     def abort(self, ids: Iterable[int] | None = None) -> list[Completion]:
         """Stop the given requests (all pending when ``None``) and return what each has:
         ``finished=False`` unless it had already finished. Unknown ids are ignored."""
+
+    @abc.abstractmethod
+    def partial(self, ids: Iterable[int] | None = None) -> list[Completion]:
+        """What the given pending requests (all when ``None``) have generated so far, prefix
+        included, ``finished=False``, without stopping them: what a durable rollout
+        appends to the hub as it streams. Unknown ids are ignored."""
 
     @abc.abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -10,7 +10,9 @@ requests added later never wait for an earlier cohort to drain.
 Sampling matches :func:`flowrl.models.generate`: log-probs are
 ``log_softmax(logits / temperature)`` in float32 (of the unscaled logits when greedy),
 recorded for the sampled token; ``top_p`` < 1 samples from the smallest set of tokens
-whose probability reaches ``top_p`` (the recorded log-prob stays the untruncated one).
+whose probability reaches ``top_p``, renormalised, and records the log-prob under that
+distribution (:func:`flowrl.models.nucleus_logprobs`, what vLLM records too: the
+behaviour policy's, which a TIS correction needs). Greedy sampling ignores ``top_p``.
 With ``SamplingParams.seed`` a request draws from its own generator, seeded from the
 seed, its id and its prefix length, so its tokens do not depend on the batch it runs in.
 """
@@ -29,7 +31,7 @@ from flowrl._pipeline.weights import load_named
 from flowrl.engines.base import Completion, GenerationRequest, RolloutEngine, SamplingParams
 from flowrl.errors import ConfigError
 from flowrl.models.causal import as_causal_lm, max_positions
-from flowrl.models.sampler import left_pad
+from flowrl.models.sampler import left_pad, nucleus_logprobs
 
 if TYPE_CHECKING:
     from flowrl.models.causal import CausalLM
@@ -142,6 +144,15 @@ class TorchRolloutEngine(RolloutEngine):
         self._forget(c.id for c in out)
         return out
 
+    def partial(self, ids: Iterable[int] | None = None) -> list[Completion]:
+        wanted = None if ids is None else set(ids)
+        return [
+            r.completion(False)
+            for cohort in (*self._waiting, *self._running)
+            for r in cohort.rows
+            if wanted is None or r.request.id in wanted
+        ]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named(self.model, weights)
 
@@ -198,11 +209,12 @@ class TorchRolloutEngine(RolloutEngine):
     ) -> tuple[Tensor, Tensor]:
         """Each row's next token and its log-prob (module docstring)."""
         greedy = params.temperature == 0
-        logp = torch.log_softmax(logits.float() / (1.0 if greedy else params.temperature), -1)
         if greedy:
+            logp = torch.log_softmax(logits.float(), -1)
             tok = logp.argmax(dim=-1)
         else:
-            probs = _top_p(logp.exp(), params.top_p)
+            logp = nucleus_logprobs(logits.float() / params.temperature, params.top_p)
+            probs = logp.exp()
             if rows[0].generator is None:
                 tok = torch.multinomial(probs, 1, generator=self._generator).squeeze(1)
             else:
@@ -220,16 +232,6 @@ class TorchRolloutEngine(RolloutEngine):
             if cohort.logits is not None:
                 cohort.logits = cohort.logits[picked]
         cohort.rows = rows
-
-
-def _top_p(probs: Tensor, top_p: float) -> Tensor:
-    """``probs`` restricted to each row's smallest set of tokens reaching ``top_p``."""
-    if top_p >= 1.0:
-        return probs
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the more likely tokens
-    sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
 
 
 def _ends_with(prefix: np.ndarray, eos: int | None) -> bool:

@@ -219,6 +219,10 @@ class VLLMRolloutEngine(RolloutEngine):
             out.append(run.completion(finished=run.vllm_id is None))
         return out
 
+    def partial(self, ids: Iterable[int] | None = None) -> list[Completion]:
+        chosen = self._running if ids is None else [i for i in ids if i in self._running]
+        return [self._running[i].completion(finished=False) for i in chosen]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         busy = [i for i, run in self._running.items() if run.vllm_id is not None]
         if busy:

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from flowrl.models.causal import CausalLM
 
-__all__ = ["ChunkCallback", "GenerationResult", "generate", "left_pad"]
+__all__ = ["ChunkCallback", "GenerationResult", "generate", "left_pad", "nucleus_logprobs"]
 
 #: ``on_chunk(token_ids, logprobs, counts)``: packed new tokens of every row since the
 #: previous call (int64 and float32, row-major) and how many each row got, int64 ``(B,)``.
@@ -59,6 +59,26 @@ class GenerationResult:
     def response_logprobs(self) -> list[Tensor]:
         """Sampler log-probabilities, one 1-D tensor per row."""
         return list(torch.split(self.logprobs, self.lengths.tolist()))
+
+
+def nucleus_logprobs(logits: Tensor, top_p: float) -> Tensor:
+    """Float32 log-probs of ``logits`` (last dim) renormalised over each row's nucleus.
+
+    The nucleus is the smallest set of most likely tokens whose probability reaches
+    ``top_p`` (a token is in it when the tokens more likely than it hold less than
+    ``top_p``; the most likely one always is); tokens outside get ``-inf``. This is the
+    distribution a top-p sampler draws from, so the value at the sampled token is its
+    behaviour log-prob (what vLLM reports under ``processed_logprobs``). ``top_p >= 1``:
+    plain ``log_softmax``. Differentiable (no gradient reaches the tokens outside).
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    if top_p >= 1.0:
+        return logp
+    sorted_logp, order = logp.sort(dim=-1, descending=True)
+    sorted_p = sorted_logp.exp()
+    outside = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p  # mass of the more likely ones
+    outside = torch.zeros_like(outside).scatter(-1, order, outside)
+    return torch.log_softmax(logp.masked_fill(outside, float("-inf")), dim=-1)
 
 
 def left_pad(

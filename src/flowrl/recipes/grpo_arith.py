@@ -143,7 +143,7 @@ def run(cfg: GRPOConfig, *, resume: str | Path | None = None) -> dict[str, Any]:
     steps_bar = bar(cfg.steps, "grpo", enabled=cfg.progress)
     steps_bar.update(start)
     saved = None
-    step_start = t_rl
+    step_start, step_cpu = t_rl, time.process_time()
     try:
         while trainer.step < cfg.steps:
             t_wait = time.perf_counter()
@@ -157,13 +157,15 @@ def run(cfg: GRPOConfig, *, resume: str | Path | None = None) -> dict[str, Any]:
                 step=trainer.step,
                 version=trainer.version,
                 wait_s=waited,
+                step_s=time.time() - step_start,  # this step's wall time, waits included
+                cpu_s=time.process_time() - step_cpu,  # the process's CPU, every thread
                 samples_per_s=(trainer.step + 1 - start) * batch_size / (time.time() - t_rl),
                 busy={  # stage busy fractions over this step, from the event stream
                     name: round(timeline.busy_fraction(name, step_start, time.time()), 3)
                     for name in STAGE_NAMES
                 },
             )
-            step_start = time.time()
+            step_start, step_cpu = time.time(), time.process_time()
             trainer.finish_step(m)
             metrics_file.write(json.dumps(m) + "\n")
             metrics_file.flush()

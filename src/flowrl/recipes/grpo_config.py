@@ -16,9 +16,8 @@ fit (what the checks guard):
   learn from.
 * The engines (``--engine``, ``--trainer``, ``--model``): vLLM loads a Hugging Face
   directory and the Megatron trainer builds its GPT from a Llama, so both need
-  ``--model llama``; token-granular appends (``--append-every``) are
-  the built-in sampler's (an engine returns a response only when it ends); an engine whose
-  package is missing is refused with its install line. A Llama's heads are 32 wide (what
+  ``--model llama``; an engine whose package is missing is refused with its install line.
+  A Llama's heads are 32 wide (what
   vLLM's CPU attention needs), so its ``--d-model`` is a multiple of 32.
 """
 
@@ -92,7 +91,7 @@ class GRPOConfig(msgspec.Struct, frozen=True, kw_only=True):
     )
     temperature: Annotated[float, Meta(description="sampling temperature (> 0)")] = 1.0
     append_every: Annotated[
-        int, Meta(description="append partial responses every N decoding steps (0: off)")
+        int, Meta(description="append partial responses every N decoding (engine) steps (0: off)")
     ] = 2
     eval_size: Annotated[int, Meta(description="held-out problems evaluated before and after")] = (
         512
@@ -275,12 +274,6 @@ def _check_engines(cfg: GRPOConfig) -> None:
         raise ConfigError(
             f"{flag('trainer')} megatron with {flag('model')} {cfg.model}: the Megatron engine "
             f"builds its GPT from a Hugging Face Llama; pass {flag('model')} llama"
-        )
-    if cfg.engine != "builtin" and cfg.append_every:
-        raise ConfigError(
-            f"{flag('append_every')} {cfg.append_every} with {flag('engine')} {cfg.engine}: "
-            "token-granular appends are the builtin sampler's (an engine hands a response "
-            f"over when it ends); pass {flag('append_every')} 0, or {flag('engine')} builtin"
         )
     if cfg.model == "llama" and cfg.d_model % LLAMA_HEAD_DIM:
         raise _refuse(

@@ -9,14 +9,16 @@ the sampler's log-probs and each token's policy version).
   stored prefix), loading a newer published version between micro-batches.
 * ``torch`` / ``vllm`` (:class:`EngineSampler`): a :class:`~flowrl.engines.RolloutEngine`
   (:class:`~flowrl.engines.TorchRolloutEngine` over a copy of the policy, or
-  ``VLLMRolloutEngine`` over the policy saved as a Hugging Face directory). The
-  micro-batch's prompts are added as requests, the request id being the sample's position
-  in the run's stream, and the engine steps until they finish. Before each step it checks
-  the :class:`~flowrl.WeightStore`: a newer version is loaded with
-  :meth:`~flowrl.engines.RolloutEngine.update_weights`, which resumes the running requests
-  from their prefixes under it, so a response may mix versions, each token tagged with
-  its own; the stage puts the sample with its oldest token's version, as the builtin
-  sampler does.
+  ``VLLMRolloutEngine`` over the policy saved as a Hugging Face directory) through
+  :func:`flowrl.engines.durable.generate_durable`. The micro-batch's prompts are added as
+  requests (continuing each sample's stored prefix when ``--append-every`` > 0), the
+  request id being the sample's position in the run's stream, and the engine steps until
+  they finish, appending the new tokens to the hub every ``--append-every`` steps. Before
+  adding them and before each step it checks the :class:`~flowrl.WeightStore`: a newer
+  version is loaded with :meth:`~flowrl.engines.RolloutEngine.update_weights`, which
+  resumes the running requests from their prefixes under it, so a response may mix
+  versions, each token tagged with its own; the stage puts the sample with its oldest
+  token's version, as the builtin sampler does.
 
 Each sample's random stream is seeded from ``--seed`` and its position in the run's stream
 (the builtin sampler seeds a micro-batch from its first sample's), so a synchronous run
@@ -30,12 +32,12 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
 import torch
 
 import flowrl
 from flowrl import WeightStore
-from flowrl.engines import GenerationRequest, RolloutEngine, SamplingParams, TorchRolloutEngine
+from flowrl.engines import RolloutEngine, SamplingParams, TorchRolloutEngine
+from flowrl.engines.durable import generate_durable
 from flowrl.models import as_causal_lm
 from flowrl.recipes.grpo_config import MAX_SEQ_LEN, GRPOConfig
 from flowrl.rl import generate_resumable
@@ -44,7 +46,7 @@ from flowrl.tasks import EOS_ID, PAD_ID
 
 if TYPE_CHECKING:
     from flowrl._client.base import HubClient
-    from flowrl.engines import Completion
+    from flowrl.models import CausalLM
 
 __all__ = ["BuiltinSampler", "EngineSampler", "RolloutBackend", "Sampler"]
 
@@ -108,7 +110,7 @@ class RolloutBackend:
         else:
             engine = TorchRolloutEngine(model, version=version, pad_id=PAD_ID, seed=self.cfg.seed)
         self._engines.append(engine)
-        return EngineSampler(self, engine)
+        return EngineSampler(self, engine, model, hub)
 
     def close(self) -> None:
         for engine in self._engines:
@@ -152,11 +154,18 @@ class BuiltinSampler:
 
 
 class EngineSampler:
-    """A rollout engine stepping a micro-batch's requests to the end (module docstring)."""
+    """A rollout engine stepping a micro-batch's requests to the end, durably (module
+    docstring). ``model``: a torch copy of the policy (the engine's own for the torch
+    engine), to recompute stored log-probs that are missing."""
 
-    def __init__(self, backend: RolloutBackend, engine: RolloutEngine) -> None:
+    def __init__(
+        self, backend: RolloutBackend, engine: RolloutEngine, model: torch.nn.Module, hub: HubClient
+    ) -> None:
         self._backend = backend
         self.engine = engine
+        self._model = model
+        self._model_version = engine.version
+        self._hub = hub
         self._params = SamplingParams(
             max_new_tokens=backend.max_new,
             temperature=backend.cfg.temperature,
@@ -169,25 +178,23 @@ class EngineSampler:
         return self.engine.version
 
     def generate(self, batch: flowrl.Batch) -> ResumableGeneration:
-        ids = [self._backend.first_sample + int(i) for i in batch.indices]
-        prompts = batch.ragged("prompt")
-        self.engine.add(
-            [
-                GenerationRequest(i, np.asarray(p, dtype=np.int64))
-                for i, p in zip(ids, prompts, strict=True)
-            ],
+        b = self._backend
+        return generate_durable(
+            self.engine,
+            self._hub,
+            batch.meta,
+            batch.ragged("prompt").tolist(),
             self._params,
+            ids=[b.first_sample + int(i) for i in batch.indices],
+            append_every=b.cfg.append_every,
+            policy=self._policy,
+            poll_weights=b.store.newer,
         )
-        done: dict[int, Completion] = {}
-        while self.engine.pending:
-            newer = self._backend.store.newer(self.engine.version)
-            if newer is not None:  # running requests resume from their prefixes under it
-                self.engine.update_weights(newer[1], newer[0])
-            done.update((c.id, c) for c in self.engine.step())
-        rows = [done[i] for i in ids]
-        return ResumableGeneration(
-            flowrl.RaggedArray.from_list([c.tokens for c in rows]),
-            flowrl.RaggedArray.from_list([c.logprobs for c in rows]),
-            flowrl.RaggedArray.from_list([c.versions for c in rows]),
-            0,
-        )
+
+    def _policy(self) -> tuple[CausalLM, int]:
+        """The torch copy with the newest weights (rarely needed: see ``read_prefixes``).
+        The torch engine samples with this very model: ``generate_durable`` loads that
+        newest version into the engine right after, so its version catches up before any
+        token is sampled."""
+        self._model_version = self._backend.store.pull(self._model, self._model_version)
+        return as_causal_lm(self._model), self._model_version

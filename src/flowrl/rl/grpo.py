@@ -23,6 +23,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from flowrl.models.sampler import nucleus_logprobs
+
 __all__ = ["build_batch", "group_advantages", "grpo_loss", "token_logprobs"]
 
 Aggregation = Literal["token-mean", "seq-mean"]
@@ -72,17 +74,23 @@ def token_logprobs(
     response_cu_seqlens: Tensor,
     *,
     temperature: float = 1.0,
+    top_p: float = 1.0,
 ) -> Tensor:
     """Packed float32 log-probabilities of the response tokens under ``model``.
 
     Row ``i`` of ``input_ids`` holds its response at positions
     ``[response_starts[i], response_starts[i] + len_i)`` where ``len_i`` comes from
     ``response_cu_seqlens``; every response must follow at least one prompt token.
+    ``top_p`` < 1: under the distribution a top-p sampler draws from, renormalised over
+    the nucleus (:func:`flowrl.models.nucleus_logprobs`; ``-inf`` for a token outside it),
+    which is what the rollout engines record as sampler log-probs.
     Gradients flow unless called under ``torch.no_grad()``.
     """
     lengths = _lengths(response_cu_seqlens)
     if temperature <= 0:
         raise ValueError(f"token_logprobs expects temperature > 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"token_logprobs expects top_p in (0, 1], got {top_p}")
     if bool((response_starts < 1).any()):
         raise ValueError("token_logprobs expects every response_starts >= 1 (a prompt first)")
     logits = model(input_ids, attention_mask=attention_mask)
@@ -94,7 +102,7 @@ def token_logprobs(
     pos = response_starts[row] + offset
     picked = logits[row, pos - 1].float() / temperature
     targets = input_ids[row, pos]
-    return torch.log_softmax(picked, dim=-1).gather(1, targets[:, None]).squeeze(1)
+    return nucleus_logprobs(picked, top_p).gather(1, targets[:, None]).squeeze(1)
 
 
 def group_advantages(

@@ -25,7 +25,7 @@ was stored, with that prefix's versions.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple, final
 
 import numpy as np
@@ -36,15 +36,23 @@ from flowrl.models.sampler import generate
 from flowrl.rl.grpo import build_batch, token_logprobs
 
 if TYPE_CHECKING:
-    from flowrl._client.base import HubClient, Partial
+    from flowrl._client.base import HubClient
     from flowrl._controller.meta import BatchMeta
     from flowrl.models.causal import CausalLM
 
-__all__ = ["APPEND_EVERY", "ResumableGeneration", "generate_resumable"]
+__all__ = [
+    "APPEND_EVERY",
+    "PolicyFn",
+    "ResumableGeneration",
+    "StoredPrefixes",
+    "generate_resumable",
+    "read_prefixes",
+]
 
 #: Default decoding steps between two appends: a few appends per typical LLM response,
 #: each one small next to the decoding work it protects.
 APPEND_EVERY = 16
+_NO_LOGPROBS = np.empty(0, dtype=np.float32)
 
 
 @final
@@ -102,13 +110,20 @@ def generate_resumable(
             f"generate_resumable got {len(prompts)} prompts for {len(meta)} claimed samples; "
             "pass one prompt per sample of the claim, in its order"
         )
-    stored = hub.partial(meta, response) if append_every else None
-    resumed = 0 if stored is None else int(np.count_nonzero(stored.values.lengths))
-    old_lp: list[np.ndarray] = []
-    if stored is not None and resumed:
-        old_lp = _aligned_logprobs(
-            hub, meta, model, prompts, stored, version, temperature, logprobs
+    stored = (
+        read_prefixes(
+            hub,
+            meta,
+            prompts,
+            lambda: (model, version),
+            temperature=temperature,
+            response=response,
+            logprobs=logprobs,
         )
+        if append_every
+        else None
+    )
+    resumed = 0 if stored is None else stored.resumed
 
     def on_chunk(tokens: torch.Tensor, lps: torch.Tensor, counts: torch.Tensor) -> None:
         cu = np.zeros(len(counts) + 1, dtype=np.int64)
@@ -126,7 +141,7 @@ def generate_resumable(
         temperature=temperature,
         eos_id=eos_id,
         generator=generator,
-        prefixes=stored.values.tolist() if stored is not None and resumed else None,
+        prefixes=[t.tolist() for t in stored.tokens] if stored is not None and resumed else None,
         on_chunk=on_chunk if append_every else None,
         chunk_steps=max(append_every, 1),
     )
@@ -144,8 +159,8 @@ def generate_resumable(
     rows = range(len(meta))
     new = [slice(cu[i], cu[i + 1]) for i in rows]
     return ResumableGeneration(
-        RaggedArray.from_list([np.concatenate([stored.values[i], tokens[new[i]]]) for i in rows]),
-        RaggedArray.from_list([np.concatenate([old_lp[i], lps[new[i]]]) for i in rows]),
+        RaggedArray.from_list([np.concatenate([stored.tokens[i], tokens[new[i]]]) for i in rows]),
+        RaggedArray.from_list([np.concatenate([stored.logprobs[i], lps[new[i]]]) for i in rows]),
         RaggedArray.from_list(
             [
                 np.concatenate(
@@ -158,45 +173,74 @@ def generate_resumable(
     )
 
 
-def _aligned_logprobs(
+#: ``policy() -> (model, version)``: the model to recompute missing log-probs with and
+#: its policy version; called only when some are missing.
+PolicyFn = Callable[[], "tuple[CausalLM, int]"]
+
+
+@final
+class StoredPrefixes(NamedTuple):
+    """What earlier workers appended for each sample of a claim (empty rows: nothing):
+    ``tokens`` (int64), their sampler ``logprobs`` (float32, as many) and ``versions``
+    (int64); ``resumed``: how many samples have a prefix."""
+
+    tokens: list[np.ndarray]
+    logprobs: list[np.ndarray]
+    versions: list[np.ndarray]
+    resumed: int
+
+
+def read_prefixes(
     hub: HubClient,
     meta: BatchMeta,
-    model: CausalLM,
     prompts: Sequence[Sequence[int]],
-    stored: Partial,
-    version: int,
-    temperature: float,
-    column: str,
-) -> list[np.ndarray]:
-    """The stored log-prob prefix of each sample, as long as its token prefix.
+    policy: PolicyFn,
+    *,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    response: str = "response",
+    logprobs: str = "sample_logprobs",
+) -> StoredPrefixes:
+    """Each claimed sample's stored prefix, its log-probs as long as its tokens.
 
     Where fewer log-probs than tokens were stored (tokens appended alone, or a persistent
     unit that died between logging the two columns), the missing ones are recomputed with
-    ``model`` and appended, tagged with ``version``.
+    ``policy()``'s model (``temperature``, ``top_p`` as sampled) and appended, tagged with
+    its version, so the two stored prefixes line up again.
     """
-    lps = hub.partial(meta, column).values
+    stored = hub.partial(meta, response)
+    n = len(meta)
+    tokens = [stored.values[i] for i in range(n)]
+    versions = [stored.versions[i] for i in range(n)]
+    resumed = int(np.count_nonzero(stored.values.lengths))
+    if not resumed:
+        return StoredPrefixes(tokens, [_NO_LOGPROBS] * n, versions, 0)
+    lps = hub.partial(meta, logprobs).values
     have = lps.lengths
     want = stored.values.lengths
     if np.any(have > want):
         bad = int(np.argmax(have > want))
         raise ValueError(
-            f"sample {int(meta.indices[bad])} has {int(have[bad])} stored {column!r} values "
+            f"sample {int(meta.indices[bad])} has {int(have[bad])} stored {logprobs!r} values "
             f"but only {int(want[bad])} stored tokens; generate_resumable appends both "
-            f"together, so another writer appended to {column!r}: let one stage write both"
+            f"together, so another writer appended to {logprobs!r}: let one stage write both"
         )
     short = np.flatnonzero(have < want).tolist()
     if not short:
-        return [lps[i] for i in range(len(meta))]
+        return StoredPrefixes(tokens, [lps[i] for i in range(n)], versions, resumed)
+    model, version = policy()
     ids, mask, starts, cu = build_batch(
         [torch.as_tensor(prompts[i], dtype=torch.long) for i in short],
-        [torch.from_numpy(stored.values[i].astype(np.int64)) for i in short],
+        [torch.from_numpy(tokens[i].astype(np.int64)) for i in short],
     )
     with torch.no_grad():
         scale = temperature if temperature > 0 else 1.0  # as the sampler's log-probs
-        full = token_logprobs(model, ids, mask, starts, cu, temperature=scale)
+        p = top_p if temperature > 0 else 1.0  # greedy sampling ignores top_p
+        full = token_logprobs(model, ids, mask, starts, cu, temperature=scale, top_p=p)
     full_np = full.cpu().numpy()
-    fills = [np.empty(0, dtype=np.float32) for _ in range(len(meta))]
+    fills = [_NO_LOGPROBS for _ in range(n)]
     for j, i in enumerate(short):
         fills[i] = full_np[int(cu[j]) + int(have[i]) : int(cu[j + 1])]
-    hub.append(meta, column, fills, version=version)
-    return [np.concatenate([lps[i], fills[i]]) for i in range(len(meta))]
+    hub.append(meta, logprobs, fills, version=version)
+    filled = [np.concatenate([lps[i], fills[i]]) for i in range(n)]
+    return StoredPrefixes(tokens, filled, versions, resumed)

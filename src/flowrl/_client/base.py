@@ -13,15 +13,16 @@ import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, final
 
+import msgspec
 import numpy as np
 import pyarrow as pa
 
 from flowrl._client.config import HubStats
 from flowrl._client.future import PutFuture
-from flowrl._controller.controller import CellWrite
 from flowrl._controller.eventlog import EventLog, Subscription
 from flowrl._controller.meta import BatchMeta
 from flowrl._controller.samplers import FifoSampler, Sampler
+from flowrl._protocol.commands import Cell, Claim, Commit, LeaseRef
 from flowrl._schema.columns import Column
 from flowrl._schema.encode import Encoded, numeric_array
 from flowrl._schema.ragged import RaggedArray
@@ -35,36 +36,8 @@ from flowrl.hooks import Observer
 __all__ = ["HubClient", "Partial"]
 
 _FIFO = FifoSampler()
-
-
-class ClaimArgs(NamedTuple):
-    """A validated claim, named as ``Controller.try_claim`` takes it."""
-
-    task: str
-    n: int
-    sampler: Sampler
-    columns: tuple[str, ...] | None
-    min_n: int | None
-    consumer: str
-    lease_timeout: float | None
-    dp_rank: int
-
-
-class CommitArgs(NamedTuple):
-    """A stored write to make visible, named as ``Controller.commit`` takes it."""
-
-    indices: np.ndarray
-    cells: dict[str, CellWrite]
-    new: bool
-    partition: str
-    groups: np.ndarray | None
-    version: int | np.ndarray | None  # one for the put, or one per sample
-    tokens: np.ndarray | None
-    producer: str
-    ack: tuple[str, int] | None = None  # (task, lease) acked with the commit
-    # A put to existing samples: its bytes are staged on their units under this id and
-    # become visible only once the commit succeeds (0: new samples, invisible until then).
-    put_id: int = 0
+#: The indices of a new put's commit until they are reserved.
+_UNRESERVED = np.empty(0, dtype=np.int64)
 
 
 @final
@@ -207,14 +180,26 @@ class HubClient(abc.ABC):
         groups_arr = _per_sample(groups, n, "groups", where)
         tokens_arr = _per_sample(tokens, n, "tokens", where)
         versions = _versions(version, n, where)
-        cells = {k: CellWrite(e.nbytes, e.lengths) for k, e in encoded.items()}
-        per_put = (partition, groups_arr, versions, tokens_arr, producer)
+        # A put to existing samples stages its bytes on their units under ``put_id``:
+        # visible only once the commit succeeds (new samples are invisible until then).
+        commit = Commit(
+            indices=_UNRESERVED if target is None else target,
+            cells={k: Cell(e.nbytes, e.lengths) for k, e in encoded.items()},
+            new=target is None,
+            partition=partition,
+            groups=groups_arr,
+            version=versions if isinstance(versions, int) else None,
+            versions=versions if isinstance(versions, np.ndarray) else None,
+            tokens=tokens_arr,
+            producer=producer,
+            ack=acked,
+            put_id=0 if target is None else _new_put_id(),
+        )
         types = {c.name: c for c in new_columns}
         types.update((k, self.schema[k]) for k in encoded if k not in types)
         if target is None:
-            return self._put_new(n, encoded, types, new_columns, cells, per_put, timeout, wait)
+            return self._put_new(n, encoded, types, new_columns, commit, timeout, wait)
         units = self._units_for_update(indices, target, tuple(encoded), acked)
-        commit = CommitArgs(target, cells, False, *per_put, acked, _new_put_id())
         parts = _split_by_unit(units)
         try:
             if len(parts) == 1:
@@ -236,7 +221,7 @@ class HubClient(abc.ABC):
         indices: Any,
         target: np.ndarray,
         columns: tuple[str, ...],
-        ack: tuple[str, int] | None,
+        ack: LeaseRef | None,
     ) -> np.ndarray:
         """The storage units of the samples a put to existing samples writes, once the
         controller checked the put (``indices`` as the caller gave them; ``ack``: the
@@ -249,14 +234,15 @@ class HubClient(abc.ABC):
         encoded: dict[str, Encoded],
         types: dict[str, Column],
         new_columns: Sequence[Column],
-        cells: dict[str, CellWrite],
-        per_put: tuple[Any, ...],
+        commit: Commit,
         timeout: float | None,
         wait: bool,
     ) -> PutFuture:
+        """Reserve ``n`` indices, store the bytes there and commit them (``commit``: the
+        put's, less its indices)."""
         idx, unit = self._reserve(n, timeout)
         try:
-            commit = CommitArgs(idx, cells, True, *per_put)
+            commit = msgspec.structs.replace(commit, indices=idx)
             fut = self._store(unit, idx, encoded, types, new_columns, commit, wait)
         except TransportError:
             # No answer: the put may have been committed (a controller that died after
@@ -275,7 +261,7 @@ class HubClient(abc.ABC):
         encoded: dict[str, Encoded],
         types: dict[str, Column],
         new_columns: Sequence[Column],
-        commit: CommitArgs,
+        commit: Commit,
         wait: bool,
     ) -> PutFuture | None:
         """Store the bytes on one unit, then commit them (None: done; or the future of a
@@ -294,7 +280,7 @@ class HubClient(abc.ABC):
         indices: np.ndarray,
         encoded: dict[str, Encoded],
         types: dict[str, Column],
-        commit: CommitArgs,
+        commit: Commit,
         wait: bool,
     ) -> PutFuture | None:
         """Store and commit; a transport may do both in one round trip, and may return
@@ -360,8 +346,17 @@ class HubClient(abc.ABC):
         if sampler is not None and not isinstance(sampler, Sampler):
             raise ConfigError(f"claim() sampler must be a flowrl Sampler, got {sampler!r}")
         cols = None if columns is None else self.schema.check_names(columns, f"claim({task!r})")
-        args = ClaimArgs(task, n, sampler or _FIFO, cols, min_n, consumer, lease_timeout, dp_rank)
-        return self._claim(args, timeout)
+        cmd = Claim(
+            task=task,
+            n=n,
+            columns=cols,
+            min_n=min_n,
+            timeout=timeout,
+            dp_rank=dp_rank,
+            lease_timeout=lease_timeout,
+            consumer=consumer,
+        )
+        return self._claim(cmd, sampler or _FIFO)
 
     def get(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> Batch:
         """Read the columns of a claimed batch straight from the storage units."""
@@ -566,7 +561,7 @@ class HubClient(abc.ABC):
 
     @abc.abstractmethod
     def _check_update(
-        self, indices: np.ndarray, columns: tuple[str, ...], ack: tuple[str, int] | None
+        self, indices: np.ndarray, columns: tuple[str, ...], ack: LeaseRef | None
     ) -> np.ndarray:
         """``Controller.check_update``: the units of existing samples a put writes to."""
 
@@ -590,12 +585,12 @@ class HubClient(abc.ABC):
     def _discard(self, unit: int, indices: np.ndarray, columns: tuple[str, ...]) -> None: ...
 
     @abc.abstractmethod
-    def _commit(self, args: CommitArgs) -> None:
-        """Make a write visible: ``Controller.commit(**args._asdict())``."""
+    def _commit(self, cmd: Commit) -> None:
+        """Make a write visible: ``Controller.commit``."""
 
     @abc.abstractmethod
-    def _claim(self, args: ClaimArgs, timeout: float | None) -> BatchMeta:
-        """Lease samples: ``Controller.try_claim(**args._asdict())``, waiting ``timeout``."""
+    def _claim(self, cmd: Claim, sampler: Sampler) -> BatchMeta:
+        """Lease samples: ``Controller.try_claim``, waiting up to ``cmd.timeout``."""
 
     @abc.abstractmethod
     def _read_many(
@@ -627,7 +622,7 @@ def _new_put_id() -> int:
     return random.getrandbits(63) | 1
 
 
-def _ackable(meta: Any, target: np.ndarray | None, where: str) -> tuple[str, int]:
+def _ackable(meta: Any, target: np.ndarray | None, where: str) -> LeaseRef:
     """(task, lease) of the claim a put acks; its samples must be the put's (they are
     when the put names the claim itself: ``indices=meta``, no lookup needed)."""
     if not isinstance(meta, BatchMeta) or meta.lease == 0:
@@ -636,7 +631,7 @@ def _ackable(meta: Any, target: np.ndarray | None, where: str) -> tuple[str, int
         raise ConfigError(f"{where}: ack= needs indices= (new samples were never claimed)")
     if target is not meta.indices and not np.isin(target, meta.indices).all():
         raise LeaseError(f"{where}: ack= names a claim that does not hold every sample put")
-    return meta.task, meta.lease
+    return LeaseRef(meta.task, meta.lease)
 
 
 def _check_version(version: Any, where: str) -> None:

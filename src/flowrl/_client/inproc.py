@@ -18,12 +18,14 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 
-from flowrl._client.base import ClaimArgs, CommitArgs, HubClient, _split_by_unit
+from flowrl._client.base import HubClient, _split_by_unit
 from flowrl._client.config import HubConfig, HubStats
 from flowrl._controller.controller import Controller
 from flowrl._controller.eventlog import EventLog
 from flowrl._controller.journal import attach_journal, lock_journal
 from flowrl._controller.meta import BatchMeta
+from flowrl._controller.samplers import Sampler
+from flowrl._protocol.commands import Claim, Commit, LeaseRef
 from flowrl._schema.columns import Column
 from flowrl._schema.encode import Encoded
 from flowrl._schema.schema import Schema
@@ -120,7 +122,7 @@ class Hub(HubClient):
             self.controller.abort(indices)
 
     def _check_update(
-        self, indices: np.ndarray, columns: tuple[str, ...], ack: tuple[str, int] | None
+        self, indices: np.ndarray, columns: tuple[str, ...], ack: LeaseRef | None
     ) -> np.ndarray:
         with self.controller.cond:
             self._begin()
@@ -144,13 +146,12 @@ class Hub(HubClient):
     def _discard(self, unit: int, indices: np.ndarray, columns: tuple[str, ...]) -> None:
         self.units[unit].discard(indices, columns)
 
-    def _commit(self, args: CommitArgs) -> None:
-        fields = args._asdict()
-        put_id = fields.pop("put_id")
+    def _commit(self, cmd: Commit) -> None:
+        put_id = cmd.put_id
         with self.controller.cond:
             self._begin()
             try:
-                self.controller.commit(**fields)
+                self.controller.commit(cmd)
             except BaseException:
                 self._forget_staged(put_id, range(len(self.units)))
                 raise
@@ -163,25 +164,25 @@ class Hub(HubClient):
             for unit in units:
                 self.units[unit].settle(put_id, False)
 
-    def _claim(self, args: ClaimArgs, timeout: float | None) -> BatchMeta:
+    def _claim(self, cmd: Claim, sampler: Sampler) -> BatchMeta:
         ctl = self.controller
+        timeout = cmd.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         with ctl.cond:
             self._begin()
             while True:
-                meta = ctl.try_claim(**args._asdict())
+                meta = ctl.try_claim(cmd, sampler)
                 if meta is not None:
                     return meta
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     if timeout == 0:
-                        raise NothingReady(f"no {args.n} samples are ready for task {args.task!r}")
+                        raise NothingReady(f"no {cmd.n} samples are ready for task {cmd.task!r}")
                     raise Timeout(
-                        f"claim() by task {args.task!r} found no {args.n} ready samples in "
-                        f"{timeout}s"
+                        f"claim() by task {cmd.task!r} found no {cmd.n} ready samples in {timeout}s"
                     )
                 # woken only by changes that may serve this task (or at the next deadline)
-                ctl.claim_cond(args.task).wait(_wait_time(remaining, ctl.next_deadline()))
+                ctl.claim_cond(cmd.task).wait(_wait_time(remaining, ctl.next_deadline()))
 
     def _read_many(
         self, parts: list[tuple[int, np.ndarray]], columns: tuple[str, ...]

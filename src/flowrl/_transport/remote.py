@@ -18,16 +18,19 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, final
 
+import msgspec
 import numpy as np
 import pyarrow as pa
 import zmq
 
-from flowrl._client.base import ClaimArgs, CommitArgs, HubClient
+from flowrl._client.base import HubClient
 from flowrl._client.config import HubConfig, HubStats
 from flowrl._client.future import PutFuture
 from flowrl._controller.controller import RESERVATION_MIN_S
 from flowrl._controller.eventlog import EventLog
 from flowrl._controller.meta import BatchMeta
+from flowrl._controller.samplers import Sampler
+from flowrl._protocol import commands
 from flowrl._schema.columns import Column
 from flowrl._schema.encode import Encoded
 from flowrl._schema.schema import Schema
@@ -366,11 +369,8 @@ class RemoteHub(HubClient):
             again, fut._again = fut._again, None
             if again is not None and isinstance(fut._unobserved_error, UnknownIndexError):
                 arrays, types, commit, timeout = again
-                per_put = commit[3:8]  # partition, groups, version, tokens, producer
                 try:
-                    redo = self._put_new(
-                        fut.indices.size, arrays, types, (), commit.cells, per_put, timeout, True
-                    )
+                    redo = self._put_new(fut.indices.size, arrays, types, (), commit, timeout, True)
                 except FlowRLError as exc:
                     fut._fail(exc)
                 else:
@@ -406,7 +406,7 @@ class RemoteHub(HubClient):
         left = self._pools.take_all()
         if left:
             with contextlib.suppress(FlowRLError):
-                self._call(None, wire.Abort(indices=np.concatenate(left).tobytes()), wait=1.0)
+                self._call(None, commands.Abort(indices=np.concatenate(left)), wait=1.0)
 
     def _socket_error(self, exc: zmq.ZMQError) -> Exception:
         if self._closed:
@@ -421,11 +421,11 @@ class RemoteHub(HubClient):
 
     # -- primitives -------------------------------------------------------------------------
     def _declare_columns(self, columns: tuple[Column, ...]) -> None:
-        self._call(None, wire.Declare(columns=list(columns)))  # the controller checks first
+        self._call(None, commands.Declare(columns=columns))  # the controller checks first
         self.schema.declare(*columns)
 
     def _register_task(self, task: str, columns: tuple[str, ...]) -> None:
-        self._call(None, wire.RegisterTask(task=task, columns=list(columns)))
+        self._call(None, commands.RegisterTask(task=task, columns=columns))
 
     def _reserve(self, n: int, timeout: float | None) -> tuple[np.ndarray, int]:
         """Fresh indices for a put. Small puts take them from this thread's pool, reserved
@@ -440,10 +440,10 @@ class RemoteHub(HubClient):
         ahead = self._pool_block if n < self._pool_block else 0
         # this thread's spent pool, and the pools of this client's threads that ended
         left = self._pools.take_ended() + ([] if pool is None else [pool.rest()])
-        give_back = np.concatenate(left).tobytes() if left else None
+        give_back = np.concatenate(left) if left else None
 
-        def request(left: float | None) -> wire.Reserve:
-            return wire.Reserve(
+        def request(left: float | None) -> commands.Reserve:
+            return commands.Reserve(
                 n=n, timeout=left, units=self._local_units, ahead=ahead, give_back=give_back
             )
 
@@ -468,14 +468,14 @@ class RemoteHub(HubClient):
             return super()._put_new(*args)
 
     def _abort(self, indices: np.ndarray) -> None:
-        self._call(None, wire.Abort(indices=indices.tobytes()))
+        self._call(None, commands.Abort(indices=indices))
 
     def _units_for_update(
         self,
         indices: Any,
         target: np.ndarray,
         columns: tuple[str, ...],
-        ack: tuple[str, int] | None,
+        ack: commands.LeaseRef | None,
     ) -> np.ndarray:
         # A handle (a claim's, above all: a stage's output) names its samples' units: a
         # write to one unit goes there at once, the unit refuses samples it does not hold
@@ -487,14 +487,9 @@ class RemoteHub(HubClient):
         return self._check_update(target, columns, ack)
 
     def _check_update(
-        self, indices: np.ndarray, columns: tuple[str, ...], ack: tuple[str, int] | None
+        self, indices: np.ndarray, columns: tuple[str, ...], ack: commands.LeaseRef | None
     ) -> np.ndarray:
-        msg = wire.CheckUpdate(
-            indices=indices.tobytes(),
-            columns=list(columns),
-            ack_task=None if ack is None else ack[0],
-            ack_lease=0 if ack is None else ack[1],
-        )
+        msg = commands.CheckUpdate(indices=indices, columns=columns, ack=ack)
         reply, _ = self._call(None, msg)
         return np.frombuffer(reply.units, dtype=np.int16)
 
@@ -514,7 +509,7 @@ class RemoteHub(HubClient):
         indices: np.ndarray,
         encoded: dict[str, Encoded],
         types: dict[str, Column],
-        commit: CommitArgs,
+        commit: commands.Commit,
         wait: bool,
     ) -> PutFuture | None:
         # The unit hands the commit on once the bytes are stored; the controller answers
@@ -523,7 +518,7 @@ class RemoteHub(HubClient):
             indices,
             encoded,
             types,
-            commit=_commit_request(commit),
+            commit=commit,
             controller=self.address,
             reply_to=self._routing_id(),
             put_id=commit.put_id,
@@ -552,24 +547,16 @@ class RemoteHub(HubClient):
         except TransportError:
             log.warning("could not discard uncommitted data on storage unit %d", unit)
 
-    def _commit(self, args: CommitArgs) -> None:
-        self._call(None, _commit_request(args))
+    def _commit(self, cmd: commands.Commit) -> None:
+        self._call(None, cmd)
 
-    def _claim(self, args: ClaimArgs, timeout: float | None) -> BatchMeta:
-        def request(left: float | None) -> wire.Claim:
-            return wire.Claim(
-                task=args.task,
-                n=args.n,
-                sampler=wire.spec_of_sampler(args.sampler),
-                columns=None if args.columns is None else list(args.columns),
-                min_n=args.min_n,
-                timeout=left,
-                dp_rank=args.dp_rank,
-                lease_timeout=args.lease_timeout,
-                consumer=args.consumer,
-            )
+    def _claim(self, cmd: commands.Claim, sampler: Sampler) -> BatchMeta:
+        cmd = msgspec.structs.replace(cmd, sampler=wire.spec_of_sampler(sampler))
 
-        reply = self._call_parked(request, timeout, f"a claim by task {args.task!r}")
+        def request(left: float | None) -> commands.Claim:
+            return msgspec.structs.replace(cmd, timeout=left)
+
+        reply = self._call_parked(request, cmd.timeout, f"a claim by task {cmd.task!r}")
         return BatchMeta.from_wire(reply.meta)
 
     def _read_many(
@@ -650,24 +637,18 @@ class RemoteHub(HubClient):
         )
 
     def _meta(self, indices: np.ndarray, columns: tuple[str, ...]) -> BatchMeta:
-        reply, _ = self._call(None, wire.MetaOf(indices=indices.tobytes(), columns=list(columns)))
+        reply, _ = self._call(None, commands.MetaOf(indices=indices, columns=columns))
         return BatchMeta.from_wire(reply.meta)
 
     def _ack(self, task: str, lease: int, indices: np.ndarray | None, drop: bool) -> None:
-        msg = wire.Ack(
-            task=task,
-            lease=lease,
-            indices=None if indices is None else indices.tobytes(),
-            drop=drop,
-        )
-        self._call(None, msg)
+        self._call(None, commands.Ack(task=task, lease=lease, indices=indices, drop=drop))
 
     def _release(self, task: str, lease: int) -> None:
-        self._call(None, wire.Release(task=task, lease=lease))
+        self._call(None, commands.Release(task=task, lease=lease))
 
     # -- the rest of the API ----------------------------------------------------------------
     def _publish_version(self, version: int) -> None:
-        self._call(None, wire.Publish(version=version))
+        self._call(None, commands.PublishVersion(version=version))
 
     @property
     def version(self) -> int:
@@ -675,7 +656,7 @@ class RemoteHub(HubClient):
 
     def end_stream(self, columns: Sequence[str] = ()) -> None:
         cols = self.schema.check_names(columns, "end_stream()")
-        self._call(None, wire.End(columns=list(cols)))
+        self._call(None, commands.EndStream(columns=cols))
 
     def _event_log(self) -> EventLog:
         if self._events is None:
@@ -883,26 +864,6 @@ def _write_request(
         indices.tobytes(), [types[name] for name in encoded], headers, **commit
     )
     return msg, frames
-
-
-def _commit_request(args: CommitArgs) -> wire.Commit:
-    return wire.Commit(
-        indices=args.indices.tobytes(),
-        cells={
-            k: wire.Cell(c.nbytes.tobytes(), None if c.lengths is None else c.lengths.tobytes())
-            for k, c in args.cells.items()
-        },
-        new=args.new,
-        partition=args.partition,
-        groups=None if args.groups is None else args.groups.tobytes(),
-        version=args.version if not isinstance(args.version, np.ndarray) else None,
-        versions=args.version.tobytes() if isinstance(args.version, np.ndarray) else None,
-        tokens=None if args.tokens is None else args.tokens.tobytes(),
-        producer=args.producer,
-        ack_task=None if args.ack is None else args.ack[0],
-        ack_lease=0 if args.ack is None else args.ack[1],
-        put_id=args.put_id,
-    )
 
 
 def _bytes(frame: Any) -> bytes:

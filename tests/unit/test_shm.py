@@ -187,17 +187,17 @@ def test_a_reply_naming_rows_outside_its_chunk_is_refused(starts: list[int]) -> 
         ids = [np.arange(20_000) + i for i in range(4)]
         hub.put({"ids": ids})
         meta = hub.claim("t", 4, timeout=5)
-        recv = hub._recv
+        recv = hub._session.recv
 
         def tampered(*args: Any, **kw: Any) -> Any:
             reply, frames = recv(*args, **kw)
             assert reply.starts == [0]  # the whole chunk, read from its first row
             return wire.Arrays(arrays=reply.arrays, refs=reply.refs, starts=starts), frames
 
-        hub._recv = tampered  # type: ignore[method-assign]
+        hub._session.recv = tampered  # type: ignore[method-assign]
         with pytest.raises(TransportError, match="storage unit 0"):
             hub.get(meta)
-        hub._recv = recv  # type: ignore[method-assign]
+        hub._session.recv = recv  # type: ignore[method-assign]
         assert [s.tolist() for s in hub.get(meta).ragged("ids")] == [s.tolist() for s in ids]
     finally:
         hub.close()

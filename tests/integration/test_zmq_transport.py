@@ -135,12 +135,12 @@ def test_a_put_is_claimable_the_moment_it_returns(hub) -> None:
 
 def _reserved_write(hub, bad_commit: dict, wait: bool = True):
     enc, _, _ = hub.schema.encode_all({"ids": [np.arange(3)], "reward": [1.0]}, None, "t")
-    idx, unit = hub._reserve(1, None)
+    idx, unit, _ = hub._control.reserve(1, None)
     cells = {k: commands.Cell(e.nbytes, e.lengths) for k, e in enc.items()}
     commit = commands.Commit(indices=idx, cells=cells, new=True)
     commit = msgspec.structs.replace(commit, **bad_commit)
     types = {c.name: c for c in hub.schema.columns()}
-    return idx, unit, lambda: hub._write_commit(unit, idx, enc, types, commit, wait)
+    return idx, unit, lambda: hub._data.write_commit(unit, idx, enc, types, commit, wait, None)
 
 
 @pytest.mark.parametrize(
@@ -164,8 +164,8 @@ def test_a_commit_the_controller_refuses_reaches_the_producer(hub, cells, error,
     idx, unit, write = _reserved_write(hub, {"cells": cells})
     with pytest.raises(error, match=match):
         write()
-    hub._discard(unit, idx, ("ids", "reward"))
-    hub._abort(idx)
+    hub._data.discard(unit, idx, ("ids", "reward"))
+    hub._control.abort(idx)
     stats = hub.statistics()
     assert stats.live == stats.reserved == 0 and stats.units[unit].samples == 0
     assert _put(hub, 1).size == 1  # and the hub goes on

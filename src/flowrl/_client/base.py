@@ -350,27 +350,6 @@ class HubClient:
         :class:`~flowrl.errors.Timeout` when time runs out and
         :class:`~flowrl.errors.EndOfStream` once nothing more will become ready.
         """
-        return self._claim_checked(
-            task, n, sampler, columns, min_n, timeout, dp_rank, lease_timeout, consumer
-        )
-
-    def claim_nowait(self, task: str, n: int, **kwargs: Any) -> BatchMeta:
-        """Like :meth:`claim`, but raises :class:`~flowrl.errors.NothingReady` at once."""
-        kwargs["timeout"] = 0.0
-        return self.claim(task, n, **kwargs)
-
-    def _claim_checked(
-        self,
-        task: str,
-        n: int,
-        sampler: Sampler | None,
-        columns: Sequence[str] | None,
-        min_n: int | None,
-        timeout: float | None,
-        dp_rank: int,
-        lease_timeout: float | None,
-        consumer: str,
-    ) -> BatchMeta:
         self._control.raise_policy_error()
         if not isinstance(task, str):
             raise ConfigError(f"claim() task must be a str, got {task!r}")
@@ -398,6 +377,11 @@ class HubClient:
             consumer=consumer,
         )
         return self._control.claim(cmd, sampler or _FIFO)
+
+    def claim_nowait(self, task: str, n: int, **kwargs: Any) -> BatchMeta:
+        """Like :meth:`claim`, but raises :class:`~flowrl.errors.NothingReady` at once."""
+        kwargs["timeout"] = 0.0
+        return self.claim(task, n, **kwargs)
 
     def get(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> Batch:
         """Read the columns of a claimed batch straight from the storage units."""

@@ -240,7 +240,7 @@ def test_a_put_to_claimed_samples_asks_the_controller_nothing_first(hub, monkeyp
     def no_lookup(*args: object) -> None:
         raise AssertionError("put(indices=meta) asked the controller where samples live")
 
-    monkeypatch.setattr(hub, "_check_update", no_lookup)
+    monkeypatch.setattr(hub._control, "check_update", no_lookup)
     hub.register_task("next", ["ids", "reward"])
     meta = hub.claim("train", 4, timeout=5)
     hub.put({"reward": np.full(4, 7, np.float32)}, indices=meta, ack=meta)

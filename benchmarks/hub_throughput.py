@@ -79,8 +79,9 @@ import zmq
 
 import flowrl
 from flowrl import Column, HubConfig, JournalConfig
-from flowrl._controller.controller import CellWrite, Controller
+from flowrl._controller.controller import Controller
 from flowrl._controller.samplers import FifoSampler
+from flowrl._protocol.commands import Cell, Claim, Commit
 
 GIB = 1024**3
 GET_PASSES = 5
@@ -202,15 +203,15 @@ def _cells_once(batch: int, total: int = 262144) -> float:
     ctl.add_columns(tuple(COLUMNS))
     ctl.register_task("train", tuple(names))
     nbytes = np.full(batch, 8, dtype=np.int64)
-    cells = {name: CellWrite(nbytes, None) for name in names}
+    cells = {name: Cell(nbytes) for name in names}
     sampler = FifoSampler()
     with ctl.cond:
         t0 = time.perf_counter()
         done = 0
         while done < total:
             idx, _ = ctl.reserve(batch)
-            ctl.commit(idx, cells, new=True)
-            meta = ctl.try_claim("train", batch, sampler)
+            ctl.commit(Commit(indices=idx, cells=cells, new=True))
+            meta = ctl.try_claim(Claim(task="train", n=batch), sampler)
             assert meta is not None  # the batch just committed is ready
             ctl.ack("train", meta.lease)
             done += batch

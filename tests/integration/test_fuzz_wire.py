@@ -43,6 +43,7 @@ from hypothesis import strategies as st
 
 import flowrl
 from flowrl import Column, HubConfig
+from flowrl._protocol import commands
 from flowrl._transport import wire
 from flowrl._transport.frames import ArrayHeader
 
@@ -337,33 +338,37 @@ def refused_requests(draw: st.DrawFn, lease: int) -> bytes:
     pick = draw(st.integers(0, 11))
     other = draw(st.text(min_size=1, max_size=6).filter(lambda t: t not in TASKS))
     if pick == 0:
-        msg: Any = wire.Claim(task=other, n=draw(st.integers(1, 2**62)))
+        msg: Any = commands.Claim(task=other, n=draw(st.integers(1, 2**62)))
     elif pick == 1:
-        msg = wire.Claim(task="train", n=1, columns=[draw(st.sampled_from(["text", "nope"]))])
+        msg = commands.Claim(task="train", n=1, columns=[draw(st.sampled_from(["text", "nope"]))])
     elif pick == 2:
         lid = draw(st.integers(-(2**63), 2**63 - 1).filter(lambda v: v != lease))
-        msg = wire.Ack(task="score", lease=lid, drop=draw(st.booleans()))
+        msg = commands.Ack(task="score", lease=lid, drop=draw(st.booleans()))
     elif pick == 3:
-        msg = wire.Ack(task="score", lease=lease, indices=draw(unknown_indices))
+        msg = commands.Ack(task="score", lease=lease, indices=draw(unknown_indices))
     elif pick == 4:
-        msg = wire.Release(task=draw(st.sampled_from(["train", other])), lease=lease)
+        msg = commands.Release(task=draw(st.sampled_from(["train", other])), lease=lease)
     elif pick == 5:
         cases = st.sampled_from([ints(*LIVE), ints(-1)])
-        msg = wire.Abort(indices=draw(st.one_of(unknown_indices, cases)))
+        msg = commands.Abort(indices=draw(st.one_of(unknown_indices, cases)))
     elif pick == 6:
-        msg = wire.CheckUpdate(indices=draw(unknown_indices), columns=["reward"])
+        msg = commands.CheckUpdate(indices=draw(unknown_indices), columns=["reward"])
     elif pick == 7:
-        msg = wire.MetaOf(indices=draw(unknown_indices), columns=["ids"])
+        msg = commands.MetaOf(indices=draw(unknown_indices), columns=["ids"])
     elif pick == 8:
         idx = draw(unknown_indices)
         n = len(idx) // 8
-        msg = wire.Commit(indices=idx, cells={"reward": wire.Cell(ints(*[4] * n))}, new=False)
+        msg = commands.Commit(
+            indices=idx, cells={"reward": commands.Cell(ints(*[4] * n))}, new=False
+        )
     elif pick == 9:
-        msg = wire.Publish(version=draw(st.integers(0, VERSION - 1)))
+        msg = commands.PublishVersion(version=draw(st.integers(0, VERSION - 1)))
     elif pick == 10:
-        msg = wire.Declare(columns=[Column.scalar(draw(st.sampled_from(list(BY_NAME))), "int8")])
+        msg = commands.Declare(
+            columns=[Column.scalar(draw(st.sampled_from(list(BY_NAME))), "int8")]
+        )
     else:
-        msg = wire.RegisterTask(task="train", columns=[draw(st.sampled_from(["text", "nope"]))])
+        msg = commands.RegisterTask(task="train", columns=[draw(st.sampled_from(["text", "nope"]))])
     return wire.encode(msg)
 
 
@@ -408,9 +413,9 @@ def test_controller_refuses_requests_about_what_does_not_exist(target: Target) -
         msg = wire.decode_request(body)
         note(repr(msg))
         reply, _ = target.request(sock, body)
-        if isinstance(msg, wire.Abort):  # giving back reservations nobody holds: a no-op
+        if isinstance(msg, commands.Abort):  # giving back reservations nobody holds: a no-op
             assert isinstance(reply, wire.Error | wire.Done), reply
-        elif isinstance(msg, wire.Claim) and msg.task != "train":
+        elif isinstance(msg, commands.Claim) and msg.task != "train":
             assert isinstance(reply, wire.Error) and reply.type == "UnknownTaskError", reply
         else:
             assert isinstance(reply, wire.Error), reply
@@ -580,9 +585,9 @@ def test_storage_unit_refuses_broken_writes_and_reads(target: Target) -> None:
             st.sampled_from(
                 [
                     (wire.encode(wire.Stats()), []),
-                    (wire.encode(wire.Claim(task="train", n=1)), []),
+                    (wire.encode(commands.Claim(task="train", n=1)), []),
                     (wire.encode(wire.Evict(indices=ints(*LIVE))), []),
-                    (wire.encode(wire.Publish(version=99)), []),
+                    (wire.encode(commands.PublishVersion(version=99)), []),
                 ]
             ),
         ),
@@ -633,16 +638,16 @@ def test_controller_survives_very_long_waits_and_leases(target: Target) -> None:
     hub.ack(target.lease)  # no other lease deadline nearer than the ones under test
     sock = target.dealer(hub.address)
     parked = [
-        wire.Claim(task="train", n=99, timeout=math.inf),  # first: alone, the nearest
-        wire.Claim(task="train", n=99, timeout=1e10),
-        wire.Reserve(n=29, timeout=1e10),  # 28 free slots
+        commands.Claim(task="train", n=99, timeout=math.inf),  # first: alone, the nearest
+        commands.Claim(task="train", n=99, timeout=1e10),
+        commands.Reserve(n=29, timeout=1e10),  # 28 free slots
     ]
     for k, msg in enumerate(parked):
         sock.send_multipart([b"parked%d" % k, wire.encode(msg)])  # nothing can satisfy it
         reply, _ = target.request(sock, wire.encode(wire.Stats()))  # it serves on
         assert isinstance(reply, wire.StatsReply)
     granted, _ = target.request(
-        sock, wire.encode(wire.Claim(task="train", n=1, lease_timeout=1e10))
+        sock, wire.encode(commands.Claim(task="train", n=1, lease_timeout=1e10))
     )
     assert isinstance(granted, wire.MetaReply)
     time.sleep(0.2)  # a loop turn or two with only far deadlines
@@ -665,7 +670,7 @@ def unchanged_target() -> Iterator[Target]:
 def test_abort_of_index_minus_one_changes_nothing(unchanged_target: Target) -> None:
     target = unchanged_target
     sock = target.dealer(target.hub.address)
-    target.request(sock, wire.encode(wire.Abort(indices=ints(-1))))
+    target.request(sock, wire.encode(commands.Abort(indices=ints(-1))))
     target.check()
 
 
@@ -682,9 +687,9 @@ def test_a_refused_write_does_not_retype_a_column(unchanged_target: Target) -> N
 def test_a_new_commit_of_a_committed_sample_is_refused(unchanged_target: Target) -> None:
     target = unchanged_target
     sock = target.dealer(target.hub.address)
-    cells = {c: wire.Cell(ints(8)) for c in ("reward", "flag")}
+    cells = {c: commands.Cell(ints(8)) for c in ("reward", "flag")}
     reply, _ = target.request(
-        sock, wire.encode(wire.Commit(indices=ints(3), cells=cells, new=True, version=7))
+        sock, wire.encode(commands.Commit(indices=ints(3), cells=cells, new=True, version=7))
     )
     assert isinstance(reply, wire.Error)
     target.check()

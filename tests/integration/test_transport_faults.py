@@ -15,7 +15,7 @@ import pytest
 
 import flowrl
 from flowrl import Column, HubConfig, JournalConfig
-from flowrl._transport import remote
+from flowrl._transport import pools
 from flowrl.errors import HubFull, TransportError
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -144,7 +144,7 @@ def test_threads_that_end_give_their_reserved_indices_back() -> None:
         hub.put({"x": [63]})  # this reserve gives the ended threads' pools back
         stats = hub.statistics()
         assert stats.live == 64
-        assert stats.reserved_ahead <= remote.RESERVE_AHEAD  # this thread's pool only
+        assert stats.reserved_ahead <= pools.RESERVE_AHEAD  # this thread's pool only
     finally:
         hub.close()
 

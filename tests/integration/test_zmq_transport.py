@@ -9,12 +9,14 @@ import sys
 import textwrap
 import time
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
 
 import flowrl
 from flowrl import Column, HubConfig
+from flowrl._protocol import commands
 from flowrl._transport import wire
 from flowrl.errors import SchemaError, TransportError
 
@@ -77,9 +79,9 @@ def test_malformed_requests_get_errors_and_the_server_stays_up(hub) -> None:
     sock.connect(hub.address)
     try:
         one = np.zeros(1, np.int64).tobytes()
-        cells = {"reward": wire.Cell(np.full(2, 4, np.int64).tobytes())}
+        cells = {"reward": commands.Cell(np.full(2, 4, np.int64).tobytes())}
         bad_commits = [  # per-sample versions: wrong length, negative, or with a version
-            wire.Commit(
+            commands.Commit(
                 indices=np.arange(2).tobytes(), cells=cells, new=True, versions=v, version=w
             )
             for v, w in [(one, None), (np.array([0, -1]).tobytes(), None), (one * 2, 3)]
@@ -132,15 +134,13 @@ def test_a_put_is_claimable_the_moment_it_returns(hub) -> None:
 
 
 def _reserved_write(hub, bad_commit: dict, wait: bool = True):
-    from flowrl._client.base import CommitArgs
-    from flowrl._controller.controller import CellWrite
-
     enc, _, _ = hub.schema.encode_all({"ids": [np.arange(3)], "reward": [1.0]}, None, "t")
-    idx, unit = hub._reserve(1, None)
-    cells = {k: CellWrite(e.nbytes, e.lengths) for k, e in enc.items()}
-    commit = CommitArgs(idx, cells, True, "", None, None, None, "")._replace(**bad_commit)
+    idx, unit, _ = hub._control.reserve(1, None)
+    cells = {k: commands.Cell(e.nbytes, e.lengths) for k, e in enc.items()}
+    commit = commands.Commit(indices=idx, cells=cells, new=True)
+    commit = msgspec.structs.replace(commit, **bad_commit)
     types = {c.name: c for c in hub.schema.columns()}
-    return idx, unit, lambda: hub._write_commit(unit, idx, enc, types, commit, wait)
+    return idx, unit, lambda: hub._data.write_commit(unit, idx, enc, types, commit, wait, None)
 
 
 @pytest.mark.parametrize(
@@ -160,23 +160,19 @@ def _reserved_write(hub, bad_commit: dict, wait: bool = True):
 )
 def test_a_commit_the_controller_refuses_reaches_the_producer(hub, cells, error, match) -> None:
     # The producer discards the stored bytes and gives the indices back, as for any refusal.
-    from flowrl._controller.controller import CellWrite
-
-    cells = {k: CellWrite(*v) for k, v in cells.items()}
+    cells = {k: commands.Cell(*v) for k, v in cells.items()}
     idx, unit, write = _reserved_write(hub, {"cells": cells})
     with pytest.raises(error, match=match):
         write()
-    hub._discard(unit, idx, ("ids", "reward"))
-    hub._abort(idx)
+    hub._data.discard(unit, idx, ("ids", "reward"))
+    hub._control.abort(idx)
     stats = hub.statistics()
     assert stats.live == stats.reserved == 0 and stats.units[unit].samples == 0
     assert _put(hub, 1).size == 1  # and the hub goes on
 
 
 def test_a_put_async_the_controller_refuses_leaves_nothing_behind(hub) -> None:
-    from flowrl._controller.controller import CellWrite
-
-    cells = {"nope": CellWrite(np.array([8]), None)}
+    cells = {"nope": commands.Cell(np.array([8]))}
     _, unit, write = _reserved_write(hub, {"cells": cells}, wait=False)
     fut = write()
     with pytest.raises(flowrl.errors.UnknownColumnError, match="nope"):
@@ -192,7 +188,7 @@ def test_unit_refuses_a_commit_for_other_samples(hub) -> None:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(hub.unit_addresses[0])
-    commit = wire.Commit(indices=np.arange(1, 3, dtype=np.int64).tobytes(), cells={}, new=True)
+    commit = commands.Commit(indices=np.arange(1, 3, dtype=np.int64).tobytes(), cells={}, new=True)
     try:
         header = wire.write_request(
             np.arange(2, dtype=np.int64).tobytes(),
@@ -244,7 +240,7 @@ def test_a_put_to_claimed_samples_asks_the_controller_nothing_first(hub, monkeyp
     def no_lookup(*args: object) -> None:
         raise AssertionError("put(indices=meta) asked the controller where samples live")
 
-    monkeypatch.setattr(hub, "_check_update", no_lookup)
+    monkeypatch.setattr(hub._control, "check_update", no_lookup)
     hub.register_task("next", ["ids", "reward"])
     meta = hub.claim("train", 4, timeout=5)
     hub.put({"reward": np.full(4, 7, np.float32)}, indices=meta, ack=meta)

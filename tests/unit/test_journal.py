@@ -19,8 +19,9 @@ import pytest
 import flowrl
 from flowrl import BalancedSampler, Column, FifoSampler, HubConfig, JournalConfig
 from flowrl._controller import snapshot
-from flowrl._controller.controller import CellWrite, Controller
+from flowrl._controller.controller import Controller
 from flowrl._controller.journal import EVENTS_FILE
+from flowrl._protocol.commands import Cell, Claim, Commit
 from flowrl._store import persist
 from flowrl._store.unit import StorageUnit
 from flowrl.errors import ConfigError, JournalError
@@ -292,16 +293,20 @@ def test_balanced_rounds_recover_with_their_reserved_parts() -> None:
     sampler = BalancedSampler(dp_size=3)
     with ctl.cond:
         idx, _ = ctl.reserve(6)
-        ctl.commit(idx, {"x": CellWrite(np.full(6, 8), None)}, new=True, tokens=np.arange(1, 7))
-        first = ctl.try_claim("t", 2, sampler, dp_rank=0)
+        ctl.commit(
+            Commit(indices=idx, cells={"x": Cell(np.full(6, 8))}, new=True, tokens=np.arange(1, 7))
+        )
+        first = ctl.try_claim(Claim(task="t", n=2, dp_rank=0), sampler)
         assert first is not None
-        second = ctl.try_claim("t", 2, sampler, dp_rank=1)  # takes its reserved part
+        second = ctl.try_claim(Claim(task="t", n=2, dp_rank=1), sampler)  # takes its reserved part
         assert second is not None
     twin = Controller(16, lease_timeout=1e6)
     twin.recover(event_decoder.decode(b) for b in journal)
     with twin.cond:
-        third = twin.try_claim("t", 2, sampler, dp_rank=2)  # its part survived recovery
-        again = twin.try_claim("t", 2, sampler, dp_rank=1)  # rank 1's part was taken
+        third = twin.try_claim(
+            Claim(task="t", n=2, dp_rank=2), sampler
+        )  # its part survived recovery
+        again = twin.try_claim(Claim(task="t", n=2, dp_rank=1), sampler)  # rank 1's part was taken
     assert third is not None
     taken = set(first.indices.tolist()) | set(second.indices.tolist())
     assert set(third.indices.tolist()) == set(range(6)) - taken
@@ -387,20 +392,28 @@ def _random_run(seed: int, steps: int) -> tuple[Controller, list[bytes], list[tu
                 idx, _ = ctl.reserve(4)
                 if rng.random() < 0.2:
                     continue  # left reserved: not journaled state
-                cells = {"x": CellWrite(np.full(4, 8), None)}
-                ctl.commit(idx, cells, new=True, groups=idx // 2, partition=f"p{op}")
+                cells = {"x": Cell(np.full(4, 8))}
+                ctl.commit(
+                    Commit(indices=idx, cells=cells, new=True, groups=idx // 2, partition=f"p{op}")
+                )
             elif op == 2:
                 live = ctl.live_indices()
                 live = live[ctl.table.committed[live % 32]]
                 if live.size:
                     pick = rng.choice(live, size=min(3, live.size), replace=False)
                     with contextlib.suppress(flowrl.errors.FlowRLError):
-                        ctl.commit(pick, {"y": CellWrite(np.full(pick.size, 8), None)}, new=False)
+                        ctl.commit(
+                            Commit(
+                                indices=pick, cells={"y": Cell(np.full(pick.size, 8))}, new=False
+                            )
+                        )
             elif op <= 4:
                 task = "ab"[int(rng.integers(2))]
                 sampler = BalancedSampler(dp_size=2) if rng.random() < 0.3 else FifoSampler()
                 with contextlib.suppress(flowrl.errors.FlowRLError):
-                    meta = ctl.try_claim(task, 2, sampler, dp_rank=int(rng.integers(2)))
+                    meta = ctl.try_claim(
+                        Claim(task=task, n=2, dp_rank=int(rng.integers(2))), sampler
+                    )
                     if meta is not None:
                         leases.append((task, meta.lease, meta.indices))
             elif op == 5 and leases:
@@ -442,7 +455,7 @@ def test_a_snapshot_plus_the_events_after_it_rebuilds_what_the_whole_journal_doe
             for task in ("a", "b"):
                 for rank in (0, 1):
                     mine, theirs = (
-                        c.try_claim(task, 3, BalancedSampler(dp_size=2), dp_rank=rank)
+                        c.try_claim(Claim(task=task, n=3, dp_rank=rank), BalancedSampler(dp_size=2))
                         for c in (twin, whole)
                     )
                     assert (mine is None) == (theirs is None)

@@ -132,13 +132,13 @@ def test_a_multi_process_hub_reads_in_place_and_leaves_no_shared_memory() -> Non
         hub.put({"ids": ids, "r": np.arange(8, dtype=np.float32)})
         assert any(segments_in(a) for a in arenas)
         in_place: list[int] = []
-        read = hub._shm_maps.buffers
+        read = hub._data._shm_maps.buffers
 
         def counted(refs: list[Any], *args: Any) -> list[Any]:
             in_place.append(sum(r is not None for r in refs))
             return read(refs, *args)
 
-        hub._shm_maps.buffers = counted  # type: ignore[method-assign]
+        hub._data._shm_maps.buffers = counted  # type: ignore[method-assign]
         meta = hub.claim("t", 8, timeout=5)
         batch = hub.get(meta)
         # rows one put wrote: the unit names the whole chunk (all 3 buffers) in place
@@ -172,10 +172,10 @@ def test_a_client_that_cannot_map_a_units_segments_reads_over_zmq() -> None:
         def unavailable(path: str, unit: int) -> Any:
             raise ShmUnavailable(path)
 
-        hub._shm_maps._open = unavailable  # type: ignore[method-assign]
+        hub._data._shm_maps._open = unavailable  # type: ignore[method-assign]
         batch = hub.get(hub.claim("t", 4, timeout=5))
         assert [s.tolist() for s in batch.ragged("ids")] == [s.tolist() for s in ids]
-        assert hub._shm == [False]  # that unit's reads go over zmq from now on
+        assert hub._data._shm == [False]  # that unit's reads go over zmq from now on
     finally:
         hub.close()
 
@@ -187,17 +187,17 @@ def test_a_reply_naming_rows_outside_its_chunk_is_refused(starts: list[int]) -> 
         ids = [np.arange(20_000) + i for i in range(4)]
         hub.put({"ids": ids})
         meta = hub.claim("t", 4, timeout=5)
-        recv = hub._recv
+        recv = hub._session.recv
 
         def tampered(*args: Any, **kw: Any) -> Any:
             reply, frames = recv(*args, **kw)
             assert reply.starts == [0]  # the whole chunk, read from its first row
             return wire.Arrays(arrays=reply.arrays, refs=reply.refs, starts=starts), frames
 
-        hub._recv = tampered  # type: ignore[method-assign]
+        hub._session.recv = tampered  # type: ignore[method-assign]
         with pytest.raises(TransportError, match="storage unit 0"):
             hub.get(meta)
-        hub._recv = recv  # type: ignore[method-assign]
+        hub._session.recv = recv  # type: ignore[method-assign]
         assert [s.tolist() for s in hub.get(meta).ragged("ids")] == [s.tolist() for s in ids]
     finally:
         hub.close()
@@ -256,7 +256,7 @@ def test_a_chunk_read_with_offsets_out_of_order_is_refused() -> None:
         ids = [np.arange(20_000) + i for i in range(4)]
         hub.put({"ids": ids})
         meta = hub.claim("t", 4, timeout=5)
-        read = hub._shm_maps.buffers
+        read = hub._data._shm_maps.buffers
 
         def tampered(refs: list[Any], *args: Any) -> list[Any]:
             bufs = read(refs, *args)
@@ -264,7 +264,7 @@ def test_a_chunk_read_with_offsets_out_of_order_is_refused() -> None:
             offsets[2] = offsets[3] + 1  # row 1 ends after row 2
             return [offsets.data, *bufs[1:]]
 
-        hub._shm_maps.buffers = tampered  # type: ignore[method-assign]
+        hub._data._shm_maps.buffers = tampered  # type: ignore[method-assign]
         with pytest.raises(TransportError, match="malformed offsets"):
             hub.get(meta)
     finally:

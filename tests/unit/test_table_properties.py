@@ -37,9 +37,10 @@ from hypothesis.stateful import (
     rule,
 )
 
-from flowrl._controller.controller import CellWrite, Controller
+from flowrl._controller.controller import Controller
 from flowrl._controller.samplers import FifoSampler, GroupSampler, StalenessSampler
 from flowrl._controller.tasks import CONSUMED, LEASED, PENDING, READY
+from flowrl._protocol.commands import Cell, Claim, Commit
 from flowrl._schema.columns import Column
 from flowrl.errors import EndOfStream, HubFull, LeaseError, SchemaError, UnknownIndexError
 from flowrl.events import Evicted, event_decoder, event_encoder
@@ -62,8 +63,8 @@ def pick_subset(items: list[int], mask: int) -> list[int]:
     return chosen or items[:1]
 
 
-def _cells(n: int, columns: list[str]) -> dict[str, CellWrite]:
-    return {c: CellWrite(np.full(n, 8, dtype=np.int64), None) for c in columns}
+def _cells(n: int, columns: list[str]) -> dict[str, Cell]:
+    return {c: Cell(np.full(n, 8, dtype=np.int64)) for c in columns}
 
 
 class ControllerMachine(RuleBasedStateMachine):
@@ -166,11 +167,14 @@ class ControllerMachine(RuleBasedStateMachine):
             assert all(i > j for i in got for j in self.allocated), "indices must only grow"
             self.allocated += got
             self.ctl.commit(
-                indices,
-                _cells(n, columns),
-                new=True,
-                groups=np.array(groups[:n], dtype=np.int64),
-                version=version,
+                Commit(
+                    indices=indices,
+                    cells=_cells(n, columns),
+                    new=True,
+                    groups=np.array(groups[:n], dtype=np.int64),
+                    version=version if isinstance(version, int) else None,
+                    versions=version if isinstance(version, np.ndarray) else None,
+                )
             )
         before = self.ready_sets()
         for pos, i in enumerate(got):
@@ -202,7 +206,7 @@ class ControllerMachine(RuleBasedStateMachine):
                     self.ctl.check_update(idx, (column,))
                 return
             self.ctl.check_update(idx, (column,))
-            self.ctl.commit(idx, _cells(idx.size, [column]), new=False)
+            self.ctl.commit(Commit(indices=idx, cells=_cells(idx.size, [column]), new=False))
         before = self.ready_sets()
         for i in chosen:
             self.cols[i].add(column)
@@ -218,7 +222,7 @@ class ControllerMachine(RuleBasedStateMachine):
         idx = np.array(missing, dtype=np.int64)
         with self.ctl.cond:
             self.ctl.check_update(idx, (column,))
-            self.ctl.commit(idx, _cells(idx.size, [column]), new=False)
+            self.ctl.commit(Commit(indices=idx, cells=_cells(idx.size, [column]), new=False))
         before = self.ready_sets()
         for i in missing:
             self.cols[i].add(column)
@@ -271,7 +275,7 @@ class ControllerMachine(RuleBasedStateMachine):
         final = self.nothing_more(task)
         with self.ctl.cond:
             try:
-                meta = self.ctl.try_claim(task, n, sampler, min_n=min_n)
+                meta = self.ctl.try_claim(Claim(task=task, n=n, min_n=min_n), sampler)
             except EndOfStream:
                 assert final, "EndOfStream although a sample could still become ready"
                 assert not expected

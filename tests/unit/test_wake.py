@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from flowrl import Column
-from flowrl._controller.controller import CellWrite, Controller
+from flowrl._controller.controller import Controller
 from flowrl._controller.samplers import FifoSampler
 from flowrl._controller.wake import EVERYONE, NOBODY, Wake, woken
+from flowrl._protocol.commands import Cell, Claim, Commit
 from flowrl.events import (
     Acked,
     Claimed,
@@ -111,7 +112,9 @@ def controller(monkeypatch: pytest.MonkeyPatch) -> tuple[Controller, list[str]]:
 
 def _put(ctl: Controller, column: str, n: int = 1) -> np.ndarray:
     indices, _ = ctl.reserve(n)
-    ctl.commit(indices, {column: CellWrite(np.full(n, 8, dtype=np.int64), None)}, new=True)
+    ctl.commit(
+        Commit(indices=indices, cells={column: Cell(np.full(n, 8, dtype=np.int64))}, new=True)
+    )
     return indices
 
 
@@ -129,9 +132,11 @@ def test_an_ack_that_evicts_notifies_its_task_and_waiting_puts(controller) -> No
     ctl, notified = controller
     with ctl.cond:
         indices = _put(ctl, "x")
-        ctl.commit(indices, {"y": CellWrite(np.full(1, 8, dtype=np.int64), None)}, new=False)
-        lease_a = ctl.try_claim("a", 1, FifoSampler())
-        lease_b = ctl.try_claim("b", 1, FifoSampler())
+        ctl.commit(
+            Commit(indices=indices, cells={"y": Cell(np.full(1, 8, dtype=np.int64))}, new=False)
+        )
+        lease_a = ctl.try_claim(Claim(task="a", n=1), FifoSampler())
+        lease_b = ctl.try_claim(Claim(task="b", n=1), FifoSampler())
         assert lease_a is not None and lease_b is not None
         ctl.ack("a", lease_a.lease)
         notified.clear()
@@ -161,5 +166,7 @@ def test_after_end_of_stream_any_change_notifies_everyone(controller) -> None:
         indices, _ = ctl.reserve(1)
         ctl.end_stream()
         notified.clear()
-        ctl.commit(indices, {"x": CellWrite(np.full(1, 8, dtype=np.int64), None)}, new=True)
+        ctl.commit(
+            Commit(indices=indices, cells={"x": Cell(np.full(1, 8, dtype=np.int64))}, new=True)
+        )
     assert sorted(notified) == ["a", "b", "room"]  # 'b' may now end: nothing more can come

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from flowrl import Column
+from flowrl._protocol import commands
 from flowrl._transport import wire
 from flowrl._transport.frames import ArrayHeader
 from flowrl.errors import TransportError
@@ -17,9 +18,9 @@ HEADERS = [ArrayHeader("ids", 1, 2), ArrayHeader("reward", 1, 1)]
 ONE = np.arange(1, dtype=np.int64).tobytes()
 
 
-def _commit(indices: bytes = ONE, nbytes: int = 1) -> wire.Commit:
-    cell = wire.Cell(np.full(nbytes, 8, dtype=np.int64).tobytes())
-    return wire.Commit(indices=indices, cells={"ids": cell, "reward": cell}, new=True)
+def _commit(indices: bytes = ONE, nbytes: int = 1) -> commands.Commit:
+    cell = commands.Cell(np.full(nbytes, 8, dtype=np.int64).tobytes())
+    return commands.Commit(indices=indices, cells={"ids": cell, "reward": cell}, new=True)
 
 
 def _sent(msg: wire.Write) -> wire.Write:
@@ -64,7 +65,7 @@ def test_the_commit_travels_encoded_and_is_checked_where_it_is_decoded() -> None
     handed = wire.decode_request(
         wire.encode(wire.CommitFor(commit=msg.commit, reply_to=msg.reply_to))
     )
-    assert wire.commit_of(handed) == _commit()
+    assert wire.encode(wire.commit_of(handed)) == wire.encode(_commit())  # arrays: by value
     bad = wire.write_request(ONE, COLUMNS, HEADERS, _commit(nbytes=2), "ipc://c", b"producer")
     handed = wire.CommitFor(commit=_sent(bad).commit, reply_to=b"producer")
     with pytest.raises(TransportError, match=r"malformed Commit request: cells\['ids'\]"):
@@ -82,7 +83,7 @@ def test_the_commit_travels_encoded_and_is_checked_where_it_is_decoded() -> None
     ],
 )
 def test_a_unit_refuses_a_commit_it_cannot_hand_on(
-    commit: wire.Commit, controller: str, reply_to: bytes, problem: str
+    commit: commands.Commit, controller: str, reply_to: bytes, problem: str
 ) -> None:
     body = wire.encode(wire.write_request(ONE, COLUMNS, HEADERS, commit, controller, reply_to))
     with pytest.raises(TransportError, match=problem):

@@ -1,4 +1,4 @@
-"""The client API, identical for every placement; transports implement a few primitives.
+"""The client API, identical for every placement, over a control port and a data port.
 
 A put validates and encodes every column first (so bad input changes nothing), reserves
 indices, writes the bytes to the storage unit, then commits metadata to the controller:
@@ -8,63 +8,48 @@ leaves no half-written sample behind.
 
 from __future__ import annotations
 
-import abc
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, final
 
+import msgspec
 import numpy as np
 import pyarrow as pa
 
 from flowrl._client.config import HubStats
 from flowrl._client.future import PutFuture
-from flowrl._controller.controller import CellWrite
-from flowrl._controller.eventlog import EventLog, Subscription
+from flowrl._client.ports import ControlPort, DataPort, Reservation
+from flowrl._controller.eventlog import Subscription
 from flowrl._controller.meta import BatchMeta
 from flowrl._controller.samplers import FifoSampler, Sampler
+from flowrl._protocol.commands import (
+    Ack,
+    Cell,
+    CheckUpdate,
+    Claim,
+    Commit,
+    EndStream,
+    LeaseRef,
+    MetaOf,
+    PublishVersion,
+    RegisterTask,
+    Release,
+)
 from flowrl._schema.columns import Column
 from flowrl._schema.encode import Encoded, numeric_array
 from flowrl._schema.ragged import RaggedArray
 from flowrl._schema.schema import Schema
 from flowrl._store.batch import Batch, LazyColumn, _to_python, arrow_of
 from flowrl._store.partial import VERSIONS
-from flowrl.errors import ConfigError, LeaseError, SchemaError, TransportError
+from flowrl.errors import ConfigError, LeaseError, SchemaError, TransportError, UnknownIndexError
 from flowrl.events import Event
 from flowrl.hooks import Observer
 
 __all__ = ["HubClient", "Partial"]
 
 _FIFO = FifoSampler()
-
-
-class ClaimArgs(NamedTuple):
-    """A validated claim, named as ``Controller.try_claim`` takes it."""
-
-    task: str
-    n: int
-    sampler: Sampler
-    columns: tuple[str, ...] | None
-    min_n: int | None
-    consumer: str
-    lease_timeout: float | None
-    dp_rank: int
-
-
-class CommitArgs(NamedTuple):
-    """A stored write to make visible, named as ``Controller.commit`` takes it."""
-
-    indices: np.ndarray
-    cells: dict[str, CellWrite]
-    new: bool
-    partition: str
-    groups: np.ndarray | None
-    version: int | np.ndarray | None  # one for the put, or one per sample
-    tokens: np.ndarray | None
-    producer: str
-    ack: tuple[str, int] | None = None  # (task, lease) acked with the commit
-    # A put to existing samples: its bytes are staged on their units under this id and
-    # become visible only once the commit succeeds (0: new samples, invisible until then).
-    put_id: int = 0
+#: The indices of a new put's commit until they are reserved.
+_UNRESERVED = np.empty(0, dtype=np.int64)
 
 
 @final
@@ -75,10 +60,19 @@ class Partial(NamedTuple):
     versions: RaggedArray
 
 
-class HubClient(abc.ABC):
-    """Put samples, claim micro-batches, read them, ack them. See docs/concepts.md."""
+class HubClient:
+    """Put samples, claim micro-batches, read them, ack them. See docs/concepts.md.
+
+    One concrete client for every placement: commands go through a
+    :class:`~flowrl._client.ports.ControlPort`, bytes through a
+    :class:`~flowrl._client.ports.DataPort` (in-process or zmq). ``Hub`` and ``RemoteHub``
+    build the ports and tear them down.
+    """
 
     schema: Schema
+    _control: ControlPort
+    _data: DataPort
+    _closed = False
 
     # -- columns and tasks ------------------------------------------------------------------
     @property
@@ -90,7 +84,7 @@ class HubClient(abc.ABC):
         for col in columns:
             if not isinstance(col, Column):
                 raise ConfigError(f"declare() expects flowrl.Column, got {type(col).__name__}")
-        self._declare_columns(columns)
+        self._control.declare(columns)
 
     def register_task(self, task: str, columns: Sequence[str]) -> None:
         """Register a consuming task and the columns a sample needs before it can claim it.
@@ -103,7 +97,7 @@ class HubClient(abc.ABC):
         if isinstance(columns, str) or not isinstance(columns, Sequence):
             raise ConfigError(f"register_task columns must be a list of names, got {columns!r}")
         cols = self.schema.check_names(columns, f"register_task({task!r})")
-        self._register_task(task, cols)
+        self._control.register_task(RegisterTask(task=task, columns=cols))
 
     # -- producers --------------------------------------------------------------------------
     def put(
@@ -161,7 +155,7 @@ class HubClient(abc.ABC):
         next waits for the oldest. In-process, and for puts that declare columns or span
         several storage units, the put completes before the call returns.
         """
-        self._raise_failed_put()
+        self._data.raise_failed_put()
         return self._put(
             data, indices, partition, groups, version, tokens, producer, timeout, ack, wait=False
         )
@@ -170,10 +164,7 @@ class HubClient(abc.ABC):
         """Wait until every :meth:`put_async` of this thread is answered; raises the first
         failure that no future reported (:class:`~flowrl.errors.Timeout` after ``timeout``
         seconds, the puts still pending)."""
-        self._raise_failed_put()
-
-    def _raise_failed_put(self) -> None:  # noqa: B027 (in-process puts never fail late)
-        """Raise the first failed put_async of this thread that nobody was told about."""
+        self._data.flush(timeout)
 
     def put_nowait(self, data: Mapping[str, Any], **kwargs: Any) -> np.ndarray:
         """Like :meth:`put`, but raises :class:`~flowrl.errors.HubFull` instead of waiting."""
@@ -193,7 +184,7 @@ class HubClient(abc.ABC):
         ack: BatchMeta | None,
         wait: bool,
     ) -> PutFuture:
-        self._raise_policy_error()
+        self._control.raise_policy_error()
         where = f"put() from {producer!r}" if producer else "put()"
         if not isinstance(partition, str):
             raise ConfigError(f"partition must be a str, got {partition!r} in {where}")
@@ -207,14 +198,26 @@ class HubClient(abc.ABC):
         groups_arr = _per_sample(groups, n, "groups", where)
         tokens_arr = _per_sample(tokens, n, "tokens", where)
         versions = _versions(version, n, where)
-        cells = {k: CellWrite(e.nbytes, e.lengths) for k, e in encoded.items()}
-        per_put = (partition, groups_arr, versions, tokens_arr, producer)
+        # A put to existing samples stages its bytes on their units under ``put_id``:
+        # visible only once the commit succeeds (new samples are invisible until then).
+        commit = Commit(
+            indices=_UNRESERVED if target is None else target,
+            cells={k: Cell(e.nbytes, e.lengths) for k, e in encoded.items()},
+            new=target is None,
+            partition=partition,
+            groups=groups_arr,
+            version=versions if isinstance(versions, int) else None,
+            versions=versions if isinstance(versions, np.ndarray) else None,
+            tokens=tokens_arr,
+            producer=producer,
+            ack=acked,
+            put_id=0 if target is None else _new_put_id(),
+        )
         types = {c.name: c for c in new_columns}
         types.update((k, self.schema[k]) for k in encoded if k not in types)
         if target is None:
-            return self._put_new(n, encoded, types, new_columns, cells, per_put, timeout, wait)
+            return self._put_new(n, encoded, types, new_columns, commit, timeout, wait)
         units = self._units_for_update(indices, target, tuple(encoded), acked)
-        commit = CommitArgs(target, cells, False, *per_put, acked, _new_put_id())
         parts = _split_by_unit(units)
         try:
             if len(parts) == 1:
@@ -222,12 +225,12 @@ class HubClient(abc.ABC):
                 return fut or PutFuture.completed(target)
             for unit, pos in parts:
                 part = {k: e if pos is None else e.take(pos) for k, e in encoded.items()}
-                self._write(unit, _part(target, pos), part, types, commit.put_id)
+                self._data.write(unit, _part(target, pos), part, types, commit.put_id)
             if new_columns:
-                self._declare_columns(tuple(new_columns))
-            self._commit(commit)
+                self._control.declare(tuple(new_columns))
+            self._control.commit(commit)
         except BaseException:
-            self._forget_staged(commit.put_id, [unit for unit, _ in parts])
+            self._data.forget_staged(commit.put_id, [unit for unit, _ in parts])
             raise
         return PutFuture.completed(target)
 
@@ -236,12 +239,20 @@ class HubClient(abc.ABC):
         indices: Any,
         target: np.ndarray,
         columns: tuple[str, ...],
-        ack: tuple[str, int] | None,
+        ack: LeaseRef | None,
     ) -> np.ndarray:
         """The storage units of the samples a put to existing samples writes, once the
         controller checked the put (``indices`` as the caller gave them; ``ack``: the
         claim it acks, whose lease is checked first)."""
-        return self._check_update(target, columns, ack)
+        if self._control.trusts_handles and isinstance(indices, BatchMeta):
+            # A handle (a claim's, above all: a stage's output) names its samples' units:
+            # a write to one unit goes there at once, the unit refuses samples it does not
+            # hold (evicted) and stages the bytes, and the commit checks what check_update
+            # would have (a put refused there changes nothing: the unit forgets the bytes).
+            units = indices.units
+            if units.size and (units == units[0]).all():
+                return units
+        return self._control.check_update(CheckUpdate(indices=target, columns=columns, ack=ack))
 
     def _put_new(
         self,
@@ -249,22 +260,52 @@ class HubClient(abc.ABC):
         encoded: dict[str, Encoded],
         types: dict[str, Column],
         new_columns: Sequence[Column],
-        cells: dict[str, CellWrite],
-        per_put: tuple[Any, ...],
+        commit: Commit,
         timeout: float | None,
         wait: bool,
     ) -> PutFuture:
-        idx, unit = self._reserve(n, timeout)
+        """Reserve ``n`` indices, store the bytes there and commit them (``commit``: the
+        put's, less its indices)."""
+        put = (encoded, types, new_columns, commit, timeout, wait)
+        reservation = self._control.reserve(n, timeout)
         try:
-            commit = CommitArgs(idx, cells, True, *per_put)
-            fut = self._store(unit, idx, encoded, types, new_columns, commit, wait)
+            return self._put_reserved(reservation, *put)
+        except UnknownIndexError:
+            # Pooled indices the controller no longer holds for us (it restarted from its
+            # journal, or the stream ended): nothing was committed; reserve afresh, once.
+            if not reservation.pooled:
+                raise
+            self._control.forget_pool()
+            return self._put_reserved(self._control.reserve(n, timeout), *put)
+
+    def _put_reserved(
+        self,
+        reservation: Reservation,
+        encoded: dict[str, Encoded],
+        types: dict[str, Column],
+        new_columns: Sequence[Column],
+        commit: Commit,
+        timeout: float | None,
+        wait: bool,
+    ) -> PutFuture:
+        idx, unit = reservation.indices, reservation.unit
+        again = None
+        if reservation.pooled and not wait:
+            # Pooled indices may be gone when the put arrives (the stream ended, or the
+            # controller restarted): then it is made again, as put() does.
+            def again() -> np.ndarray:
+                return self._put_new(idx.size, encoded, types, (), commit, timeout, True).indices
+
+        try:
+            commit = msgspec.structs.replace(commit, indices=idx)
+            fut = self._store(unit, idx, encoded, types, new_columns, commit, wait, again)
         except TransportError:
             # No answer: the put may have been committed (a controller that died after
             # journaling it). Its bytes stay; a reservation never committed expires.
             raise
         except BaseException:
-            self._discard(unit, idx, tuple(encoded))
-            self._abort(idx)
+            self._data.discard(unit, idx, tuple(encoded))
+            self._control.abort(idx)
             raise
         return fut or PutFuture.completed(idx)
 
@@ -275,33 +316,19 @@ class HubClient(abc.ABC):
         encoded: dict[str, Encoded],
         types: dict[str, Column],
         new_columns: Sequence[Column],
-        commit: CommitArgs,
+        commit: Commit,
         wait: bool,
+        again: Callable[[], np.ndarray] | None = None,
     ) -> PutFuture | None:
         """Store the bytes on one unit, then commit them (None: done; or the future of a
         put that is not waited for). Inferred columns are declared in between: only once the
         bytes are stored, so a failed put leaves the schema as it was."""
         if new_columns:
-            self._write(unit, indices, encoded, types, commit.put_id)
-            self._declare_columns(tuple(new_columns))
-            self._commit(commit)
+            self._data.write(unit, indices, encoded, types, commit.put_id)
+            self._control.declare(tuple(new_columns))
+            self._control.commit(commit)
             return None
-        return self._write_commit(unit, indices, encoded, types, commit, wait)
-
-    def _write_commit(
-        self,
-        unit: int,
-        indices: np.ndarray,
-        encoded: dict[str, Encoded],
-        types: dict[str, Column],
-        commit: CommitArgs,
-        wait: bool,
-    ) -> PutFuture | None:
-        """Store and commit; a transport may do both in one round trip, and may return
-        before the answer (``wait=False``) with a future of it."""
-        self._write(unit, indices, encoded, types, commit.put_id)
-        self._commit(commit)
-        return None
+        return self._data.write_commit(unit, indices, encoded, types, commit, wait, again)
 
     # -- consumers --------------------------------------------------------------------------
     def claim(
@@ -323,28 +350,7 @@ class HubClient(abc.ABC):
         :class:`~flowrl.errors.Timeout` when time runs out and
         :class:`~flowrl.errors.EndOfStream` once nothing more will become ready.
         """
-        return self._claim_checked(
-            task, n, sampler, columns, min_n, timeout, dp_rank, lease_timeout, consumer
-        )
-
-    def claim_nowait(self, task: str, n: int, **kwargs: Any) -> BatchMeta:
-        """Like :meth:`claim`, but raises :class:`~flowrl.errors.NothingReady` at once."""
-        kwargs["timeout"] = 0.0
-        return self.claim(task, n, **kwargs)
-
-    def _claim_checked(
-        self,
-        task: str,
-        n: int,
-        sampler: Sampler | None,
-        columns: Sequence[str] | None,
-        min_n: int | None,
-        timeout: float | None,
-        dp_rank: int,
-        lease_timeout: float | None,
-        consumer: str,
-    ) -> BatchMeta:
-        self._raise_policy_error()
+        self._control.raise_policy_error()
         if not isinstance(task, str):
             raise ConfigError(f"claim() task must be a str, got {task!r}")
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -360,8 +366,22 @@ class HubClient(abc.ABC):
         if sampler is not None and not isinstance(sampler, Sampler):
             raise ConfigError(f"claim() sampler must be a flowrl Sampler, got {sampler!r}")
         cols = None if columns is None else self.schema.check_names(columns, f"claim({task!r})")
-        args = ClaimArgs(task, n, sampler or _FIFO, cols, min_n, consumer, lease_timeout, dp_rank)
-        return self._claim(args, timeout)
+        cmd = Claim(
+            task=task,
+            n=n,
+            columns=cols,
+            min_n=min_n,
+            timeout=timeout,
+            dp_rank=dp_rank,
+            lease_timeout=lease_timeout,
+            consumer=consumer,
+        )
+        return self._control.claim(cmd, sampler or _FIFO)
+
+    def claim_nowait(self, task: str, n: int, **kwargs: Any) -> BatchMeta:
+        """Like :meth:`claim`, but raises :class:`~flowrl.errors.NothingReady` at once."""
+        kwargs["timeout"] = 0.0
+        return self.claim(task, n, **kwargs)
 
     def get(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> Batch:
         """Read the columns of a claimed batch straight from the storage units."""
@@ -372,7 +392,9 @@ class HubClient(abc.ABC):
             empty = {c: pa.array([], type=self.schema[c].arrow_type) for c in cols}
             return Batch(meta, empty, self.schema.by_name)
         parts = list(_split_by_unit(meta.units))
-        results = self._read_many([(unit, _part(meta.indices, pos)) for unit, pos in parts], cols)
+        results = self._data.read_many(
+            [(unit, _part(meta.indices, pos)) for unit, pos in parts], cols
+        )
         arrays = _in_request_order(parts, results)
         return Batch(meta, arrays, self.schema.by_name)
 
@@ -397,7 +419,7 @@ class HubClient(abc.ABC):
         and their log-probs): they are appended together, one request per storage unit,
         each unit taking all of them or none. Returns ``{column: prefix lengths}`` then.
         """
-        self._raise_policy_error()
+        self._control.raise_policy_error()
         if isinstance(column, Mapping):
             if values is not None:
                 raise ConfigError(
@@ -429,7 +451,7 @@ class HubClient(abc.ABC):
                 )
                 for c in cols
             ]
-            got = self._append(unit, _part(meta.indices, pos), parts, version)
+            got = self._data.append(unit, _part(meta.indices, pos), parts, version)
             for c, n in zip(cols, got, strict=True):
                 lengths[c.name][slice(None) if pos is None else pos] = n
         return lengths if isinstance(column, Mapping) else lengths[cols[0].name]
@@ -446,7 +468,7 @@ class HubClient(abc.ABC):
             dict(
                 zip(
                     (column, "versions"),
-                    self._read_partial(unit, _part(meta.indices, pos), col),
+                    self._data.read_partial(unit, _part(meta.indices, pos), col),
                     strict=True,
                 )
             )
@@ -468,19 +490,19 @@ class HubClient(abc.ABC):
     def _locate(self, indices: Any, where: str) -> BatchMeta:
         if isinstance(indices, BatchMeta):
             return indices
-        return self._meta(_as_indices(indices, where), ())
+        return self._control.meta(MetaOf(indices=_as_indices(indices, where), columns=()))
 
     def meta(self, indices: np.ndarray | Sequence[int], columns: Sequence[str]) -> BatchMeta:
         """An unleased handle to read given samples with :meth:`get` (cannot be acked)."""
         idx = _as_indices(indices, "meta()")
         cols = self.schema.check_names(columns, "meta()")
-        return self._meta(idx, cols)
+        return self._control.meta(MetaOf(indices=idx, columns=cols))
 
     def ack(self, meta: BatchMeta, indices: np.ndarray | Sequence[int] | None = None) -> None:
         """Mark a claim (or some of its samples) consumed: never delivered to the task again."""
         self._check_lease(meta, "ack")
         idx = None if indices is None else _as_indices(indices, "ack()")
-        self._ack(meta.task, meta.lease, idx, drop=False)
+        self._control.ack(Ack(task=meta.task, lease=meta.lease, indices=idx))
 
     def drop(self, meta: BatchMeta, indices: np.ndarray | Sequence[int] | None = None) -> None:
         """Ack samples and discard them for every other task (a filter): they get evicted.
@@ -490,12 +512,12 @@ class HubClient(abc.ABC):
         """
         self._check_lease(meta, "drop")
         idx = None if indices is None else _as_indices(indices, "drop()")
-        self._ack(meta.task, meta.lease, idx, drop=True)
+        self._control.ack(Ack(task=meta.task, lease=meta.lease, indices=idx, drop=True))
 
     def release(self, meta: BatchMeta) -> None:
         """Give a claim back unprocessed: its samples become claimable again, first in line."""
         self._check_lease(meta, "release")
-        self._release(meta.task, meta.lease)
+        self._control.release(Release(task=meta.task, lease=meta.lease))
 
     def _check_lease(self, meta: Any, what: str) -> None:
         if not isinstance(meta, BatchMeta):
@@ -507,19 +529,17 @@ class HubClient(abc.ABC):
     def publish_version(self, version: int) -> None:
         """Announce a new policy version (a ``VersionPublished`` event); never decreasing."""
         _check_version(version, "publish_version()")
-        self._publish_version(version)
-
-    @abc.abstractmethod
-    def _publish_version(self, version: int) -> None: ...
+        self._control.publish_version(PublishVersion(version=version))
 
     @property
-    @abc.abstractmethod
     def version(self) -> int:
         """The latest published policy version."""
+        return self._control.version()
 
-    @abc.abstractmethod
     def end_stream(self, columns: Sequence[str] = ()) -> None:
         """No new samples will be put; ``columns`` will not be written again either."""
+        cols = self.schema.check_names(columns, "end_stream()")
+        self._control.end_stream(EndStream(columns=cols))
 
     def subscribe(
         self, observer: Observer | Callable[[Event], Any], *, strict: bool = False
@@ -529,17 +549,22 @@ class HubClient(abc.ABC):
             raise ConfigError(f"subscribe() expects an Observer or a callable, got {observer!r}")
         if not isinstance(strict, bool):
             raise ConfigError(f"subscribe() strict must be a bool, got {strict!r}")
-        return self._event_log().subscribe(observer, strict=strict)
+        return self._control.events().subscribe(observer, strict=strict)
 
-    @abc.abstractmethod
-    def _event_log(self) -> EventLog:
-        """The log subscribers attach to (the controller's, or a local relay of it)."""
+    def flush_events(self, timeout: float | None = 5.0) -> bool:
+        """Wait until subscribers have received every event so far."""
+        return self._control.flush_events(timeout)
 
-    @abc.abstractmethod
-    def statistics(self) -> HubStats: ...
+    def statistics(self) -> HubStats:
+        stats = self._control.statistics()
+        return msgspec.structs.replace(stats, units=self._data.statistics())
 
-    @abc.abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Close the client (in-process: the hub); calls on it are refused afterwards."""
+        if not self._closed:
+            self._closed = True
+            self._control.close()
+            self._data.close()
 
     def __enter__(self) -> HubClient:
         return self
@@ -547,87 +572,13 @@ class HubClient(abc.ABC):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- transport primitives ---------------------------------------------------------------
-    @abc.abstractmethod
-    def _raise_policy_error(self) -> None:
-        """Re-raise the exception of a strict (policy) subscriber, if one failed."""
-
-    @abc.abstractmethod
-    def _declare_columns(self, columns: tuple[Column, ...]) -> None: ...
-
-    @abc.abstractmethod
-    def _register_task(self, task: str, columns: tuple[str, ...]) -> None: ...
-
-    @abc.abstractmethod
-    def _reserve(self, n: int, timeout: float | None) -> tuple[np.ndarray, int]: ...
-
-    @abc.abstractmethod
-    def _abort(self, indices: np.ndarray) -> None: ...
-
-    @abc.abstractmethod
-    def _check_update(
-        self, indices: np.ndarray, columns: tuple[str, ...], ack: tuple[str, int] | None
-    ) -> np.ndarray:
-        """``Controller.check_update``: the units of existing samples a put writes to."""
-
-    @abc.abstractmethod
-    def _write(
-        self,
-        unit: int,
-        indices: np.ndarray,
-        encoded: dict[str, Encoded],
-        types: dict[str, Column],
-        put_id: int = 0,
-    ) -> None:
-        """Store bytes on a unit; with a ``put_id`` (a put to existing samples) staged:
-        visible once the controller commits the put (see ``StorageUnit.stage``)."""
-
-    def _forget_staged(self, put_id: int, units: Iterable[int]) -> None:  # noqa: B027
-        """A put to existing samples failed before its commit was settled: drop what it
-        staged, where the transport can know that (remote units forget it after a while)."""
-
-    @abc.abstractmethod
-    def _discard(self, unit: int, indices: np.ndarray, columns: tuple[str, ...]) -> None: ...
-
-    @abc.abstractmethod
-    def _commit(self, args: CommitArgs) -> None:
-        """Make a write visible: ``Controller.commit(**args._asdict())``."""
-
-    @abc.abstractmethod
-    def _claim(self, args: ClaimArgs, timeout: float | None) -> BatchMeta:
-        """Lease samples: ``Controller.try_claim(**args._asdict())``, waiting ``timeout``."""
-
-    @abc.abstractmethod
-    def _read_many(
-        self, parts: list[tuple[int, np.ndarray]], columns: tuple[str, ...]
-    ) -> Sequence[Mapping[str, pa.Array | LazyColumn]]: ...
-
-    @abc.abstractmethod
-    def _meta(self, indices: np.ndarray, columns: tuple[str, ...]) -> BatchMeta: ...
-
-    @abc.abstractmethod
-    def _append(
-        self, unit: int, indices: np.ndarray, values: list[tuple[Column, pa.Array]], version: int
-    ) -> list[np.ndarray]: ...
-
-    @abc.abstractmethod
-    def _read_partial(
-        self, unit: int, indices: np.ndarray, column: Column
-    ) -> tuple[pa.Array, pa.Array]: ...
-
-    @abc.abstractmethod
-    def _ack(self, task: str, lease: int, indices: np.ndarray | None, drop: bool) -> None: ...
-
-    @abc.abstractmethod
-    def _release(self, task: str, lease: int) -> None: ...
-
 
 def _new_put_id() -> int:
     """A put's id, unique among the puts staged at one time (63 random bits, never 0)."""
     return random.getrandbits(63) | 1
 
 
-def _ackable(meta: Any, target: np.ndarray | None, where: str) -> tuple[str, int]:
+def _ackable(meta: Any, target: np.ndarray | None, where: str) -> LeaseRef:
     """(task, lease) of the claim a put acks; its samples must be the put's (they are
     when the put names the claim itself: ``indices=meta``, no lookup needed)."""
     if not isinstance(meta, BatchMeta) or meta.lease == 0:
@@ -636,7 +587,7 @@ def _ackable(meta: Any, target: np.ndarray | None, where: str) -> tuple[str, int
         raise ConfigError(f"{where}: ack= needs indices= (new samples were never claimed)")
     if target is not meta.indices and not np.isin(target, meta.indices).all():
         raise LeaseError(f"{where}: ack= names a claim that does not hold every sample put")
-    return meta.task, meta.lease
+    return LeaseRef(meta.task, meta.lease)
 
 
 def _check_version(version: Any, where: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, final
+from typing import final
 
 import numpy as np
 
@@ -23,29 +23,12 @@ class PutFuture:
     can wait for it: the answer arrives on that thread's sockets.
     """
 
-    __slots__ = (
-        "_again",
-        "_done",
-        "_error",
-        "_observed",
-        "_wait",
-        "columns",
-        "indices",
-        "new",
-        "rid",
-        "thread",
-        "unit",
-    )
+    __slots__ = ("_done", "_error", "_observed", "_wait", "indices", "thread")
 
     def __init__(
         self,
         indices: np.ndarray,
         wait: Callable[[PutFuture, float | None], None] | None = None,
-        *,
-        unit: int = -1,
-        rid: bytes = b"",
-        columns: tuple[str, ...] = (),
-        new: bool = True,
     ) -> None:
         self.indices = indices
         self._wait = wait  # the client's: waits for the answer, then settles any failure
@@ -53,8 +36,6 @@ class PutFuture:
         self._error: FlowRLError | None = None
         self._observed = False
         self.thread = threading.get_ident()
-        self.unit, self.rid, self.columns, self.new = unit, rid, columns, new
-        self._again: Any = None  # what the client needs to make the put again, if it may
 
     @classmethod
     def completed(cls, indices: np.ndarray) -> PutFuture:

@@ -21,9 +21,9 @@ import collections
 import heapq
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +34,7 @@ from flowrl._controller.samplers import BalancedSampler, CandidateView, FifoSamp
 from flowrl._controller.table import SampleTable
 from flowrl._controller.tasks import CONSUMED, LEASED, PENDING, READY, TaskState
 from flowrl._controller.wake import EVERYONE, NOBODY, Wake, woken
+from flowrl._protocol.commands import Cell, Claim, Commit, LeaseRef
 from flowrl._schema.columns import Column
 from flowrl.errors import (
     ConfigError,
@@ -60,17 +61,10 @@ from flowrl.events import (
     VersionPublished,
 )
 
-__all__ = ["CellWrite", "Controller"]
+__all__ = ["Controller"]
 
 #: Shortest time an uncommitted reservation is held before its producer is presumed dead.
 RESERVATION_MIN_S = 10.0
-
-
-class CellWrite(NamedTuple):
-    """What the controller learns about one column of a put: sizes, never bytes."""
-
-    nbytes: np.ndarray  # int64 per sample
-    lengths: np.ndarray | None  # int64 per sample for ragged columns
 
 
 class _Lease:
@@ -290,7 +284,7 @@ class Controller:
             self._ahead[slots] = False
 
     def check_update(
-        self, indices: np.ndarray, columns: tuple[str, ...], ack: tuple[str, int] | None = None
+        self, indices: np.ndarray, columns: tuple[str, ...], ack: LeaseRef | None = None
     ) -> np.ndarray:
         """Validate a put to existing samples before any byte moves; returns their units.
 
@@ -300,7 +294,7 @@ class Controller:
         self._check_open()
         if ack is not None:
             self.expire()
-            self._live_lease(ack[0], ack[1], "put(ack=...)")  # (the commit checks the rest)
+            self._live_lease(ack.task, ack.lease, "put(ack=...)")  # (the commit checks the rest)
         slots = self.table.slots_of(indices)
         self._check_writable(slots, columns)
         return self.table.unit[slots]
@@ -313,28 +307,18 @@ class Controller:
             if name in self.closed_columns:
                 raise SchemaError(f"column {name!r} was closed by end_stream(); cannot put it")
 
-    def commit(
-        self,
-        indices: np.ndarray,
-        cells: Mapping[str, CellWrite],
-        *,
-        new: bool,
-        partition: str = "",
-        groups: np.ndarray | None = None,
-        version: int | np.ndarray | None = None,
-        tokens: np.ndarray | None = None,
-        producer: str = "",
-        ack: tuple[str, int] | None = None,
-    ) -> None:
+    def commit(self, cmd: Commit) -> None:
         """Mark columns ready on samples (after their bytes were stored).
 
-        ``version``: one for the put or one per sample (validated by the client); None
+        The version: one for the put or one per sample (validated by the client); none
         gives new samples the current version and leaves updated ones as they are.
 
-        ``ack``: (task, lease) of a claim holding these samples, acked in the same step,
-        so they are never written without being consumed (a worker that dies between a
-        put and its ack would have them delivered, and processed, again).
+        ``ack``: a claim holding these samples, acked in the same step, so they are never
+        written without being consumed (a worker that dies between a put and its ack would
+        have them delivered, and processed, again). ``put_id`` is the caller's business.
         """
+        indices, cells, new = cmd.indices, cmd.cells, cmd.new
+        groups, tokens, version, ack = cmd.groups, cmd.tokens, cmd.policy_version(), cmd.ack
         # (the lease first: a straggler learns that its lease expired, whatever else
         # happened to its samples since: finished, evicted, their column closed)
         lease = None if ack is None else self._ackable_lease(ack, indices)
@@ -353,7 +337,7 @@ class Controller:
                 raise UnknownColumnError(f"unknown column {name!r} in commit")
         if new:
             t.committed[slots] = True
-            t.partition[slots] = self._partition_id(partition)
+            t.partition[slots] = self._partition_id(cmd.partition)
             t.version[slots] = self.version if version is None else version
             t.group[slots] = -1 if groups is None else groups
             self._reserved -= int(slots.size)
@@ -384,12 +368,12 @@ class Controller:
             indices=tuple(indices.tolist()),
             columns=tuple(cells),
             new=new,
-            partition=partition,
+            partition=cmd.partition,
             version=_put_version(self.version, version, t.version, slots, new),
             versions=tuple(version.tolist()) if isinstance(version, np.ndarray) else (),
             tokens=tuple(t.tokens[slots].tolist()),
             unit=int(t.unit[slots[0]]),
-            producer=producer,
+            producer=cmd.producer,
             groups=() if groups is None else tuple(t.group[slots].tolist()),
             nbytes=tuple(np.concatenate([c.nbytes for c in cells.values()]).tolist())
             if cells
@@ -425,22 +409,14 @@ class Controller:
         return pid
 
     # -- consumers --------------------------------------------------------------------------
-    def try_claim(
-        self,
-        task: str,
-        n: int,
-        sampler: Sampler,
-        *,
-        columns: tuple[str, ...] | None = None,
-        min_n: int | None = None,
-        consumer: str = "",
-        lease_timeout: float | None = None,
-        dp_rank: int = 0,
-    ) -> BatchMeta | None:
+    def try_claim(self, cmd: Claim, sampler: Sampler) -> BatchMeta | None:
         """Lease up to ``n`` samples, or return None when fewer than ``min_n`` are ready.
 
+        ``sampler``: the Sampler ``cmd`` names (in-process, the caller's own object).
         Raises EndOfStream once the stream ended and nothing more can become ready.
         """
+        task, n, columns, min_n = cmd.task, cmd.n, cmd.columns, cmd.min_n
+        consumer, lease_timeout, dp_rank = cmd.consumer, cmd.lease_timeout, cmd.dp_rank
         self._check_open()
         state = self.task(task)
         cols = state.columns if columns is None else columns
@@ -728,10 +704,10 @@ class Controller:
         if lease.task in self._rounds:
             self._prune_rounds(lease.task)
 
-    def _ackable_lease(self, ack: tuple[str, int], indices: np.ndarray) -> _Lease:
+    def _ackable_lease(self, ack: LeaseRef, indices: np.ndarray) -> _Lease:
         """The live lease a put acks, holding every sample put; LeaseError otherwise."""
         self.expire()
-        lease = self._live_lease(ack[0], ack[1], "put(ack=...)")
+        lease = self._live_lease(ack.task, ack.lease, "put(ack=...)")
         _check_ackable(lease, indices)
         return lease
 
@@ -846,16 +822,17 @@ class Controller:
             shape = (len(event.columns), idx.size)
             nbytes = np.array(event.nbytes or np.zeros(shape), dtype=np.int64).reshape(shape)
             self.commit(
-                idx,
-                {c: CellWrite(nbytes[i], None) for i, c in enumerate(event.columns)},
-                new=event.new,
-                partition=event.partition,
-                groups=np.array(event.groups, dtype=np.int64) if event.groups else None,
-                version=np.array(event.versions, dtype=np.int64)
-                if event.versions
-                else (None if event.version < 0 else event.version),
-                tokens=np.array(event.tokens, dtype=np.int64),
-                producer=event.producer,
+                Commit(
+                    indices=idx,
+                    cells={c: Cell(nbytes[i]) for i, c in enumerate(event.columns)},
+                    new=event.new,
+                    partition=event.partition,
+                    groups=np.array(event.groups, dtype=np.int64) if event.groups else None,
+                    version=None if event.versions or event.version < 0 else event.version,
+                    versions=np.array(event.versions, dtype=np.int64) if event.versions else None,
+                    tokens=np.array(event.tokens, dtype=np.int64),
+                    producer=event.producer,
+                )
             )
         elif isinstance(event, Claimed):
             state = self.task(event.task)

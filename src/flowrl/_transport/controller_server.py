@@ -20,9 +20,10 @@ import zmq
 
 from flowrl._client.base import _split_by_unit
 from flowrl._client.config import HubConfig
-from flowrl._controller.controller import CellWrite, Controller
+from flowrl._controller.controller import Controller
 from flowrl._controller.journal import attach_journal
 from flowrl._controller.wake import NOBODY, Wake
+from flowrl._protocol import commands as cmd
 from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
 from flowrl._transport import wire
@@ -146,13 +147,13 @@ class ControllerServer:
         if len(frames) < 3:
             return  # not even an identity + request id + body: nothing to answer
         ident, rid = frames[0], frames[1]
-        staged: wire.Commit | None = None
+        staged: cmd.Commit | None = None
         try:
             msg = wire.decode_request(frames[2])
             if isinstance(msg, wire.CommitFor):  # from a storage unit: answer the producer
                 ident = msg.reply_to  # (also with the error of a malformed commit)
                 msg = wire.commit_of(msg)
-            if isinstance(msg, wire.Commit) and msg.put_id:
+            if isinstance(msg, cmd.Commit) and msg.put_id:
                 staged = msg
             reply = self._dispatch(ident, rid, msg)
         except FlowRLError as exc:
@@ -174,12 +175,12 @@ class ControllerServer:
 
     def _dispatch(self, ident: bytes, rid: bytes, msg: Any) -> Any:
         ctl = self.ctl
-        if isinstance(msg, wire.Claim | wire.Reserve):
+        if isinstance(msg, cmd.Claim | cmd.Reserve):
             result = self._try(msg)
             if result is not None:
                 return result
             if msg.timeout == 0:
-                if isinstance(msg, wire.Claim):
+                if isinstance(msg, cmd.Claim):
                     raise NothingReady(f"no {msg.n} samples are ready for task {msg.task!r}")
                 raise HubFull(f"the hub is full: no room for {msg.n} more samples")
             deadline = None if msg.timeout is None else time.monotonic() + msg.timeout
@@ -193,42 +194,36 @@ class ControllerServer:
                 events=self.events_address,
                 version=ctl.version,
             )
-        if isinstance(msg, wire.Declare):
+        if isinstance(msg, cmd.Declare):
             self.schema.declare(*msg.columns)
-            ctl.add_columns(tuple(msg.columns))
+            ctl.add_columns(msg.columns)
             return wire.Done()
-        if isinstance(msg, wire.RegisterTask):
-            ctl.register_task(
-                msg.task, tuple(self.schema.check_names(msg.columns, "register_task"))
-            )
+        if isinstance(msg, cmd.RegisterTask):
+            ctl.register_task(msg.task, self.schema.check_names(msg.columns, "register_task"))
             return wire.Done()
-        if isinstance(msg, wire.Abort):
-            ctl.abort(wire.ints(msg.indices))
+        if isinstance(msg, cmd.Abort):
+            ctl.abort(msg.indices)
             return wire.Done()
-        if isinstance(msg, wire.CheckUpdate):
-            ack = None if msg.ack_task is None else (msg.ack_task, msg.ack_lease)
-            units = ctl.check_update(wire.ints(msg.indices), tuple(msg.columns), ack)
+        if isinstance(msg, cmd.CheckUpdate):
+            units = ctl.check_update(msg.indices, msg.columns, msg.ack)
             return wire.Units(units=units.tobytes())
-        if isinstance(msg, wire.Commit):
-            self._commit(msg)
+        if isinstance(msg, cmd.Commit):
+            ctl.commit(msg)
             return wire.Done()
-        if isinstance(msg, wire.MetaOf):
-            meta = ctl.meta(
-                wire.ints(msg.indices), tuple(self.schema.check_names(msg.columns, "meta"))
-            )
+        if isinstance(msg, cmd.MetaOf):
+            meta = ctl.meta(msg.indices, self.schema.check_names(msg.columns, "meta"))
             return wire.MetaReply(meta=meta.to_wire())
-        if isinstance(msg, wire.Ack):
-            indices = None if msg.indices is None else wire.ints(msg.indices)
-            ctl.ack(msg.task, msg.lease, indices, drop=msg.drop)
+        if isinstance(msg, cmd.Ack):
+            ctl.ack(msg.task, msg.lease, msg.indices, drop=msg.drop)
             return wire.Done()
-        if isinstance(msg, wire.Release):
+        if isinstance(msg, cmd.Release):
             ctl.release(msg.task, msg.lease)
             return wire.Done()
-        if isinstance(msg, wire.Publish):
+        if isinstance(msg, cmd.PublishVersion):
             ctl.publish_version(msg.version)
             return wire.Done()
-        if isinstance(msg, wire.End):
-            ctl.end_stream(tuple(self.schema.check_names(msg.columns, "end_stream")))
+        if isinstance(msg, cmd.EndStream):
+            ctl.end_stream(self.schema.check_names(msg.columns, "end_stream"))
             return wire.Done()
         if isinstance(msg, wire.Ping):
             parked = any(p.rid == msg.rid and p.ident == ident for p in self.parked)
@@ -246,13 +241,13 @@ class ControllerServer:
 
     def _try(self, msg: Any) -> Any:
         ctl = self.ctl
-        if isinstance(msg, wire.Reserve):
+        if isinstance(msg, cmd.Reserve):
             if msg.n > ctl.table.capacity:
                 raise HubFull(
                     f"put() of {msg.n} samples can never fit capacity {ctl.table.capacity}"
                 )
             if msg.give_back is not None:  # idempotent: a parked retry aborts nothing twice
-                ctl.abort(wire.ints(msg.give_back))
+                ctl.abort(msg.give_back)
             if ctl.table.free_slots() < msg.n and not ctl.ended:
                 # Indices producers reserved ahead go back before a put waits for room
                 # (a pool may be idle for ever: its thread ended, its client died).
@@ -264,18 +259,9 @@ class ControllerServer:
             if indices.size > msg.n:
                 units = ctl.table.unit[indices % ctl.table.capacity].astype(np.int16).tobytes()
             return wire.Reserved(indices=indices.tobytes(), unit=unit, units=units)
-        meta = ctl.try_claim(
-            msg.task,
-            msg.n,
-            wire.sampler_from_spec(msg.sampler),
-            columns=None
-            if msg.columns is None
-            else tuple(self.schema.check_names(msg.columns, "claim")),
-            min_n=msg.min_n,
-            consumer=msg.consumer,
-            lease_timeout=msg.lease_timeout,
-            dp_rank=msg.dp_rank,
-        )
+        if msg.columns is not None:
+            self.schema.check_names(msg.columns, "claim")
+        meta = ctl.try_claim(msg, wire.sampler_from_spec(msg.sampler))
         return None if meta is None else wire.MetaReply(meta=meta.to_wire())
 
     def _changes(self) -> Wake:
@@ -294,7 +280,7 @@ class ControllerServer:
         still: list[_Parked] = []
         for p in self.parked:
             reply = None
-            if wake.room if isinstance(p.msg, wire.Reserve) else wake.claim(p.msg.task):
+            if wake.room if isinstance(p.msg, cmd.Reserve) else wake.claim(p.msg.task):
                 try:
                     reply = self._try(p.msg)
                 except FlowRLError as exc:
@@ -307,30 +293,11 @@ class ControllerServer:
                 self._send(p.ident, p.rid, reply)
         self.parked = still
 
-    def _commit(self, msg: wire.Commit) -> None:
-        cells = {
-            name: CellWrite(
-                wire.ints(c.nbytes), None if c.lengths is None else wire.ints(c.lengths)
-            )
-            for name, c in msg.cells.items()
-        }
-        self.ctl.commit(
-            wire.ints(msg.indices),
-            cells,
-            new=msg.new,
-            partition=msg.partition,
-            groups=None if msg.groups is None else wire.ints(msg.groups),
-            version=msg.version if msg.versions is None else wire.ints(msg.versions),
-            tokens=None if msg.tokens is None else wire.ints(msg.tokens),
-            producer=msg.producer,
-            ack=None if msg.ack_task is None else (msg.ack_task, msg.ack_lease),
-        )
-
-    def _settle(self, commit: wire.Commit, committed: bool) -> None:
+    def _settle(self, commit: cmd.Commit, committed: bool) -> None:
         """Tell the units holding a put's staged bytes whether to file or forget them."""
         settle = wire.encode(wire.Settle(put_id=commit.put_id, committed=committed))
         if committed:
-            slots = wire.ints(commit.indices) % self.ctl.table.capacity
+            slots = commit.indices % self.ctl.table.capacity
             units = np.unique(self.ctl.table.unit[slots]).tolist()
         else:  # (a refused commit may name samples the table no longer places)
             units = range(len(self.unit_push))
@@ -376,7 +343,7 @@ class ControllerServer:
 
 
 def _wait_message(msg: Any, timeout: float | None) -> str:
-    if isinstance(msg, wire.Claim):
+    if isinstance(msg, cmd.Claim):
         return f"claim() by task {msg.task!r} found no {msg.n} ready samples in {timeout}s"
     return f"put() waited {timeout}s for room for {msg.n} samples; the hub is full"
 

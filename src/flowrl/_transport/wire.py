@@ -7,7 +7,7 @@ frames.py). Nothing is pickled. New fields must get defaults (schema evolution).
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -21,6 +21,26 @@ from flowrl._controller.samplers import (
     GroupSampler,
     Sampler,
     StalenessSampler,
+)
+from flowrl._protocol.codec import NonNeg, decoder, encode
+from flowrl._protocol.commands import (
+    Abort,
+    Ack,
+    BalancedSpec,
+    CheckUpdate,
+    Claim,
+    Commit,
+    Declare,
+    EndStream,
+    FifoSpec,
+    GroupSpec,
+    MetaOf,
+    PublishVersion,
+    RegisterTask,
+    Release,
+    Reserve,
+    SamplerSpec,
+    StalenessSpec,
 )
 from flowrl._schema.columns import Column
 from flowrl._transport.frames import ArrayHeader
@@ -39,38 +59,6 @@ __all__ = [
 
 class _Msg(msgspec.Struct, frozen=True, tag_field="op", kw_only=True):
     pass
-
-
-# Constraints checked when a request is decoded (never when a client builds one): a
-# request that breaks them is malformed and rejected before it reaches the controller or
-# a storage unit, so it cannot change their state half-way.
-Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
-Count = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]  # n, min_n, group sizes
-NonNeg = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # versions, ranks, lengths
-Seconds = Annotated[float, msgspec.Meta(ge=0)]  # NaN and negatives rejected, inf allowed
-PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
-
-
-# -- samplers ------------------------------------------------------------------------------
-class FifoSpec(_Msg, frozen=True, tag="fifo"):
-    pass
-
-
-class GroupSpec(_Msg, frozen=True, tag="group"):
-    group_size: Count
-
-
-class StalenessSpec(_Msg, frozen=True, tag="stale"):
-    max_staleness: NonNeg
-    inner: FifoSpec | GroupSpec | StalenessSpec | BalancedSpec = FifoSpec()
-
-
-class BalancedSpec(_Msg, frozen=True, tag="balanced"):
-    dp_size: Count
-    inner: FifoSpec | GroupSpec | StalenessSpec = FifoSpec()
-
-
-SamplerSpec = FifoSpec | GroupSpec | StalenessSpec | BalancedSpec
 
 
 def spec_of_sampler(sampler: Sampler) -> SamplerSpec:
@@ -100,57 +88,9 @@ def sampler_from_spec(spec: SamplerSpec) -> Sampler:
     return BalancedSampler(spec.dp_size, sampler_from_spec(spec.inner))
 
 
-# -- controller requests --------------------------------------------------------------------
+# -- session requests to the controller (its commands: flowrl._protocol.commands) ------------
 class Hello(_Msg, frozen=True, tag="hello"):
     pass
-
-
-class Declare(_Msg, frozen=True, tag="declare"):
-    columns: list[Column]
-
-
-class RegisterTask(_Msg, frozen=True, tag="task"):
-    task: str
-    columns: list[str]
-
-
-class Reserve(_Msg, frozen=True, tag="reserve"):
-    n: Count
-    timeout: Seconds | None = None
-    units: list[NonNeg] | None = None  # storage units to put on (the producer's node's)
-    ahead: NonNeg = 0  # reserve up to this many more for the producer's next puts
-    give_back: bytes | None = None  # unused indices reserved ahead earlier: abort them first
-
-
-class Abort(_Msg, frozen=True, tag="abort"):
-    indices: bytes
-
-
-class CheckUpdate(_Msg, frozen=True, tag="check"):
-    indices: bytes
-    columns: list[str]
-    ack_task: str | None = None  # with ack_lease: the claim the put acks (checked first)
-    ack_lease: Int64 = 0
-
-
-class Cell(msgspec.Struct, frozen=True, array_like=True):
-    nbytes: bytes
-    lengths: bytes | None = None
-
-
-class Commit(_Msg, frozen=True, tag="commit"):
-    indices: bytes
-    cells: dict[str, Cell]
-    new: bool
-    partition: str = ""
-    groups: bytes | None = None
-    version: NonNeg | None = None
-    tokens: bytes | None = None
-    producer: str = ""
-    ack_task: str | None = None  # with ack_lease: the claim acked with the commit
-    ack_lease: Int64 = 0
-    versions: bytes | None = None  # int64 per sample, instead of one ``version``
-    put_id: NonNeg = 0  # a put to existing samples: settles what its units staged
 
 
 class CommitFor(_Msg, frozen=True, tag="commit_for"):
@@ -161,43 +101,6 @@ class CommitFor(_Msg, frozen=True, tag="commit_for"):
 
     commit: msgspec.Raw
     reply_to: bytes
-
-
-class Claim(_Msg, frozen=True, tag="claim"):
-    task: str
-    n: Count
-    sampler: SamplerSpec = FifoSpec()
-    columns: list[str] | None = None
-    min_n: Count | None = None
-    timeout: Seconds | None = None
-    dp_rank: NonNeg = 0
-    lease_timeout: PositiveSeconds | None = None
-    consumer: str = ""
-
-
-class MetaOf(_Msg, frozen=True, tag="meta"):
-    indices: bytes
-    columns: list[str]
-
-
-class Ack(_Msg, frozen=True, tag="ack"):
-    task: str
-    lease: Int64
-    indices: bytes | None = None
-    drop: bool = False
-
-
-class Release(_Msg, frozen=True, tag="release"):
-    task: str
-    lease: Int64
-
-
-class Publish(_Msg, frozen=True, tag="publish"):
-    version: NonNeg
-
-
-class End(_Msg, frozen=True, tag="end"):
-    columns: list[str] = []
 
 
 class Stats(_Msg, frozen=True, tag="stats"):
@@ -315,8 +218,8 @@ Request = (
     | MetaOf
     | Ack
     | Release
-    | Publish
-    | End
+    | PublishVersion
+    | EndStream
     | Stats
     | PublishHello
     | Ping
@@ -413,24 +316,8 @@ Reply = (
     | Lengths
 )
 
-_encoder = msgspec.msgpack.Encoder()
-_request_decoder = msgspec.msgpack.Decoder(Request)
-_reply_decoder = msgspec.msgpack.Decoder(Reply)
-
-
-def encode(msg: Any) -> bytes:
-    """msgpack bytes of a message; a value msgpack cannot carry raises ConfigError.
-
-    That is an int outside [-2**63, 2**64) or a str that is not valid Unicode (a lone
-    surrogate), both from a caller's argument: nothing has been sent when it raises.
-    """
-    try:
-        return _encoder.encode(msg)
-    except (OverflowError, UnicodeEncodeError, TypeError, msgspec.EncodeError) as exc:
-        raise errors.ConfigError(
-            f"{type(msg).__name__} request cannot be sent to the hub's servers: {exc}; ints "
-            "must fit in 64 bits and strings must be valid Unicode"
-        ) from None
+_request_decoder = decoder(Request)
+_reply_decoder = decoder(Reply)
 
 
 def write_request(
@@ -475,7 +362,7 @@ def columns_of(msg: Write) -> list[Column]:
     return columns
 
 
-_commit_decoder = msgspec.msgpack.Decoder(Commit)
+_commit_decoder = decoder(Commit)
 
 
 def commit_of(msg: CommitFor) -> Commit:
@@ -503,9 +390,9 @@ def decode_request(frame: Any) -> Any:
     return _decode_checked(_request_decoder, frame, "request")
 
 
-def _decode_checked(decoder: msgspec.msgpack.Decoder[Any], frame: Any, what: str) -> Any:
+def _decode_checked(dec: msgspec.msgpack.Decoder[Any], frame: Any, what: str) -> Any:
     try:
-        msg = decoder.decode(frame)
+        msg = dec.decode(frame)
     except msgspec.DecodeError as exc:
         raise errors.TransportError(f"malformed {what}: {exc}") from None
     problem = _check_request(msg)
@@ -516,7 +403,8 @@ def _decode_checked(decoder: msgspec.msgpack.Decoder[Any], frame: Any, what: str
 
 def _check_request(msg: Any) -> str:
     """What the decoder's types cannot say about a request: raw int64 arrays are whole
-    numbers of int64s and agree in length. Returns the problem, or "" if none."""
+    numbers of int64s (commands' arrays are checked by their decoder) and agree in
+    length. Returns the problem, or "" if none."""
     n = _int64s(getattr(msg, "indices", None))
     if n < 0:
         return "indices is not a whole number of int64s"
@@ -563,17 +451,20 @@ def _check_request(msg: Any) -> str:
 _UNIT_REQUESTS = (Write, Read, Discard, Evict, Append, ReadPartial, Retain)
 
 
-def _negative(data: bytes) -> bool:
-    """Whether raw int64s (a whole number of them) hold a negative value."""
-    if len(data) <= 256:  # a few values: cheaper than numpy's call overhead
-        return min(memoryview(data).cast("q"), default=0) < 0
-    return bool(ints(data).min() < 0)
+def _negative(data: bytes | np.ndarray) -> bool:
+    """Whether int64s (an array, or raw bytes holding a whole number) hold a negative."""
+    values = data.data if isinstance(data, np.ndarray) else memoryview(data).cast("q")
+    if len(values) <= 32:  # a few values: cheaper than numpy's call overhead
+        return min(values, default=0) < 0
+    return bool(np.frombuffer(values, dtype=np.int64).min() < 0)
 
 
-def _int64s(data: bytes | None) -> int:
+def _int64s(data: bytes | np.ndarray | None) -> int:
     """How many int64s ``data`` holds (0 for None), -1 if not a whole number."""
     if data is None:
         return 0
+    if isinstance(data, np.ndarray):
+        return int(data.size)
     count, rest = divmod(len(data), 8)
     return -1 if rest else count
 

@@ -1,0 +1,105 @@
+"""Indices a client's threads reserve ahead for their next small puts.
+
+A small put reserves ``RESERVE_AHEAD`` more indices with its own, in the same round trip,
+and the thread's next puts take them: a small put then costs the write's round trip
+alone. Reservations expire, so a pool is used only within half a reservation's life.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+
+import numpy as np
+
+__all__ = ["RESERVE_AHEAD", "Pool", "Pools"]
+
+#: Indices a thread reserves ahead for its next small puts (capped at capacity / 64).
+RESERVE_AHEAD = 32
+
+
+class Pool:
+    """Indices a thread reserved ahead for its next small puts, and their storage units."""
+
+    __slots__ = ("first", "free", "indices", "units", "until")
+
+    def __init__(self, indices: np.ndarray, units: np.ndarray, until: float) -> None:
+        self.indices = indices
+        self.units = units
+        self.free = np.ones(indices.size, dtype=bool)
+        self.first = 0  # every index before it is taken (takes go mostly in order)
+        self.until = until
+
+    def take(self, n: int) -> tuple[np.ndarray, int] | None:
+        """``n`` indices on one unit (that of the oldest left), or None if there are not."""
+        free, first = self.free, self.first
+        while first < free.size and not free[first]:
+            first += 1
+        self.first = first
+        if first == free.size:
+            return None
+        if n == 1:  # the usual case: a single-sample put, the oldest index left
+            free[first] = False
+            return self.indices[first : first + 1], int(self.units[first])
+        pos = first + np.flatnonzero(free[first:])
+        pos = pos[self.units[pos] == self.units[first]][:n]
+        if pos.size < n:
+            return None
+        free[pos] = False
+        return self.indices[pos], int(self.units[first])
+
+    def rest(self) -> np.ndarray:
+        """Every index left (the pool is empty afterwards)."""
+        left = self.indices[self.free]
+        self.free[:] = False
+        return left
+
+
+class Pools:
+    """The pool of every thread of a client. A thread's pool is given back when the
+    thread ends (its thread-local token is collected: the indices left wait in ``ended``
+    for the next reserve of any thread to give them back) or when the client closes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: dict[int, Pool] = {}  # by thread token
+        self._ended: list[np.ndarray] = []
+        self._tokens = itertools.count()
+
+    def hold(self, local: threading.local, pool: Pool) -> None:
+        """Make ``pool`` the current one of the thread whose ``local`` this is."""
+        token: Token | None = getattr(local, "pool_token", None)
+        if token is None:
+            token = local.pool_token = Token(next(self._tokens))
+            weakref.finalize(token, self._thread_ended, token.key)
+        with self._lock:
+            self._live[token.key] = pool
+
+    def _thread_ended(self, key: int) -> None:
+        with self._lock:
+            pool = self._live.pop(key, None)
+            if pool is not None:
+                self._ended.append(pool.rest())
+
+    def take_ended(self) -> list[np.ndarray]:
+        """The indices left by threads that ended since the last call."""
+        with self._lock:
+            ended, self._ended = self._ended, []
+        return [i for i in ended if i.size]
+
+    def take_all(self) -> list[np.ndarray]:
+        """Every index left, of every pool (the client closes)."""
+        with self._lock:
+            left = self._ended + [pool.rest() for pool in self._live.values()]
+            self._ended, self._live = [], {}
+        return [i for i in left if i.size]
+
+
+class Token:
+    """A thread's key in ``Pools``; collected with the thread's locals when it ends."""
+
+    __slots__ = ("__weakref__", "key")
+
+    def __init__(self, key: int) -> None:
+        self.key = key

@@ -1,0 +1,166 @@
+"""The zmq control port: commands to the controller server, as their msgspec Structs.
+
+Blocking commands (a claim, a reserve waiting for room) wait in the controller, which
+answers when they can proceed (``Session.call_parked``). Small puts take indices reserved
+ahead in an earlier put's round trip (``pools``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, final
+
+import msgspec
+import numpy as np
+
+from flowrl._client.config import HubConfig, HubStats
+from flowrl._client.ports import ControlPort, Reservation
+from flowrl._controller.controller import RESERVATION_MIN_S
+from flowrl._controller.eventlog import EventLog
+from flowrl._controller.meta import BatchMeta
+from flowrl._controller.samplers import Sampler
+from flowrl._protocol import commands
+from flowrl._schema.columns import Column
+from flowrl._schema.schema import Schema
+from flowrl._transport import wire
+from flowrl._transport.pools import RESERVE_AHEAD, Pool, Pools
+from flowrl._transport.session import Session
+from flowrl._transport.subscriber import EventRelay
+from flowrl.errors import FlowRLError
+
+__all__ = ["RemoteControl"]
+
+
+@final
+class RemoteControl(ControlPort):
+    """Commands sent to the controller at ``session.address``. ``local_units``: the
+    storage units new samples go to (the client's node's), None: any."""
+
+    trusts_handles = True  # the controller's commit checks what check_update would
+
+    def __init__(
+        self,
+        session: Session,
+        schema: Schema,
+        config: HubConfig,
+        events_address: str,
+        local_units: Sequence[int] | None,
+    ) -> None:
+        self._session = session
+        self.schema = schema
+        self._events_address = events_address
+        self._events: EventRelay | None = None
+        self._local_units = None if local_units is None else list(local_units)
+        self._local = threading.local()  # this thread's pool of indices reserved ahead
+        # Small puts reserve indices ahead (see reserve); a pool never holds more than
+        # 1/64 of the capacity, so other producers barely notice it.
+        self._pool_block = min(RESERVE_AHEAD, config.capacity // 64)
+        self._pool_ttl = max(config.lease_timeout, RESERVATION_MIN_S) / 2
+        self._pools = Pools()  # each thread's current pool, given back when it ends
+
+    def _call(self, cmd: commands.Command | wire.Stats) -> Any:
+        return self._session.call(None, cmd)[0]
+
+    def declare(self, columns: tuple[Column, ...]) -> None:
+        self._call(commands.Declare(columns=columns))  # the controller checks first
+        self.schema.declare(*columns)
+
+    def register_task(self, cmd: commands.RegisterTask) -> None:
+        self._call(cmd)
+
+    def reserve(self, n: int, timeout: float | None) -> Reservation:
+        """Fresh indices for a put. Small puts take them from this thread's pool, reserved
+        ahead in one round trip with an earlier put's: a small put then costs the write's
+        round trip alone."""
+        pool: Pool | None = getattr(self._local, "pool", None)
+        taken = pool.take(n) if pool is not None and time.monotonic() < pool.until else None
+        if taken is not None:
+            return Reservation(*taken, pooled=True)
+        ahead = self._pool_block if n < self._pool_block else 0
+        # this thread's spent pool, and the pools of this client's threads that ended
+        left = self._pools.take_ended() + ([] if pool is None else [pool.rest()])
+        give_back = np.concatenate(left) if left else None
+
+        def request(left: float | None) -> commands.Reserve:
+            return commands.Reserve(
+                n=n, timeout=left, units=self._local_units, ahead=ahead, give_back=give_back
+            )
+
+        reply = self._session.call_parked(request, timeout, "a put (waiting for room)")
+        indices = wire.ints(reply.indices)
+        if reply.units is not None and indices.size > n:
+            # used within half the reservation's lifetime, so it never expires under a put
+            units = np.frombuffer(reply.units, dtype=np.int16)[n:]
+            self._local.pool = Pool(indices[n:], units, time.monotonic() + self._pool_ttl)
+            self._pools.hold(self._local, self._local.pool)  # replaces the spent one
+        return Reservation(indices[:n], reply.unit)
+
+    def forget_pool(self) -> None:
+        self._local.pool = None
+
+    def abort(self, indices: np.ndarray) -> None:
+        self._call(commands.Abort(indices=indices))
+
+    def check_update(self, cmd: commands.CheckUpdate) -> np.ndarray:
+        reply = self._call(cmd)
+        return np.frombuffer(reply.units, dtype=np.int16)
+
+    def commit(self, cmd: commands.Commit) -> None:
+        self._call(cmd)
+
+    def claim(self, cmd: commands.Claim, sampler: Sampler) -> BatchMeta:
+        cmd = msgspec.structs.replace(cmd, sampler=wire.spec_of_sampler(sampler))
+
+        def request(left: float | None) -> commands.Claim:
+            return msgspec.structs.replace(cmd, timeout=left)
+
+        reply = self._session.call_parked(request, cmd.timeout, f"a claim by task {cmd.task!r}")
+        return BatchMeta.from_wire(reply.meta)
+
+    def meta(self, cmd: commands.MetaOf) -> BatchMeta:
+        reply = self._call(cmd)
+        return BatchMeta.from_wire(reply.meta)
+
+    def ack(self, cmd: commands.Ack) -> None:
+        self._call(cmd)
+
+    def release(self, cmd: commands.Release) -> None:
+        self._call(cmd)
+
+    def publish_version(self, cmd: commands.PublishVersion) -> None:
+        self._call(cmd)
+
+    def version(self) -> int:
+        return self.statistics().version
+
+    def end_stream(self, cmd: commands.EndStream) -> None:
+        self._call(cmd)
+
+    def events(self) -> EventLog:
+        if self._events is None:
+            self._events = EventRelay(self._session, self._events_address)
+        return self._events.log
+
+    def flush_events(self, timeout: float | None) -> bool:
+        return True if self._events is None else self._events.flush(timeout)
+
+    def raise_policy_error(self) -> None:
+        if self._events is not None:
+            self._events.log.check()
+
+    def statistics(self) -> HubStats:
+        stats: HubStats = self._call(wire.Stats()).stats
+        return stats
+
+    def close(self) -> None:
+        """Free what the threads reserved ahead (a client that dies leaves it to expire,
+        or to the controller, which takes it back when the hub is full); stop the relay."""
+        left = self._pools.take_all()
+        if left:
+            with contextlib.suppress(FlowRLError):
+                self._session.call(None, commands.Abort(indices=np.concatenate(left)), wait=1.0)
+        if self._events is not None:
+            self._events.close()

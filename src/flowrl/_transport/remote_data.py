@@ -1,0 +1,215 @@
+"""The zmq data port: bytes to and from the storage unit servers, as zero-copy frames.
+
+A write carries its commit: the unit stores the bytes, then hands the commit to the
+controller, which answers the producer (one round trip for a put). Reads go to every unit
+involved at once; a unit on this machine lends its shared memory instead of copying.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, final
+
+import numpy as np
+import pyarrow as pa
+
+from flowrl._client.config import UnitStats
+from flowrl._client.future import PutFuture
+from flowrl._client.ports import DataPort
+from flowrl._protocol import commands
+from flowrl._schema.columns import Column
+from flowrl._schema.encode import Encoded
+from flowrl._schema.schema import Schema
+from flowrl._store.batch import LazyColumn
+from flowrl._store.partial import VERSIONS
+from flowrl._store.shm import ShmMaps, ShmUnavailable
+from flowrl._transport import wire
+from flowrl._transport.frames import (
+    ArrayHeader,
+    encoded_frames,
+    from_frames,
+    split_frames,
+    to_frames_all,
+    window_of,
+)
+from flowrl._transport.inflight import PutsInFlight
+from flowrl._transport.session import Session
+from flowrl.errors import TransportError, UnknownIndexError
+
+__all__ = ["RemoteData"]
+
+log = logging.getLogger("flowrl.client")
+
+
+@final
+class RemoteData(DataPort):
+    """Bytes sent to the storage units the session knows; ``abort`` gives back the
+    indices of a refused put_async."""
+
+    def __init__(
+        self, session: Session, schema: Schema, abort: Callable[[np.ndarray], None]
+    ) -> None:
+        self._session = session
+        self.schema = schema
+        # Units on this machine (ipc) let reads map their shared memory instead of copying.
+        self._shm = [a.startswith("ipc://") for a in session.unit_addresses]
+        self._shm_maps = ShmMaps()
+        self.puts = PutsInFlight(session, self.discard, abort)
+
+    def write(
+        self,
+        unit: int,
+        indices: np.ndarray,
+        encoded: dict[str, Encoded],
+        types: dict[str, Column],
+        put_id: int = 0,
+    ) -> None:
+        self._session.call(unit, *_write_request(indices, encoded, types, put_id=put_id))
+
+    def write_commit(
+        self,
+        unit: int,
+        indices: np.ndarray,
+        encoded: dict[str, Encoded],
+        types: dict[str, Column],
+        commit: commands.Commit,
+        wait: bool,
+        again: Callable[[], np.ndarray] | None,
+    ) -> PutFuture | None:
+        # The unit hands the commit on once the bytes are stored; the controller answers
+        # this thread's controller socket (or the unit, if it refused the write).
+        msg, frames = _write_request(
+            indices,
+            encoded,
+            types,
+            commit=commit,
+            controller=self._session.address,
+            reply_to=self._session.routing_id(),
+            put_id=commit.put_id,
+        )
+        if wait:
+            session = self._session
+            session.recv(
+                unit, session.send(unit, msg, frames), self._session.rpc_timeout, or_controller=True
+            )
+            return None
+        columns = tuple(encoded)
+        return self.puts.send(unit, msg, frames, indices, columns, new=commit.new, again=again)
+
+    def discard(self, unit: int, indices: np.ndarray, columns: tuple[str, ...]) -> None:
+        try:
+            self._session.call(unit, wire.Discard(indices=indices.tobytes(), columns=list(columns)))
+        except TransportError:
+            log.warning("could not discard uncommitted data on storage unit %d", unit)
+
+    def read_many(
+        self, parts: list[tuple[int, np.ndarray]], columns: tuple[str, ...]
+    ) -> list[dict[str, pa.Array | LazyColumn]]:
+        for _, idx in parts:
+            if idx.size and idx.min() < 0:  # a tampered handle: no unit holds such a sample
+                raise UnknownIndexError(f"sample index {int(idx.min())} does not exist")
+        # Send every unit's request first, then collect: units serve in parallel.
+        rids = [
+            self._session.send(
+                unit,
+                wire.Read(indices=idx.tobytes(), columns=list(columns), shm=self._shm[unit]),
+            )
+            for unit, idx in parts
+        ]
+        out = []
+        for (unit, idx), rid in zip(parts, rids, strict=True):
+            reply, frames = self._session.recv(unit, rid, self._session.rpc_timeout)
+            try:
+                buffers = (
+                    [f.buffer for f in frames]
+                    if reply.refs is None
+                    else self._shm_maps.buffers(reply.refs, frames, unit)
+                )
+            except ShmUnavailable:  # another machine's (or container's) /dev/shm: frames
+                log.info("storage unit %d's shared memory is not visible here", unit)
+                self._shm[unit] = False
+                return self.read_many(parts, columns)
+            arrays: dict[str, pa.Array | LazyColumn] = {}
+            reply_of = f"storage unit {unit}'s reply"
+            starts = reply.starts  # whole chunks: the rows read start there
+            if starts is not None and len(starts) != len(reply.arrays):
+                raise TransportError(f"{reply_of} names {len(starts)} starts for its arrays")
+            n = idx.size
+            for i, (header, bufs) in enumerate(
+                zip(reply.arrays, split_frames(reply.arrays, buffers, reply_of), strict=True)
+            ):
+                start = 0 if starts is None else starts[i]
+                if start + n > header.length or (starts is None and header.length != n):
+                    raise TransportError(f"storage unit {unit} returned the wrong row count")
+                column = self.schema[header.column]
+                rows = None if starts is None else window_of(column, header, bufs, start, n)
+                if rows is None:
+                    arr = from_frames(column, header, bufs)
+                    rows = arr if header.length == n else arr.slice(start, n)
+                arrays[header.column] = rows
+            out.append(arrays)
+        return out
+
+    def append(
+        self, unit: int, indices: np.ndarray, values: list[tuple[Column, pa.Array]], version: int
+    ) -> list[np.ndarray]:
+        headers, frames = to_frames_all(values)
+        msg = wire.Append(
+            indices=indices.tobytes(),
+            columns=[c for c, _ in values],
+            version=version,
+            arrays=headers,
+        )
+        reply, _ = self._session.call(unit, msg, frames)
+        lengths = wire.ints(reply.lengths)
+        if lengths.size != len(values) * indices.size:
+            raise TransportError(f"storage unit {unit} answered an append malformed")
+        return list(lengths.reshape(len(values), indices.size))
+
+    def read_partial(
+        self, unit: int, indices: np.ndarray, column: Column
+    ) -> tuple[pa.Array, pa.Array]:
+        reply, frames = self._session.call(
+            unit, wire.ReadPartial(indices=indices.tobytes(), column=column)
+        )
+        if len(reply.arrays) != 2 or any(h.length != indices.size for h in reply.arrays):
+            raise TransportError(f"storage unit {unit} answered a partial read malformed")
+        values_h, versions_h = reply.arrays
+        split = values_h.frames
+        return (
+            from_frames(column, values_h, [f.buffer for f in frames[:split]]),
+            from_frames(VERSIONS, versions_h, [f.buffer for f in frames[split:]]),
+        )
+
+    def statistics(self) -> list[UnitStats]:
+        call = self._session.call
+        return [call(u, wire.UnitStatsReq())[0].stats for u in range(len(self._shm))]
+
+    def flush(self, timeout: float | None) -> None:
+        self.puts.flush(timeout)
+
+    def raise_failed_put(self) -> None:
+        self.puts.raise_failed()
+
+    def close(self) -> None:
+        self._shm_maps.clear()
+
+
+def _write_request(
+    indices: np.ndarray,
+    encoded: dict[str, Encoded],
+    types: dict[str, Column],
+    **commit: Any,
+) -> tuple[wire.Write, list[Any]]:
+    """A Write and its payload frames (one per buffer)."""
+    headers: list[ArrayHeader] = []
+    frames: list[Any] = []
+    for name, column in encoded.items():
+        header, buffers = encoded_frames(name, column)
+        headers.append(header)
+        frames.extend(buffers)
+    msg = wire.write_request(
+        indices.tobytes(), [types[name] for name in encoded], headers, **commit
+    )
+    return msg, frames

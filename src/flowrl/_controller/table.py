@@ -11,12 +11,20 @@ Invariants (asserted by tests/unit/test_table_properties.py):
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import numpy as np
 
 from flowrl.errors import HubFull, UnknownIndexError
 
-__all__ = ["SampleTable"]
+__all__ = ["CellWrite", "SampleTable"]
+
+
+class CellWrite(NamedTuple):
+    """What the controller learns about one column of a put: sizes, never bytes."""
+
+    nbytes: np.ndarray  # int64 per sample
+    lengths: np.ndarray | None  # int64 per sample for ragged columns
 
 
 class SampleTable:

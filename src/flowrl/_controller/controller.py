@@ -190,6 +190,7 @@ class Controller:
         (a journal's replay)."""
         self.table.place(indices)
         self._init_slots(indices, unit)
+        self.reservations.placed(int(indices.size))
 
     def _init_slots(self, indices: np.ndarray, unit: int | np.ndarray) -> None:
         slots = indices % self.table.capacity
@@ -197,7 +198,6 @@ class Controller:
         for state in self.tasks.values():
             state.missing[slots] = len(state.columns)
             state.status[slots] = PENDING
-        self.reservations.placed(int(indices.size))
 
     def abort(self, indices: np.ndarray) -> None:
         """Give back a reservation whose data never arrived (already expired ones: no-op)."""

@@ -34,13 +34,10 @@ class Reservations:
         # (deadline, indices, pooled): pooled ones were reserved ahead
         self._held: collections.deque[tuple[float, np.ndarray, bool]] = collections.deque()
 
-    def placed(self, n: int) -> None:
-        """``n`` more indices were placed in the table, to be committed."""
-        self.count += n
-
     def hold(self, indices: np.ndarray, n: int, deadline: float) -> None:
-        """Hold a put's first ``n`` of ``indices`` and the rest, reserved ahead, until
-        ``deadline`` unless committed first."""
+        """Count a put's first ``n`` of ``indices`` and the rest, reserved ahead, as
+        reserved until committed, or until ``deadline``."""
+        self.count += int(indices.size)
         self._held.append((deadline, indices[:n], False))
         if indices.size > n:
             ahead = indices[n:]
@@ -48,10 +45,15 @@ class Reservations:
             self.ahead += int(ahead.size)
             self._held.append((deadline, ahead, True))
 
+    def placed(self, n: int) -> None:
+        """Count ``n`` indices a journal's replay placed, to be committed at once."""
+        self.count += n
+
     def committed(self, slots: np.ndarray) -> None:
         """Reserved ``slots`` were committed: they hold nothing any more."""
         self.count -= int(slots.size)
-        self._settle_ahead(slots)
+        if self.ahead:
+            self._settle_ahead(slots)
 
     def release(self, indices: np.ndarray) -> int:
         """Free those of ``indices`` still reserved and uncommitted; returns how many."""
@@ -61,7 +63,8 @@ class Reservations:
         mine = slots[(table.owner[slots] == indices) & ~table.committed[slots]]
         table.free(mine)
         self.count -= int(mine.size)
-        self._settle_ahead(mine)
+        if self.ahead:
+            self._settle_ahead(mine)
         return int(mine.size)
 
     def reclaim_ahead(self) -> int:
@@ -86,6 +89,5 @@ class Reservations:
 
     def _settle_ahead(self, slots: np.ndarray) -> None:
         """Slots reserved ahead that were put or freed no longer count as ahead."""
-        if self.ahead:
-            self.ahead -= int(self._is_ahead[slots].sum())
-            self._is_ahead[slots] = False
+        self.ahead -= int(self._is_ahead[slots].sum())
+        self._is_ahead[slots] = False

@@ -296,7 +296,7 @@ class Controller:
             t.tokens[slots] = tokens
         owners = indices.astype(np.int64, copy=False)
         for state in self.tasks.values():
-            done = self._became_ready(state, slots, fresh, new)
+            done = state.became_ready(slots, fresh, new)
             if done.size:
                 state.status[done] = READY
                 # a new put's slots come in index order (and are all done: they are its
@@ -323,23 +323,6 @@ class Controller:
             whole = indices.size == lease.indices.size
             self._consume(self.tasks[lease.task], lease, indices, drop=False, whole=whole)
         self.waiters.notify(self.ended)
-
-    @staticmethod
-    def _became_ready(
-        state: TaskState, slots: np.ndarray, fresh: dict[str, np.ndarray], new: bool
-    ) -> np.ndarray:
-        """Slots whose last missing column (for this task) arrived with this commit."""
-        mine = [fresh[c] for c in state.columns if c in fresh]
-        if not mine:
-            return slots[:0]
-        if new:  # every cell of a new sample is fresh: one subtraction, no per-slot test
-            state.missing[slots] -= len(mine)
-            return slots if len(mine) == len(state.columns) else slots[:0]
-        for part in mine:
-            state.missing[part] -= 1
-        touched = np.unique(np.concatenate(mine)) if len(mine) > 1 else mine[0]
-        done = touched[state.missing[touched] == 0]
-        return done[state.status[done] == PENDING]
 
     def _partition_id(self, name: str) -> int:
         pid = self.partitions.get(name)
@@ -386,7 +369,8 @@ class Controller:
             if lease is not None:
                 return self._meta(lease, cols)
         final = self._nothing_more(state)
-        view = self._candidates(state, sampler.window(n))
+        # (the queue holds exactly the task's READY samples, oldest first)
+        view = CandidateView(state.queue.view(sampler.window(n)), self.table, self.version)
         need = min(want, sampler.quota(n)) * fanout
         if len(view) < need and not final:
             return None
@@ -395,38 +379,21 @@ class Controller:
             positions = _checked_positions(sampler, positions, n * fanout, len(view))
         if positions.size == 0 or (positions.size < need and not final):
             if final and not self.leases.held_by_others(task, consumer):
-                raise EndOfStream(self._end_message(task, len(view)))
+                raise EndOfStream(_end_message(task, len(view)))
             return None
         if not isinstance(sampler, BalancedSampler):
-            chosen = self._take(state, positions)
+            chosen = state.queue.take(positions)
             slots = chosen % self.table.capacity
             lease = self.leases.open(state, chosen, time.time() + ttl, consumer, slots=slots)
             return self._meta(lease, cols, slots)
         tokens = view.tokens[positions]  # the split balances them across the ranks
         groups = view.group[positions]
-        chosen = self._take(state, positions)
+        chosen = state.queue.take(positions)
         parts = sampler.split(tokens, groups)
         mine = self.rounds.deal(state, chosen, parts, time.time() + ttl, consumer, dp_rank, fanout)
         if mine is None:
-            raise EndOfStream(self._end_message(task, 0))
+            raise EndOfStream(_end_message(task, 0))
         return self._meta(mine, cols)
-
-    def _candidates(self, state: TaskState, limit: int | None) -> CandidateView:
-        # The queue holds exactly the task's READY samples, oldest first.
-        return CandidateView(state.queue.view(limit), self.table, self.version)
-
-    def _take(self, state: TaskState, positions: np.ndarray) -> np.ndarray:
-        """Remove the queue entries at sorted ``positions``; returns their indices."""
-        queue = state.queue
-        k = positions.size
-        if positions[-1] == k - 1:  # sorted distinct positions ending at k-1: the head
-            indices = queue.view(k).copy()
-            queue.drop_front(k)
-        else:
-            full = queue.view()
-            indices = full[positions]
-            queue.replace(np.delete(full, positions))
-        return indices
 
     def _meta(
         self, lease: Lease, columns: tuple[str, ...], slots: np.ndarray | None = None
@@ -500,23 +467,12 @@ class Controller:
         self.leases.consume(lease, done, whole)
         self._emit(Acked, task=task, lease=lease_id, indices=tuple(done.tolist()), dropped=drop)
         if drop:
-            self._drop_for_other_tasks(task, slots)
+            for name, other in self.tasks.items():
+                if name != task:
+                    other.discard(slots)
         evicted = self._evict_if_done(slots)
         self.waiters.notify(self.ended)
         return evicted
-
-    def _drop_for_other_tasks(self, task: str, slots: np.ndarray) -> None:
-        for name, other in self.tasks.items():
-            if name == task:
-                continue
-            status = other.status[slots]
-            ready = slots[status == READY]
-            gone = slots[(status == READY) | (status == PENDING)]
-            other.status[gone] = CONSUMED
-            other.consumed_total += int(gone.size)
-            if ready.size:
-                queued = other.queue.view()
-                other.queue.replace(queued[~np.isin(queued % self.table.capacity, ready)])
 
     def release(self, task: str, lease_id: int) -> None:
         """Give a lease back: its samples become claimable again, first in line."""
@@ -606,10 +562,6 @@ class Controller:
                 blocked |= ~t.ready[c][pending]
         return bool(blocked.all())
 
-    def _end_message(self, task: str, left: int) -> str:
-        tail = f"; {left} ready samples were not selectable by the sampler" if left else ""
-        return f"end of stream for task {task!r}: nothing more will become ready{tail}"
-
     # -- recovery ---------------------------------------------------------------------------
     def live_indices(self) -> np.ndarray:
         return self.table.owner[self.table.owner >= 0]
@@ -695,6 +647,11 @@ def _checked_positions(sampler: Sampler, selected: Any, most: int, candidates: i
             f"{candidates} candidates, at most n)"
         )
     return positions
+
+
+def _end_message(task: str, left: int) -> str:
+    tail = f"; {left} ready samples were not selectable by the sampler" if left else ""
+    return f"end of stream for task {task!r}: nothing more will become ready{tail}"
 
 
 def _put_version(

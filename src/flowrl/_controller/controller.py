@@ -67,6 +67,8 @@ __all__ = ["RESERVATION_MIN_S", "CellWrite", "Controller"]
 
 
 class Controller:
+    """One hub's metadata table and the commands that change it (see the module doc)."""
+
     def __init__(self, capacity: int, n_units: int = 1, lease_timeout: float = 60.0) -> None:
         if not isinstance(capacity, int) or capacity < 1:
             raise ConfigError(f"capacity must be a positive int, got {capacity!r}")

@@ -440,7 +440,7 @@ class ControllerMachine(RuleBasedStateMachine):
     @invariant()
     def at_most_one_live_lease_per_task_and_sample(self) -> None:
         held: set[tuple[str, int]] = set()
-        live = self.ctl._leases
+        live = self.ctl.leases.live
         assert set(live) == set(self.leases)
         for lid, lease in live.items():
             assert lease.task == self.leases[lid][0]
@@ -501,11 +501,11 @@ def state_of(ctl: Controller) -> dict[str, Any]:
         },
         "leases": {
             lid: (le.task, le.indices.tolist(), le.deadline, le.dp_rank, le.taken, le.consumer)
-            for lid, le in ctl._leases.items()
+            for lid, le in ctl.leases.live.items()
         },
         "rounds": {
             task: [[p.id if p else None for p in r.by_rank] for r in rounds]
-            for task, rounds in ctl._rounds.items()
+            for task, rounds in ctl.rounds.by_task.items()
             if rounds
         },
         "version": ctl.version,
@@ -514,6 +514,6 @@ def state_of(ctl: Controller) -> dict[str, Any]:
         "seq": ctl.log.seq,
         "declared": ctl.declared,
         "next_index_at_least": t.next_index >= max(t.owner.max() + 1, 0),
-        "partitions": ctl._partitions,
-        "reserved": ctl._reserved,
+        "partitions": ctl.partitions,
+        "reserved": ctl.reservations.count,
     }

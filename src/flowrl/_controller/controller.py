@@ -1,10 +1,15 @@
-"""The control plane: allocation, readiness, claims with leases, acks, eviction, events.
+"""The control plane's table core: allocation, readiness, claims, acks, eviction, events.
 
 The controller never sees payload bytes, only per-cell sizes and token counts. It is not
 thread-safe by itself: the in-process hub calls it under ``Controller.cond``'s lock and the
-zmq server calls it from its single event-loop thread. In-process, a put waiting for room
-waits on ``cond`` and a claim on its task's ``claim_cond``; a change wakes only those it
-may let proceed (``flowrl._controller.wake``).
+zmq server calls it from its single event-loop thread. It composes one object per concern,
+each in its own module, none of which imports this one:
+
+* ``leases`` (``Leases``): live leases, their deadlines, release and expiry;
+* ``rounds`` (``Rounds``): balanced data-parallel batches whose parts wait for their rank;
+* ``reservations`` (``Reservations``): indices reserved for puts not committed yet;
+* ``waiters`` (``Waiters``): the lock, the conditions waiting calls sleep on, whom to wake;
+* ``flowrl._controller.replay``: rebuilding the state from a journal (:meth:`recover`).
 
 Invariants (tests/unit/test_table_properties.py drives random operation sequences):
 
@@ -17,45 +22,42 @@ Invariants (tests/unit/test_table_properties.py drives random operation sequence
 
 from __future__ import annotations
 
-import collections
-import heapq
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from itertools import islice
 from typing import Any
 
 import numpy as np
 
 from flowrl._client.config import HubStats, TaskStats
+from flowrl._controller import replay
 from flowrl._controller.eventlog import EventLog
+from flowrl._controller.leases import Lease, Leases, check_ackable
 from flowrl._controller.meta import BatchMeta
+from flowrl._controller.reservations import RESERVATION_MIN_S, Reservations
+from flowrl._controller.rounds import Rounds
 from flowrl._controller.samplers import BalancedSampler, CandidateView, FifoSampler, Sampler
 from flowrl._controller.table import SampleTable
 from flowrl._controller.tasks import CONSUMED, LEASED, PENDING, READY, TaskState
-from flowrl._controller.wake import EVERYONE, NOBODY, Wake, woken
-from flowrl._protocol.commands import Cell, Claim, Commit, LeaseRef
+from flowrl._controller.wake import Wake
+from flowrl._controller.waking import Waiters
+from flowrl._protocol.commands import Claim, Commit, LeaseRef
 from flowrl._schema.columns import Column
 from flowrl.errors import (
     ConfigError,
     EndOfStream,
     HubClosed,
-    LeaseError,
     SchemaError,
     UnknownColumnError,
     UnknownTaskError,
 )
 from flowrl.events import (
     Acked,
-    Claimed,
     ColumnsDeclared,
     Event,
     Evicted,
     IndexWatermark,
-    LeaseExpired,
-    LeaseTaken,
     Put,
-    Released,
     StreamEnded,
     TaskRegistered,
     VersionPublished,
@@ -63,48 +65,10 @@ from flowrl.events import (
 
 __all__ = ["Controller"]
 
-#: Shortest time an uncommitted reservation is held before its producer is presumed dead.
-RESERVATION_MIN_S = 10.0
-
-
-class _Lease:
-    __slots__ = ("consumer", "deadline", "dp_rank", "id", "indices", "taken", "task")
-
-    def __init__(
-        self, lid: int, task: str, indices: np.ndarray, deadline: float, consumer: str = ""
-    ) -> None:
-        self.id = lid
-        self.task = task
-        self.indices = indices
-        self.deadline = deadline
-        self.consumer = consumer
-        self.dp_rank = 0
-        self.taken = True  # False while a balanced part waits for its rank
-
-
-class _Round:
-    """One balanced global batch: the part with ``dp_rank == r`` is reserved for rank r."""
-
-    __slots__ = ("by_rank",)
-
-    def __init__(self, parts: list[_Lease], dp_size: int) -> None:
-        self.by_rank: list[_Lease | None] = [None] * dp_size
-        for lease in parts:
-            self.by_rank[lease.dp_rank] = lease
-
-
-def _check_ackable(lease: _Lease, indices: np.ndarray) -> None:
-    if indices is lease.indices or (  # the whole claim, the usual case (its indices differ)
-        indices.size == lease.indices.size and np.array_equal(indices, lease.indices)
-    ):
-        return
-    if not np.isin(indices, lease.indices).all() or np.unique(indices).size != indices.size:
-        raise LeaseError(
-            f"ack of lease {lease.id} names indices that are not in it (or repeats one)"
-        )
-
 
 class Controller:
+    """One hub's metadata table and the commands that change it (see the module doc)."""
+
     def __init__(self, capacity: int, n_units: int = 1, lease_timeout: float = 60.0) -> None:
         if not isinstance(capacity, int) or capacity < 1:
             raise ConfigError(f"capacity must be a positive int, got {capacity!r}")
@@ -114,34 +78,22 @@ class Controller:
         self.n_units = n_units
         self.lease_timeout = lease_timeout
         self.log = EventLog()
-        self._lock = threading.RLock()
-        self.cond = threading.Condition(self._lock)
-        self._claim_conds: dict[str, threading.Condition] = {}  # per task, on cond's lock
-        # Changes that may let anyone proceed without appending an event: room freed by an
-        # abort or an expired reservation, a close (see mark / woken_since).
-        self._eventless = 0
-        self._notified = self.mark()  # where the in-process waiters were last notified
         self.tasks: dict[str, TaskState] = {}
+        self.waiters = Waiters(self.log, self.tasks)
+        self.cond = self.waiters.cond
+        self.leases = Leases(self.tasks, capacity, self._emit)
+        self.rounds = Rounds(self.leases)
+        self.reservations = Reservations(self.table)
         self.version = 0
         self.ended = False
         self.closed = False
         self.closed_columns: set[str] = set()
         self.on_evict: Callable[[np.ndarray, np.ndarray], None] | None = None
-        self._partitions: dict[str, int] = {"": 0}
-        self._leases: dict[int, _Lease] = {}
-        self._deadlines: list[tuple[float, int]] = []
-        self._rounds: dict[str, list[_Round]] = {}
-        self._next_lease = 1
-        self._next_unit = 0
-        self._reserved = 0
-        self._ahead = np.zeros(capacity, dtype=bool)  # slots reserved ahead, not yet put
-        self._n_ahead = 0
-        # (deadline, indices, pooled): pooled ones were reserved ahead for a producer's
-        # later puts, and end of stream frees them at once (nobody is writing them yet).
-        self._reservations: collections.deque[tuple[float, np.ndarray, bool]] = collections.deque()
-        self._watermark = 0  # indices below it may have been handed out (IndexWatermark)
-        self._replaying = False  # recover(): apply journaled events without re-emitting them
+        self.partitions: dict[str, int] = {"": 0}
+        self.watermark = 0  # indices below it may have been handed out (IndexWatermark)
+        self.replaying = False  # recover(): apply journaled events without re-emitting them
         self.declared: dict[str, Column] = {}
+        self._next_unit = 0
 
     # -- columns and tasks ------------------------------------------------------------------
     def add_columns(self, columns: tuple[Column, ...]) -> None:
@@ -227,19 +179,20 @@ class Controller:
         if ahead:  # each index reserved ahead goes where its put's turn would have gone
             turns = (turn + 1 + np.arange(ahead)) % span
             self._init_slots(indices[n:], turns if allowed is None else allowed[turns])
-            self._ahead[indices[n:] % self.table.capacity] = True
-            self._n_ahead += ahead
-        if self.table.next_index > self._watermark:
-            self._watermark = self.table.next_index + self.table.capacity
-            self._emit(IndexWatermark, next=self._watermark)
-        # A producer that dies between reserve and commit must not hold capacity (or hold
-        # up end of stream) for ever: uncommitted reservations expire like leases.
+        if self.table.next_index > self.watermark:
+            self.watermark = self.table.next_index + self.table.capacity
+            self._emit(IndexWatermark, next=self.watermark)
         # Not sooner than RESERVATION_MIN_S: a large put may outlast a short lease timeout.
         deadline = time.time() + max(self.lease_timeout, RESERVATION_MIN_S)
-        self._reservations.append((deadline, indices[:n], False))
-        if ahead:
-            self._reservations.append((deadline, indices[n:], True))
+        self.reservations.hold(indices, n, deadline)
         return indices, unit
+
+    def place(self, indices: np.ndarray, unit: int) -> None:
+        """Occupy the slots of given fresh indices on ``unit``, as reserve() would have
+        (a journal's replay)."""
+        self.table.place(indices)
+        self._init_slots(indices, unit)
+        self.reservations.placed(int(indices.size))
 
     def _init_slots(self, indices: np.ndarray, unit: int | np.ndarray) -> None:
         slots = indices % self.table.capacity
@@ -247,41 +200,20 @@ class Controller:
         for state in self.tasks.values():
             state.missing[slots] = len(state.columns)
             state.status[slots] = PENDING
-        self._reserved += int(indices.size)
 
     def abort(self, indices: np.ndarray) -> None:
         """Give back a reservation whose data never arrived (already expired ones: no-op)."""
-        self._release_reserved(np.asarray(indices, dtype=np.int64))
-        self._notify(everyone=True)  # room freed without an event
-
-    def _release_reserved(self, indices: np.ndarray) -> int:
-        indices = indices[indices >= 0]  # a free slot's owner is -1: never match it
-        slots = indices % self.table.capacity
-        mine = slots[(self.table.owner[slots] == indices) & ~self.table.committed[slots]]
-        self.table.free(mine)
-        self._reserved -= int(mine.size)
-        self._settle_ahead(mine)
-        return int(mine.size)
+        self.reservations.release(np.asarray(indices, dtype=np.int64))
+        self.waiters.notify(self.ended, everyone=True)  # room freed without an event
 
     def reclaim_ahead(self) -> int:
         """Free the indices producers reserved ahead and did not put yet, before a put
         waits for room (a producer's pool may be idle, its thread gone); returns how many.
         A producer that puts one of them later is refused and reserves afresh."""
-        freed = self._reclaim_ahead()
+        freed = self.reservations.reclaim_ahead()
         if freed:
-            self._notify(everyone=True)  # room freed without an event
+            self.waiters.notify(self.ended, everyone=True)  # room freed without an event
         return freed
-
-    def _reclaim_ahead(self) -> int:
-        if not self._n_ahead:
-            return 0
-        return sum(self._release_reserved(ind) for _, ind, pooled in self._reservations if pooled)
-
-    def _settle_ahead(self, slots: np.ndarray) -> None:
-        """Slots reserved ahead that were put or freed no longer count as ahead."""
-        if self._n_ahead:
-            self._n_ahead -= int(self._ahead[slots].sum())
-            self._ahead[slots] = False
 
     def check_update(
         self, indices: np.ndarray, columns: tuple[str, ...], ack: LeaseRef | None = None
@@ -294,7 +226,7 @@ class Controller:
         self._check_open()
         if ack is not None:
             self.expire()
-            self._live_lease(ack.task, ack.lease, "put(ack=...)")  # (the commit checks the rest)
+            self.leases.get(ack.task, ack.lease, "put(ack=...)")  # (the commit checks the rest)
         slots = self.table.slots_of(indices)
         self._check_writable(slots, columns)
         return self.table.unit[slots]
@@ -340,8 +272,7 @@ class Controller:
             t.partition[slots] = self._partition_id(cmd.partition)
             t.version[slots] = self.version if version is None else version
             t.group[slots] = -1 if groups is None else groups
-            self._reserved -= int(slots.size)
-            self._settle_ahead(slots)
+            self.reservations.committed(slots)
         elif version is not None:
             t.version[slots] = version
         if groups is not None and not new:
@@ -357,7 +288,7 @@ class Controller:
             t.tokens[slots] = tokens
         owners = indices.astype(np.int64, copy=False)
         for state in self.tasks.values():
-            done = self._became_ready(state, slots, fresh, new)
+            done = state.became_ready(slots, fresh, new)
             if done.size:
                 state.status[done] = READY
                 # a new put's slots come in index order (and are all done: they are its
@@ -383,29 +314,12 @@ class Controller:
             # (ackable: distinct indices of the lease; as many as it holds: all of them)
             whole = indices.size == lease.indices.size
             self._consume(self.tasks[lease.task], lease, indices, drop=False, whole=whole)
-        self._notify()
-
-    @staticmethod
-    def _became_ready(
-        state: TaskState, slots: np.ndarray, fresh: dict[str, np.ndarray], new: bool
-    ) -> np.ndarray:
-        """Slots whose last missing column (for this task) arrived with this commit."""
-        mine = [fresh[c] for c in state.columns if c in fresh]
-        if not mine:
-            return slots[:0]
-        if new:  # every cell of a new sample is fresh: one subtraction, no per-slot test
-            state.missing[slots] -= len(mine)
-            return slots if len(mine) == len(state.columns) else slots[:0]
-        for part in mine:
-            state.missing[part] -= 1
-        touched = np.unique(np.concatenate(mine)) if len(mine) > 1 else mine[0]
-        done = touched[state.missing[touched] == 0]
-        return done[state.status[done] == PENDING]
+        self.waiters.notify(self.ended)
 
     def _partition_id(self, name: str) -> int:
-        pid = self._partitions.get(name)
+        pid = self.partitions.get(name)
         if pid is None:
-            pid = self._partitions[name] = len(self._partitions)
+            pid = self.partitions[name] = len(self.partitions)
         return pid
 
     # -- consumers --------------------------------------------------------------------------
@@ -435,11 +349,12 @@ class Controller:
         if isinstance(sampler, BalancedSampler):
             if not 0 <= dp_rank < fanout:
                 raise ConfigError(f"dp_rank must be in [0, {fanout}), got {dp_rank}")
-            lease = self._take_reserved_part(task, dp_rank, ttl)
+            lease = self.rounds.take(task, dp_rank, ttl)
             if lease is not None:
                 return self._meta(lease, cols)
         final = self._nothing_more(state)
-        view = self._candidates(state, sampler.window(n))
+        # (the queue holds exactly the task's READY samples, oldest first)
+        view = CandidateView(state.queue.view(sampler.window(n)), self.table, self.version)
         need = min(want, sampler.quota(n)) * fanout
         if len(view) < need and not final:
             return None
@@ -447,119 +362,25 @@ class Controller:
         if type(sampler) is not FifoSampler:  # FIFO's arange needs no sorting or checks
             positions = _checked_positions(sampler, positions, n * fanout, len(view))
         if positions.size == 0 or (positions.size < need and not final):
-            if final and not self._outstanding(state, consumer):
-                raise EndOfStream(self._end_message(task, len(view)))
+            if final and not self.leases.held_by_others(task, consumer):
+                raise EndOfStream(_end_message(task, len(view)))
             return None
         if not isinstance(sampler, BalancedSampler):
-            chosen = self._take(state, positions)
+            chosen = state.queue.take(positions)
             slots = chosen % self.table.capacity
-            lease = self._lease(state, chosen, time.time() + ttl, consumer, slots=slots)
+            lease = self.leases.open(state, chosen, time.time() + ttl, consumer, slots=slots)
             return self._meta(lease, cols, slots)
         tokens = view.tokens[positions]  # the split balances them across the ranks
         groups = view.group[positions]
-        chosen = self._take(state, positions)
-        deadline = time.time() + ttl
-        mine: _Lease | None = None
-        parts: list[_Lease] = []
-        round_id = self._next_lease  # the id the round's first part gets
-        for rank, part in enumerate(sampler.split(tokens, groups)):
-            if part.size == 0:  # only at end of stream, with fewer samples than ranks
-                continue
-            lease = self._lease(
-                state,
-                chosen[part],
-                deadline,
-                consumer,
-                dp_rank=rank,
-                round_id=round_id,
-                reserved=rank != dp_rank,
-            )
-            parts.append(lease)
-            if rank == dp_rank:
-                mine = lease
-        if len(parts) > (mine is not None):
-            self._rounds.setdefault(task, []).append(_Round(parts, fanout))
+        chosen = state.queue.take(positions)
+        parts = sampler.split(tokens, groups)
+        mine = self.rounds.deal(state, chosen, parts, time.time() + ttl, consumer, dp_rank, fanout)
         if mine is None:
-            raise EndOfStream(self._end_message(task, 0))
+            raise EndOfStream(_end_message(task, 0))
         return self._meta(mine, cols)
 
-    def _candidates(self, state: TaskState, limit: int | None) -> CandidateView:
-        # The queue holds exactly the task's READY samples, oldest first (see _lease/_return).
-        return CandidateView(state.queue.view(limit), self.table, self.version)
-
-    def _take(self, state: TaskState, positions: np.ndarray) -> np.ndarray:
-        """Remove the queue entries at sorted ``positions``; returns their indices."""
-        queue = state.queue
-        k = positions.size
-        if positions[-1] == k - 1:  # sorted distinct positions ending at k-1: the head
-            indices = queue.view(k).copy()
-            queue.drop_front(k)
-        else:
-            full = queue.view()
-            indices = full[positions]
-            queue.replace(np.delete(full, positions))
-        return indices
-
-    def _lease(
-        self,
-        state: TaskState,
-        indices: np.ndarray,
-        deadline: float,
-        consumer: str,
-        *,
-        dp_rank: int = 0,
-        round_id: int = 0,
-        reserved: bool = False,
-        slots: np.ndarray | None = None,
-    ) -> _Lease:
-        state.status[indices % self.table.capacity if slots is None else slots] = LEASED
-        lid = self._next_lease
-        self._next_lease += 1
-        lease = _Lease(lid, state.name, indices, deadline, consumer)
-        lease.dp_rank = dp_rank
-        lease.taken = not reserved
-        self._leases[lid] = lease
-        heapq.heappush(self._deadlines, (lease.deadline, lid))
-        self._emit(
-            Claimed,
-            task=state.name,
-            lease=lid,
-            indices=tuple(indices.tolist()),
-            consumer=consumer,
-            deadline=deadline,
-            dp_rank=dp_rank,
-            round=round_id,
-            reserved=reserved,
-        )
-        return lease
-
-    def _take_reserved_part(self, task: str, rank: int, ttl: float) -> _Lease | None:
-        rounds = self._rounds.get(task)
-        if not rounds:
-            return None
-        for rnd in rounds:
-            lease = rnd.by_rank[rank] if rank < len(rnd.by_rank) else None
-            if lease is not None and not lease.taken and lease.id in self._leases:
-                self._take_part(lease, time.time() + ttl)
-                self._prune_rounds(task)
-                return lease
-        return None
-
-    def _take_part(self, lease: _Lease, deadline: float) -> None:
-        lease.taken = True
-        lease.deadline = deadline
-        heapq.heappush(self._deadlines, (deadline, lease.id))
-        self._emit(LeaseTaken, task=lease.task, lease=lease.id, deadline=deadline)
-
-    def _prune_rounds(self, task: str) -> None:
-        self._rounds[task] = [
-            r
-            for r in self._rounds[task]
-            if any(p is not None and not p.taken and p.id in self._leases for p in r.by_rank)
-        ]
-
     def _meta(
-        self, lease: _Lease, columns: tuple[str, ...], slots: np.ndarray | None = None
+        self, lease: Lease, columns: tuple[str, ...], slots: np.ndarray | None = None
     ) -> BatchMeta:
         """The lease's handle (``slots``: its indices' slots, if known)."""
         t = self.table
@@ -595,7 +416,7 @@ class Controller:
                 raise SchemaError(
                     f"column {c!r} is not ready on sample {int(idx[np.argmax(missing)])}"
                 )
-        lease = _Lease(0, "", idx, float("inf"))
+        lease = Lease(0, "", idx, float("inf"))
         return self._meta(lease, columns)
 
     def ack(
@@ -608,16 +429,16 @@ class Controller:
         """
         state = self.task(task)
         self.expire()
-        lease = self._live_lease(task, lease_id, "ack")
+        lease = self.leases.get(task, lease_id, "ack")
         if indices is None:
             done = lease.indices
         else:
             done = np.asarray(indices, dtype=np.int64)
-            _check_ackable(lease, done)
+            check_ackable(lease, done)
         return self._consume(state, lease, done, drop, whole=indices is None)
 
     def _consume(
-        self, state: TaskState, lease: _Lease, done: np.ndarray, drop: bool, whole: bool = False
+        self, state: TaskState, lease: Lease, done: np.ndarray, drop: bool, whole: bool = False
     ) -> np.ndarray:
         """Ack ``done`` (samples of ``lease``; ``whole``: all of them); returns the indices
         evicted as a result."""
@@ -627,99 +448,58 @@ class Controller:
         slots = done % self.table.capacity
         state.status[slots] = CONSUMED
         state.consumed_total += int(done.size)
-        if not whole:
-            lease.indices = lease.indices[~np.isin(lease.indices, done)]
-        if whole or lease.indices.size == 0:
-            del self._leases[lease_id]
+        self.leases.consume(lease, done, whole)
         self._emit(Acked, task=task, lease=lease_id, indices=tuple(done.tolist()), dropped=drop)
         if drop:
-            self._drop_for_other_tasks(task, slots)
+            for name, other in self.tasks.items():
+                if name != task:
+                    other.discard(slots)
         evicted = self._evict_if_done(slots)
-        self._notify()
+        self.waiters.notify(self.ended)
         return evicted
-
-    def _drop_for_other_tasks(self, task: str, slots: np.ndarray) -> None:
-        for name, other in self.tasks.items():
-            if name == task:
-                continue
-            status = other.status[slots]
-            ready = slots[status == READY]
-            gone = slots[(status == READY) | (status == PENDING)]
-            other.status[gone] = CONSUMED
-            other.consumed_total += int(gone.size)
-            if ready.size:
-                queued = other.queue.view()
-                other.queue.replace(queued[~np.isin(queued % self.table.capacity, ready)])
 
     def release(self, task: str, lease_id: int) -> None:
         """Give a lease back: its samples become claimable again, first in line."""
         self.task(task)
         self.expire()
-        lease = self._live_lease(task, lease_id, "release")
-        del self._leases[lease_id]
-        self._return(lease)
-        self._emit(Released, task=task, lease=lease_id, indices=tuple(lease.indices.tolist()))
-        self._notify()
+        self.leases.release(self.leases.get(task, lease_id, "release"))
+        self.rounds.prune(task)
+        self.waiters.notify(self.ended)
 
     def expire(self, now: float | None = None) -> int:
-        """Return the samples of every lease past its deadline; returns how many expired."""
-        if self._replaying:
+        """Return the samples of every lease past its deadline, and free the reservations
+        past theirs; returns how many expired."""
+        if self.replaying:
             return 0  # a journal replays expiries as the events they were
         now = time.time() if now is None else now
         count = 0
-        while self._deadlines and self._deadlines[0][0] <= now:
-            deadline, lid = heapq.heappop(self._deadlines)
-            lease = self._leases.get(lid)
-            if lease is None or lease.deadline != deadline:
-                continue  # settled, or renewed (a newer heap entry exists)
-            self._expire_lease(lease)
+        lease = self.leases.pop_due(now)
+        while lease is not None:
+            self.expire_lease(lease)
             count += 1
-        while self._reservations and self._reservations[0][0] <= now:
-            count += self._release_reserved(self._reservations.popleft()[1]) > 0
-        if count:
-            self._notify(everyone=True)  # expired reservations free room without an event
+            lease = self.leases.pop_due(now)
+        count += self.reservations.expire(now)
+        if count:  # (expired reservations free room without an event)
+            self.waiters.notify(self.ended, everyone=True)
         return count
+
+    def expire_lease(self, lease: Lease) -> None:
+        """End a live lease at its deadline: its samples are claimable again, first."""
+        self.leases.expire(lease)
+        self.rounds.prune(lease.task)
 
     def next_deadline(self) -> float | None:
         """When the next lease or uncommitted reservation expires (None: nothing pending)."""
-        while self._deadlines and self._deadlines[0][1] not in self._leases:
-            heapq.heappop(self._deadlines)
-        if not self._reserved:
-            self._reservations.clear()  # every reservation was committed or aborted
-        times = [d[0][0] for d in (self._deadlines, self._reservations) if d]
-        return min(times) if times else None
+        lease, reservation = self.leases.next_deadline(), self.reservations.next_deadline()
+        if lease is None or reservation is None:
+            return reservation if lease is None else lease
+        return min(lease, reservation)
 
-    def _expire_lease(self, lease: _Lease) -> None:
-        del self._leases[lease.id]
-        self._return(lease)
-        self._emit(
-            LeaseExpired, task=lease.task, lease=lease.id, indices=tuple(lease.indices.tolist())
-        )
-
-    def _return(self, lease: _Lease) -> None:
-        state = self.tasks[lease.task]
-        slots = lease.indices % self.table.capacity
-        state.status[slots] = READY
-        state.queue.push_front(lease.indices)
-        if lease.task in self._rounds:
-            self._prune_rounds(lease.task)
-
-    def _ackable_lease(self, ack: LeaseRef, indices: np.ndarray) -> _Lease:
+    def _ackable_lease(self, ack: LeaseRef, indices: np.ndarray) -> Lease:
         """The live lease a put acks, holding every sample put; LeaseError otherwise."""
         self.expire()
-        lease = self._live_lease(ack.task, ack.lease, "put(ack=...)")
-        _check_ackable(lease, indices)
-        return lease
-
-    def _live_lease(self, task: str, lease_id: int, what: str) -> _Lease:
-        if not isinstance(lease_id, int) or isinstance(lease_id, bool):
-            raise LeaseError(f"{what}() expects an int lease id, got {lease_id!r}")
-        lease = self._leases.get(lease_id)
-        if lease is None or lease.task != task:
-            raise LeaseError(
-                f"{what}(): lease {lease_id} of task {task!r} is unknown, already settled or "
-                "expired; its samples were (or will be) delivered again"
-            )
+        lease = self.leases.get(ack.task, ack.lease, "put(ack=...)")
+        check_ackable(lease, indices)
         return lease
 
     def _evict_if_done(self, slots: np.ndarray) -> np.ndarray:
@@ -746,13 +526,13 @@ class Controller:
                 raise UnknownColumnError(f"unknown column {c!r} in end_stream()")
         self.ended = True
         self.closed_columns.update(columns)
-        self._reclaim_ahead()
+        self.reservations.reclaim_ahead()
         self._emit(StreamEnded, columns=tuple(columns))
-        self._notify()
+        self.waiters.notify(self.ended)
 
     def _nothing_more(self, state: TaskState) -> bool:
         """True when no sample that is not READY now can ever become READY for the task."""
-        if not self.ended or self._reserved:
+        if not self.ended or self.reservations.count:
             return False
         t = self.table
         pending = np.flatnonzero((state.status == PENDING) & (t.owner >= 0) & t.committed)
@@ -766,110 +546,14 @@ class Controller:
                 blocked |= ~t.ready[c][pending]
         return bool(blocked.all())
 
-    def _outstanding(self, state: TaskState, consumer: str = "") -> bool:
-        """Whether leases of the task could still return samples to it.
-
-        Leases held by the claiming ``consumer`` itself do not count: a consumer that keeps
-        batches leased (e.g. until a checkpoint) must still learn that the stream ended.
-        """
-        return any(
-            lease.task == state.name and not (consumer and lease.consumer == consumer)
-            for lease in self._leases.values()
-        )
-
-    def _end_message(self, task: str, left: int) -> str:
-        tail = f"; {left} ready samples were not selectable by the sampler" if left else ""
-        return f"end of stream for task {task!r}: nothing more will become ready{tail}"
-
     # -- recovery ---------------------------------------------------------------------------
     def live_indices(self) -> np.ndarray:
         return self.table.owner[self.table.owner >= 0]
 
     def recover(self, events: Iterable[Event]) -> int:
-        """Rebuild, on a fresh controller, the state a journal of its events describes.
-
-        Each event is applied through the same code that made it, with emission switched
-        off; ``Evicted`` events are the consequence of the ``Acked`` before them and are
-        applied by it. Lease deadlines are wall-clock times, so recovered leases expire on
-        schedule. Returns how many events were applied.
-        """
-        rounds: dict[int, list[_Lease]] = {}
-        on_evict, self.on_evict = self.on_evict, None
-        count = 0
-        self._replaying = True
-        try:
-            with self.cond:
-                for event in events:
-                    self._replay(event, rounds)
-                    self.log.seq = event.seq
-                    count += 1
-        finally:
-            self._replaying = False
-            self.on_evict = on_evict
-        self.table.next_index = max(self.table.next_index, self._watermark)
-        for parts in rounds.values():
-            if any(not p.taken and p.id in self._leases for p in parts):
-                size = max(p.dp_rank for p in parts) + 1
-                self._rounds.setdefault(parts[0].task, []).append(_Round(parts, size))
-        return count
-
-    def _replay(self, event: Event, rounds: dict[int, list[_Lease]]) -> None:
-        if isinstance(event, Put):
-            idx = np.array(event.indices, dtype=np.int64)
-            if event.new:
-                self.table.place(idx)
-                self._init_slots(idx, event.unit)
-            shape = (len(event.columns), idx.size)
-            nbytes = np.array(event.nbytes or np.zeros(shape), dtype=np.int64).reshape(shape)
-            self.commit(
-                Commit(
-                    indices=idx,
-                    cells={c: Cell(nbytes[i]) for i, c in enumerate(event.columns)},
-                    new=event.new,
-                    partition=event.partition,
-                    groups=np.array(event.groups, dtype=np.int64) if event.groups else None,
-                    version=None if event.versions or event.version < 0 else event.version,
-                    versions=np.array(event.versions, dtype=np.int64) if event.versions else None,
-                    tokens=np.array(event.tokens, dtype=np.int64),
-                    producer=event.producer,
-                )
-            )
-        elif isinstance(event, Claimed):
-            state = self.task(event.task)
-            idx = np.array(event.indices, dtype=np.int64)
-            queued = state.queue.view()
-            state.queue.replace(queued[~np.isin(queued, idx)])
-            self._next_lease = event.lease
-            lease = self._lease(
-                state,
-                idx,
-                event.deadline,
-                event.consumer,
-                dp_rank=event.dp_rank,
-                round_id=event.round,
-                reserved=event.reserved,
-            )
-            if event.round:
-                rounds.setdefault(event.round, []).append(lease)
-        elif isinstance(event, LeaseTaken):
-            self._take_part(self._leases[event.lease], event.deadline)
-        elif isinstance(event, Acked):
-            idx = np.array(event.indices, dtype=np.int64)
-            self.ack(event.task, event.lease, idx, drop=event.dropped)
-        elif isinstance(event, Released):
-            self.release(event.task, event.lease)
-        elif isinstance(event, LeaseExpired):
-            self._expire_lease(self._leases[event.lease])
-        elif isinstance(event, VersionPublished):
-            self.version = event.version
-        elif isinstance(event, StreamEnded):
-            self.end_stream(event.columns)
-        elif isinstance(event, TaskRegistered):
-            self.register_task(event.task, event.columns)
-        elif isinstance(event, ColumnsDeclared):
-            self.add_columns(event.columns)
-        elif isinstance(event, IndexWatermark):
-            self._watermark = event.next
+        """Rebuild, on a fresh controller, the state a journal of its events describes
+        (``flowrl._controller.replay``); returns how many events were applied."""
+        return replay.recover(self, events)
 
     # -- versions and lifecycle -------------------------------------------------------------
     def publish_version(self, version: int) -> None:
@@ -880,12 +564,12 @@ class Controller:
             )
         self.version = version
         self._emit(VersionPublished, version=version)
-        self._notify()
+        self.waiters.notify(self.ended)
 
     def close(self) -> None:
         """Refuse further calls and wake every waiter (the caller closes ``log`` unlocked)."""
         self.closed = True
-        self._notify(everyone=True)  # (no event)
+        self.waiters.notify(self.ended, everyone=True)  # (no event)
 
     def _check_open(self) -> None:
         if self.closed:
@@ -894,38 +578,15 @@ class Controller:
     # -- waking waiters ---------------------------------------------------------------------
     def claim_cond(self, task: str) -> threading.Condition:
         """The condition an in-process claim of ``task`` waits on (under ``cond``'s lock)."""
-        cond = self._claim_conds.get(task)
-        if cond is None:
-            cond = self._claim_conds[task] = threading.Condition(self._lock)
-        return cond
+        return self.waiters.claim_cond(task)
 
     def mark(self) -> tuple[int, int]:
         """Where the controller's state is now, for :meth:`woken_since`."""
-        return self.log.seq, self._eventless
+        return self.waiters.mark()
 
     def woken_since(self, mark: tuple[int, int]) -> Wake:
         """Which waiters the changes since ``mark`` may let proceed."""
-        seq, eventless = mark
-        new = self.log.seq - seq
-        if new == 0 and eventless == self._eventless:
-            return NOBODY
-        if eventless != self._eventless or self.ended or new > len(self.log.history):
-            return EVERYONE  # once the stream ended, any change may end anyone's wait
-        events = islice(reversed(self.log.history), new)
-        return woken(events, {name: state.columns for name, state in self.tasks.items()})
-
-    def _notify(self, *, everyone: bool = False) -> None:
-        """Wake the in-process waiters the changes since the last call may let proceed;
-        ``everyone``: a change that appended no event (the zmq server learns of it too)."""
-        if everyone:
-            self._eventless += 1
-        wake = EVERYONE if not self._claim_conds else self.woken_since(self._notified)
-        self._notified = self.mark()
-        if wake.room:
-            self.cond.notify_all()
-        for task, cond in self._claim_conds.items():
-            if wake.claim(task):
-                cond.notify_all()
+        return self.waiters.woken_since(mark, self.ended)
 
     def statistics(self) -> HubStats:
         """Counters of the control plane (``units`` is filled in by the caller)."""
@@ -940,11 +601,11 @@ class Controller:
         }
         return HubStats(
             capacity=self.table.capacity,
-            live=self.table.live - self._n_ahead,
-            reserved=self._reserved - self._n_ahead,
-            reserved_ahead=self._n_ahead,
+            live=self.table.live - self.reservations.ahead,
+            reserved=self.reservations.count - self.reservations.ahead,
+            reserved_ahead=self.reservations.ahead,
             tasks=tasks,
-            leases=len(self._leases),
+            leases=len(self.leases),
             version=self.version,
             ended=self.ended,
             events=self.log.seq,
@@ -952,7 +613,7 @@ class Controller:
         )
 
     def _emit(self, cls: type, **fields: object) -> None:
-        if not self._replaying:
+        if not self.replaying:
             self.log.append(cls(seq=self.log.next_seq(), t=time.time(), **fields))
 
 
@@ -970,6 +631,11 @@ def _checked_positions(sampler: Sampler, selected: Any, most: int, candidates: i
             f"{candidates} candidates, at most n)"
         )
     return positions
+
+
+def _end_message(task: str, left: int) -> str:
+    tail = f"; {left} ready samples were not selectable by the sampler" if left else ""
+    return f"end of stream for task {task!r}: nothing more will become ready{tail}"
 
 
 def _put_version(

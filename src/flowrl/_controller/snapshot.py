@@ -14,14 +14,11 @@ operation may emit its event before it is done mutating).
 
 from __future__ import annotations
 
-import heapq
-
 import msgspec
 import numpy as np
 
 from flowrl._controller.controller import Controller
-from flowrl._controller.controller import _Lease as Lease
-from flowrl._controller.controller import _Round as Round
+from flowrl._controller.leases import Lease
 from flowrl._controller.tasks import TaskState
 from flowrl._schema.columns import Column
 from flowrl.errors import JournalError
@@ -115,30 +112,17 @@ def snapshot_of(ctl: Controller) -> bytes:
             _Lease(
                 le.id, le.task, le.indices.tobytes(), le.deadline, le.consumer, le.dp_rank, le.taken
             )
-            for le in ctl._leases.values()
+            for le in ctl.leases.live.values()
         ],
-        rounds={task: ids for task, ids in _open_rounds(ctl).items() if ids},
+        rounds={task: ids for task, ids in ctl.rounds.open_ids().items() if ids},
         version=ctl.version,
         ended=ctl.ended,
         closed_columns=sorted(ctl.closed_columns),
-        partitions=dict(ctl._partitions),
-        next_lease=ctl._next_lease,
-        watermark=ctl._watermark,
+        partitions=dict(ctl.partitions),
+        next_lease=ctl.leases.next_id,
+        watermark=ctl.watermark,
     )
     return _encoder.encode(snap)
-
-
-def _open_rounds(ctl: Controller) -> dict[str, list[list[int]]]:
-    """Per task, the balanced rounds with a part still waiting for its rank (the others
-    mean nothing more), as lease ids by rank (0: no part)."""
-    return {
-        task: [
-            [0 if p is None else p.id for p in rnd.by_rank]
-            for rnd in rounds
-            if any(p is not None and not p.taken and p.id in ctl._leases for p in rnd.by_rank)
-        ]
-        for task, rounds in ctl._rounds.items()
-    }
 
 
 def restore(ctl: Controller, data: bytes, where: str) -> int:
@@ -155,11 +139,11 @@ def restore(ctl: Controller, data: bytes, where: str) -> int:
     t = ctl.table
     indices = _ints(snap.indices)
     slots = indices % t.capacity
-    ctl._replaying = True  # restoring: nothing is emitted
+    ctl.replaying = True  # restoring: nothing is emitted
     try:
         ctl.add_columns(tuple(snap.declared))
     finally:
-        ctl._replaying = False
+        ctl.replaying = False
     t.owner[slots] = indices
     t.committed[slots] = True
     for name, dtype in _TABLE.items():
@@ -179,19 +163,17 @@ def restore(ctl: Controller, data: bytes, where: str) -> int:
     for le in snap.leases:
         lease = Lease(le.id, le.task, _ints(le.indices), le.deadline, le.consumer)
         lease.dp_rank, lease.taken = le.dp_rank, le.taken
-        ctl._leases[le.id] = lease
-        heapq.heappush(ctl._deadlines, (lease.deadline, lease.id))
+        ctl.leases.add(lease)
+    live = ctl.leases.live
     for name, rounds in snap.rounds.items():
-        ctl._rounds[name] = [
-            Round([ctl._leases[lid] for lid in ids if lid in ctl._leases], len(ids))
-            for ids in rounds
-        ]
+        for ids in rounds:
+            ctl.rounds.add(name, [live[lid] for lid in ids if lid in live], len(ids))
     ctl.version = snap.version
     ctl.ended = snap.ended
     ctl.closed_columns = set(snap.closed_columns)
-    ctl._partitions = dict(snap.partitions)
-    ctl._next_lease = snap.next_lease
-    ctl._watermark = snap.watermark
+    ctl.partitions = dict(snap.partitions)
+    ctl.leases.next_id = snap.next_lease
+    ctl.watermark = snap.watermark
     ctl.log.seq = snap.seq
     return snap.seq
 

@@ -54,6 +54,18 @@ class ReadyQueue:
     def drop_front(self, n: int) -> None:
         self._head += n
 
+    def take(self, positions: np.ndarray) -> np.ndarray:
+        """Remove the entries at sorted distinct ``positions``; returns them."""
+        k = positions.size
+        if positions[-1] == k - 1:  # sorted distinct positions ending at k-1: the head
+            indices = self.view(k).copy()
+            self.drop_front(k)
+        else:
+            full = self.view()
+            indices = full[positions]
+            self.replace(np.delete(full, positions))
+        return indices
+
     def replace(self, indices: np.ndarray) -> None:
         """Keep only ``indices`` (in their order): compaction after holes accumulate."""
         self._place(indices, 512, 512)
@@ -83,7 +95,38 @@ class TaskState:
     def __init__(self, name: str, columns: tuple[str, ...], capacity: int) -> None:
         self.name = name
         self.columns = columns
+        self.capacity = capacity
         self.missing = np.zeros(capacity, dtype=np.int16)
         self.status = np.zeros(capacity, dtype=np.int8)
         self.queue = ReadyQueue()
         self.consumed_total = 0
+
+    def became_ready(
+        self, slots: np.ndarray, fresh: dict[str, np.ndarray], new: bool
+    ) -> np.ndarray:
+        """Of a commit's ``slots``, those whose last missing column for this task arrived
+        (``fresh``: per column put, the slots where it was not ready before; ``new``: a
+        new put's, where every cell is fresh)."""
+        mine = [fresh[c] for c in self.columns if c in fresh]
+        if not mine:
+            return slots[:0]
+        if new:  # every cell of a new sample is fresh: one subtraction, no per-slot test
+            self.missing[slots] -= len(mine)
+            return slots if len(mine) == len(self.columns) else slots[:0]
+        for part in mine:
+            self.missing[part] -= 1
+        touched = np.unique(np.concatenate(mine)) if len(mine) > 1 else mine[0]
+        done = touched[self.missing[touched] == 0]
+        return done[self.status[done] == PENDING]
+
+    def discard(self, slots: np.ndarray) -> None:
+        """Consume, without delivering them, those of ``slots`` not leased or consumed
+        yet (another task's ``ack(drop=True)``)."""
+        status = self.status[slots]
+        ready = slots[status == READY]
+        gone = slots[(status == READY) | (status == PENDING)]
+        self.status[gone] = CONSUMED
+        self.consumed_total += int(gone.size)
+        if ready.size:
+            queued = self.queue.view()
+            self.queue.replace(queued[~np.isin(queued % self.capacity, ready)])

@@ -18,9 +18,9 @@ import numpy as np
 
 from flowrl._client.config import HubConfig, HubStats
 from flowrl._client.ports import ControlPort, Reservation
-from flowrl._controller.controller import RESERVATION_MIN_S
 from flowrl._controller.eventlog import EventLog
 from flowrl._controller.meta import BatchMeta
+from flowrl._controller.reservations import RESERVATION_MIN_S
 from flowrl._controller.samplers import Sampler
 from flowrl._protocol import commands
 from flowrl._schema.columns import Column

@@ -13,7 +13,7 @@ tensordict = pytest.importorskip("tensordict", reason="needs the compat extra (t
 torch = pytest.importorskip("torch")
 
 import flowrl.compat.transfer_queue as tq  # noqa: E402
-from flowrl.errors import ConfigError, SchemaError  # noqa: E402
+from flowrl.errors import ConfigError, SchemaError, UnknownColumnError  # noqa: E402
 
 TensorDict = tensordict.TensorDict
 NonTensorStack = tensordict.NonTensorStack
@@ -73,6 +73,15 @@ def test_kv_tutorial_flow(q) -> None:
     assert [r.tolist() for r in answered["response"].unbind(0)] == [[4, 5, 6], [7, 8, 9]]
     with pytest.raises(ConfigError, match="not ready"):
         q.kv_batch_get(keys=all_keys, partition_id="Train", select_fields=["response"])
+
+    # fields never put are left out, as TransferQueue does (verl V1 asks for ref_log_prob
+    # and values when it runs with no reference policy or critic)
+    asked = ["input_ids", "ref_log_prob", "values"]
+    assert list(q.kv_batch_get(keys=keys, partition_id="Train", select_fields=asked).keys()) == [
+        "input_ids"
+    ]
+    with pytest.raises(UnknownColumnError, match=r"none of the fields \['values'\]"):
+        q.kv_batch_get(keys=keys, partition_id="Train", select_fields=["values"])
 
     before = live(q)
     q.kv_clear(keys=all_keys[:2], partition_id="Train")

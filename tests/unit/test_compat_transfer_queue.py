@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 
 tensordict = pytest.importorskip("tensordict", reason="needs the compat extra (tensordict)")
@@ -100,6 +101,8 @@ def test_kv_put_dict_of_one_sample_and_value_kinds(q) -> None:
             "image": torch.arange(2 * 2 * 3, dtype=torch.float32).reshape(2, 2, 3),
             "prompt": NonTensorStack("a", "bc"),
             "extra": NonTensorStack({"k": 1}, {"k": 2}),
+            # numpy scalars, as a dataset's index and verl's per-sample metadata carry them
+            "index": NonTensorStack(np.int64(7), {"steps": np.int32(3), "w": [np.float32(0.5)]}),
         },
         batch_size=2,
     )
@@ -112,6 +115,7 @@ def test_kv_put_dict_of_one_sample_and_value_kinds(q) -> None:
     assert torch.equal(got["image"].values().reshape(2, 2, 3), fields["image"])
     assert got["prompt"] == ["a", "bc"]
     assert got["extra"] == [{"k": 1}, {"k": 2}]
+    assert got["index"] == [7, {"steps": 3, "w": [0.5]}]
     single = q.kv_batch_get(keys="c", partition_id="q")
     assert single["reward"].tolist() == [2.0] and single["prompt"] == ["x"]
     got["reward"][0] = 9.0  # reads are the caller's copies

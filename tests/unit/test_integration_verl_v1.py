@@ -39,8 +39,6 @@ from verl.experimental.agent_loop.agent_loop import (  # noqa: E402
     register,
 )
 
-from flowrl.errors import ConfigError  # noqa: E402
-
 GROUP = 4  # rollout.n
 PROMPTS = 4  # data.train_batch_size (prompts, i.e. groups, per step)
 
@@ -145,9 +143,9 @@ class InProcessAgentLoops:
         self.thread.start()
 
     def generate_sequences(self, prompts) -> None:
-        asyncio.run_coroutine_threadsafe(
-            self.worker.generate_sequences(prompts), self.loop
-        ).result(timeout=60)
+        asyncio.run_coroutine_threadsafe(self.worker.generate_sequences(prompts), self.loop).result(
+            timeout=60
+        )
 
     def close(self) -> None:
         async def drain():

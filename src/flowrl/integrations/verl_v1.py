@@ -31,8 +31,8 @@ from flowrl.errors import ConfigError
 from flowrl.integrations._verl_compat import check_verl_release, require_verl
 
 __all__ = [
-    "HubReplayBuffer",
-    "HubReplayBufferAsync",
+    "HubReplayBuffer",  # noqa: F822 (built on first access, see __getattr__)
+    "HubReplayBufferAsync",  # noqa: F822
     "route_transfer_queue",
     "use_flowrl_transfer_queue",
 ]

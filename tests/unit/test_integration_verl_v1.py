@@ -20,6 +20,7 @@ import asyncio
 import random
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -39,6 +40,8 @@ from verl.experimental.agent_loop.agent_loop import (  # noqa: E402
     register,
 )
 
+from flowrl.errors import ConfigError  # noqa: E402
+
 GROUP = 4  # rollout.n
 PROMPTS = 4  # data.train_batch_size (prompts, i.e. groups, per step)
 
@@ -51,7 +54,13 @@ def v1():
 
     before = sys.modules.get("transfer_queue")
     verl_v1.use_flowrl_transfer_queue()  # verl itself is imported already (importorskip)
-    from verl.trainer.ppo.v1 import agent_loop_tq, replay_buffer, trainer_base, trainer_sync
+    from verl.trainer.ppo.v1 import (  # registers the trainers
+        agent_loop_tq,
+        replay_buffer,
+        trainer_base,
+        trainer_colocate_async,  # noqa: F401
+        trainer_sync,
+    )
 
     yield {
         "agent_loop_tq": agent_loop_tq,
@@ -177,7 +186,8 @@ def _prompts(first: int, count: int, step: int):
 
 
 def _trainer(v1, config, agent_loops):
-    trainer = v1["trainer_sync"].PPOTrainerSync(config=config)
+    trainer_cls = v1["trainer_base"].get_trainer_cls(config.trainer.v1.trainer_mode)
+    trainer = trainer_cls(config=config)
     trainer.agent_loop_manager = agent_loops
     trainer.global_steps = 1
     return trainer
@@ -223,11 +233,89 @@ def test_sync_trainer_samples_whole_groups_once(v1, tq) -> None:
             _check_advantages(tq, batch)
             served += batch.keys
             tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)  # as fit() does
+        _validate_once(tq, trainer, agent_loops)
     finally:
         agent_loops.close()
     assert len(served) == len(set(served)) == 3 * PROMPTS * GROUP  # no duplicates
     per_uid = Counter(key.rsplit("_", 2)[0] for key in served)
     assert sorted(per_uid) == sorted(submitted)  # nothing lost
     assert set(per_uid.values()) == {GROUP}  # whole groups
-    assert tq.kv_list() in ({}, {"train": {}})
+    assert not any(tq.kv_list().values())  # every partition empty
     assert tq.get_client().hub.statistics().live == 0
+
+
+def _validate_once(tq, trainer, agent_loops) -> None:
+    """_validate's steps 1-2: prompts registered in partition 'val', generated with
+    validate=True, sampled from 'val' (val_kwargs.n sessions each); training untouched."""
+    from verl.utils import tensordict_utils as tu
+
+    prompts = _prompts(100, 3, trainer.global_steps)
+    tu.assign_non_tensor_data(prompts, "validate", True)
+    tags = [{"is_prompt": True, "status": "pending", "global_steps": trainer.global_steps}] * 3
+    tq.kv_batch_put(keys=list(prompts["uid"]), partition_id="val", tags=tags)
+    agent_loops.generate_sequences(prompts)
+    batch, _ = trainer.replay_buffer.sample(
+        global_steps=trainer.global_steps, partition_id="val", batch_size=3
+    )
+    n = trainer.config.actor_rollout_ref.rollout.val_kwargs.n
+    assert batch.partition_id == "val" and len(batch) == 3 * n
+    assert {k.rsplit("_", 2)[0] for k in batch.keys} == set(prompts["uid"])
+    assert "train" not in tq.kv_list() or not tq.kv_list()["train"]
+    tq.kv_clear(keys=batch.keys, partition_id="val")
+
+
+def test_async_buffer_wakes_on_a_change_not_a_poll_interval(v1, tq) -> None:
+    """colocate_async with HubReplayBufferAsync and poll_interval=600 s: each step's sample
+    starts waiting before its prompts are submitted, and returns once their groups finish
+    (a change in the key directory wakes it: a 600 s sleep would not return in time);
+    every group is served whole and once."""
+    config = _config("colocate_async", "HubReplayBufferAsync", poll_interval=600)
+    agent_loops = InProcessAgentLoops(v1, config)
+    trainer = _trainer(v1, config, agent_loops)
+    buffer = trainer.replay_buffer
+    assert type(buffer).__name__ == "HubReplayBufferAsync" and buffer.poll_interval == 600
+    submitted: list[str] = []
+    served: list[str] = []
+    try:
+        for step in (1, 2, 3):
+            trainer.global_steps = step
+            result: list = []
+            buffer._seen = -1
+            sampler = threading.Thread(
+                target=_sample_into, args=(buffer, step, result), daemon=True
+            )
+            sampler.start()
+            deadline = time.monotonic() + 120
+            while buffer._seen == -1 and time.monotonic() < deadline:
+                time.sleep(0.01)  # until the buffer has looked once and waits
+            assert buffer._seen != -1 and not result
+            prompts = _prompts(PROMPTS * step, PROMPTS, step)
+            submitted += list(prompts["uid"])
+            trainer._submit_batch_to_rollout(prompts)
+            sampler.join(timeout=300)
+            assert result, "the replay buffer did not wake up when the groups finished"
+            batch, _ = result[0]
+            served += batch.keys
+            tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
+    finally:
+        agent_loops.close()
+    assert len(served) == len(set(served)) == 3 * PROMPTS * GROUP
+    per_uid = Counter(key.rsplit("_", 2)[0] for key in served)
+    assert sorted(per_uid) == sorted(submitted) and set(per_uid.values()) == {GROUP}
+    assert tq.get_client().hub.statistics().live == 0
+
+
+def _sample_into(buffer, step: int, result: list) -> None:
+    result.append(buffer.sample(global_steps=step, partition_id="train", batch_size=PROMPTS))
+
+
+def test_sampler_config_mistakes_are_refused(v1, tq) -> None:
+    with pytest.raises(ConfigError, match="samples with HubReplayBufferAsync"):
+        _trainer(v1, _config("colocate_async", "HubReplayBuffer"), None)
+    with pytest.raises(ConfigError, match=r"sampler_kwargs \['poll'\] are not understood"):
+        _trainer(v1, _config("sync", "HubReplayBuffer", poll=1), None)
+    v1["verl_v1"].use_flowrl_transfer_queue()  # again: harmless
+    import flowrl.compat.transfer_queue as compat
+
+    assert sys.modules["transfer_queue"] is compat
+    assert v1["replay_buffer"].tq is compat and v1["trainer_base"].KVBatchMeta is compat.KVBatchMeta

@@ -451,21 +451,19 @@ def peer_rounds(samples: int, seq_len: int, batch: int, rounds: int) -> dict:
     """
     script = str(Path(__file__).with_name("_transferqueue_peer.py"))
     sizes = ["--samples", str(samples), "--seq-len", str(seq_len), "--batch", str(batch)]
-    procs = {
-        name: subprocess.Popen(
-            [sys.executable, script, *args, *sizes, "--serve"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for name, args in PEER_CLIENTS.items()
-    }
+    procs: dict[str, subprocess.Popen] = {}
     info: dict[str, dict] = {}
-    runs: dict[str, list[dict]] = {name: [] for name in procs}
+    runs: dict[str, list[dict]] = {name: [] for name in PEER_CLIENTS}
     try:
-        for name, proc in procs.items():
-            info[name] = _peer_line(proc)
+        for name, args in PEER_CLIENTS.items():  # one start-up at a time (Ray's is heavy)
+            procs[name] = subprocess.Popen(
+                [sys.executable, script, *args, *sizes, "--serve"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            info[name] = _peer_line(procs[name])
         live = [name for name in procs if "error" not in info[name]]
         for r in range(rounds):
             for name in live[r % len(live) :] + live[: r % len(live)]:

@@ -319,3 +319,15 @@ def test_sampler_config_mistakes_are_refused(v1, tq) -> None:
 
     assert sys.modules["transfer_queue"] is compat
     assert v1["replay_buffer"].tq is compat and v1["trainer_base"].KVBatchMeta is compat.KVBatchMeta
+
+
+def test_example_runs() -> None:
+    """examples/verl_v1_replay_buffer.py, in its own process (it routes transfer_queue
+    before importing verl, as a job's processes do)."""
+    import subprocess
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "verl_v1_replay_buffer.py"
+    out = subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True, timeout=600, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == "{'groups': 12, 'trajectories': 48}"

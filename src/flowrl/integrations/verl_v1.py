@@ -129,7 +129,7 @@ def _replay_buffers() -> dict[str, type]:
                     f"trainer.v1.trainer_mode={mode!r} samples with {wanted}, got "
                     f"{type(self).__name__} in trainer.v1.sampler.custom_sampler.name"
                 )
-            super().__init__(*args, sampler_kwargs=sampler_kwargs, **{**kwargs, **options})
+            super().__init__(*args, sampler_kwargs=sampler_kwargs, **{**kwargs, **options})  # type: ignore[call-arg]
 
         def _sync_metadata_from_transfer_queue(self) -> None:
             self._seen = compat.get_client().directory.generation()

@@ -15,7 +15,8 @@ Protocol, through each client's public synchronous API (``tq.get_client()``):
 * startup (``startup_s``): for TransferQueue, ``ray.init(num_cpus=2,
   include_dashboard=False)`` on 127.0.0.1, then ``transfer_queue.init()`` with the default
   ``SimpleStorage`` backend (one ``TransferQueueController`` actor plus ``storage_units``
-  ``SimpleStorageUnit`` actors, each a separate process serving ZMQ over TCP loopback);
+  ``SimpleStorageUnit`` actors, each a separate process serving ZMQ over TCP loopback;
+  ``ray.init`` is tried up to 3 times: its node start-up times out on a loaded machine);
   for the compat client, ``tq.init()`` in the placement asked for;
 * warm-up: one batch put, fetched and cleared in a scratch partition, so
   socket connects and first-call imports are not timed;
@@ -57,6 +58,7 @@ _PARTITION = "flowrl_bench"
 _WARMUP_PARTITION = "flowrl_bench_warmup"
 _CONSUMER_TASK = "consumer"
 _GIB = float(1 << 30)
+_RAY_ATTEMPTS = 3
 _INSTALL_HINT = (
     "install it with `pip install -c constraints.txt transferqueue==0.1.11` where "
     "constraints.txt holds `torch==2.13.0` (it pulls ray[default] and tensordict; the "
@@ -215,16 +217,22 @@ def start_transferqueue(
         }
     )
     t0 = time.perf_counter()
-    try:
-        ray.init(
-            num_cpus=max(2, storage_units + 1),
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            log_to_driver=False,
-            namespace="flowrl_transferqueue_peer",
-        )
-    except Exception as e:
-        raise RuntimeError(f"TransferQueue peer: ray.init failed: {type(e).__name__}: {e}") from e
+    for attempt in range(1, _RAY_ATTEMPTS + 1):  # Ray's node start-up can time out under load
+        try:
+            ray.init(
+                num_cpus=max(2, storage_units + 1),
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                log_to_driver=False,
+                namespace="flowrl_transferqueue_peer",
+            )
+            break
+        except Exception as e:
+            ray.shutdown()
+            if attempt == _RAY_ATTEMPTS:
+                raise RuntimeError(
+                    f"TransferQueue peer: ray.init failed {attempt} times: {type(e).__name__}: {e}"
+                ) from e
     try:
         t1 = time.perf_counter()
         try:

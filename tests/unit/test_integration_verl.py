@@ -487,6 +487,28 @@ def test_asked_groups_keep_their_uids_while_others_wait() -> None:
     hub.close()
 
 
+def test_a_failed_call_leaves_nothing_behind() -> None:
+    """A validation call that times out: its rows, answered later, are discarded by the
+    next call (which serves its own groups) instead of lingering in the hub."""
+    hub = _manager_hub()
+    manager = _manager(hub, _config(timeout=0.5))
+    responder = _Responder(hub, hold={-1})  # validation rows (no group) straggle
+    responder.start()
+    val = _prompts(["v"], base=30)
+    val.meta_info["validate"] = True
+    with pytest.raises(flowrl.errors.Timeout, match=r"2 not ready"):
+        manager.generate_sequences(val)
+    responder.release.set()
+    assert responder.released.wait(10)
+    manager.timeout = 30
+    out = manager.generate_sequences(_prompts(["a"], base=10))
+    assert list(out.non_tensor_batch["uid"]) == ["a", "a"]
+    assert hub.statistics().live == 0 and not manager._abandoned
+    responder.stop.set()
+    responder.join()
+    hub.close()
+
+
 def test_validation_is_served_apart_from_training() -> None:
     """RayPPOTrainer's _validate: rows of val_kwargs.n=1 per uid, padded to the dp size by
     repeating rows; each row gets its own rollout in order, and validation samples never

@@ -156,29 +156,27 @@ class HubAgentLoopManager:
     def _serve_rows(self, prompts: Any, indices: np.ndarray) -> Any:
         """The samples ``indices`` (one per row of ``prompts``), once all are ready, in
         that order with the rows' uids; other samples claimed meanwhile are given back."""
-        held: list[tuple[Any, np.ndarray]] = []
-        settled: set[int] = set()  # claims whose samples were all ours, all acked
+        held: list[_Held] = []
         try:
             self._collect(indices, held)
             out = self._dataproto(self.hub.get(self.hub.meta(indices, self.columns)), prompts)
-            for k, (meta, mine) in enumerate(held):
-                if mine.size:
-                    self.hub.ack(meta, meta.indices[mine])
-                if mine.size == len(meta):
-                    settled.add(k)
+            for claim in held:
+                if claim.mine.size:
+                    self.hub.ack(claim.meta, claim.meta.indices[claim.mine])
+                    claim.open -= claim.mine.size
         except BaseException:
             self._abandoned.update(indices.tolist())
             raise
         finally:
-            for k, (meta, _) in enumerate(held):
-                if k not in settled:
-                    self.hub.release(meta)  # what was not ours, back first in line
+            for claim in held:
+                if claim.open:
+                    self.hub.release(claim.meta)  # what was not ours, back first in line
         uids = prompts.non_tensor_batch.get("uid")
         if uids is not None:
             out.non_tensor_batch["uid"] = np.array(list(uids), dtype=object)
         return out
 
-    def _collect(self, indices: np.ndarray, held: list[tuple[Any, np.ndarray]]) -> None:
+    def _collect(self, indices: np.ndarray, held: list[_Held]) -> None:
         """Claim until every sample of ``indices`` is held (in ``held``: each claim and
         the positions of ours in it); drop samples of failed calls on the way."""
         missing = set(indices.tolist())
@@ -191,11 +189,12 @@ class HubAgentLoopManager:
                     f"{len(indices)} prompts ({len(missing)} not ready) in task "
                     f"{self.task!r}; are the hub's rollout stages running?"
                 )
+            wait = _POLL_S if left is None else max(min(_POLL_S, left), 1e-3)
+            lease = max(3600.0, 2 * float(self.timeout or 0))  # held ones must not expire
             try:
                 meta = self.hub.claim(
-                    self.task, _CLAIM_ALL, min_n=1, timeout=_POLL_S if left is None else
-                    max(min(_POLL_S, left), 1e-3), lease_timeout=self._lease_s(),
-                )  # fmt: skip
+                    self.task, _CLAIM_ALL, min_n=1, timeout=wait, lease_timeout=lease
+                )
             except Timeout:
                 continue
             except EndOfStream:
@@ -203,18 +202,14 @@ class HubAgentLoopManager:
                     f"HubAgentLoopManager: the hub's stream ended with {len(missing)} of "
                     f"{len(indices)} rollouts not ready in task {self.task!r}"
                 ) from None
-            got = meta.indices.tolist()
-            stale = [i for i in got if i in self._abandoned]
+            claim = _Held(meta, np.flatnonzero(np.isin(meta.indices, list(missing))))
+            held.append(claim)
+            missing.difference_update(meta.indices[claim.mine].tolist())
+            stale = [i for i in meta.indices.tolist() if i in self._abandoned]
             if stale:
                 self.hub.drop(meta, stale)
                 self._abandoned.difference_update(stale)
-            mine = np.flatnonzero(np.isin(meta.indices, list(missing)))
-            missing.difference_update(meta.indices[mine].tolist())
-            held.append((meta, mine))
-
-    def _lease_s(self) -> float:
-        """Leases long enough for a whole call: held samples must not expire meanwhile."""
-        return max(3600.0, 2 * float(self.timeout or 0))
+                claim.open -= len(stale)
 
     def _dataproto(self, batch: Any, prompts: Any) -> Any:
         return to_dataproto(
@@ -306,6 +301,16 @@ class HubAgentLoopManager:
         from omegaconf import OmegaConf
 
         return OmegaConf.select(self.config, key, default=default)
+
+
+class _Held:
+    """A claim ``_collect`` made: the positions of the samples it waits for in it, and how
+    many of its samples are still leased (given back with ``release`` if any)."""
+
+    __slots__ = ("meta", "mine", "open")
+
+    def __init__(self, meta: Any, mine: np.ndarray) -> None:
+        self.meta, self.mine, self.open = meta, mine, len(meta)
 
 
 def _input_order(wanted: Any, served: list[str]) -> np.ndarray | None:

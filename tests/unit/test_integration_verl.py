@@ -317,8 +317,9 @@ class _Responder(threading.Thread):
 
     def _answer(self, meta: flowrl.BatchMeta) -> None:
         prompts = self.hub.get(meta, ["prompt_ids"]).ragged("prompt_ids")
-        self.hub.put({"response_ids": [p[::-1] + 1 for p in prompts]}, indices=meta)
-        self.hub.ack(meta, meta.indices)  # a subset: ack only these
+        # the response and the ack in one step: a sample the manager consumed is evicted
+        # at once (a separate ack let a test see it live for a moment under load)
+        self.hub.put({"response_ids": [p[::-1] + 1 for p in prompts]}, indices=meta, ack=meta)
 
 
 def _config(**flowrl_settings: object) -> dict:

@@ -1,55 +1,64 @@
-"""Peer side of the data hub benchmark: put+get throughput of TransferQueue.
+"""Peer side of the data hub benchmark: put+get throughput of a TransferQueue client.
 
-TransferQueue (``pip install transferqueue``, import name ``transfer_queue``) is
-the data hub of the paper we compare against.  This module starts it locally on
-a private single-node Ray instance bound to loopback, pushes the same payload
-our own hub is benchmarked with, reads it back, and reports throughput.
+Two clients run the same driver: TransferQueue itself (``--client transferqueue``;
+``pip install transferqueue``, import name ``transfer_queue``), the data hub of the paper
+we compare against, and flowrl's TransferQueue-compatible client (``--client compat``,
+``flowrl.compat.transfer_queue``, ``--placement inproc`` for the embedded hub or ``zmq``
+for controller and storage unit in other processes, as TransferQueue's actors are).
 
 Payload per sample: ``input_ids`` int64[seq_len], ``logprobs`` float32[seq_len]
 and a float32 scalar ``reward``; throughput in GiB/s counts exactly those bytes
-(``samples * (seq_len * 8 + seq_len * 4 + 4)``), not TransferQueue's own
-framing or metadata.
+(``samples * (seq_len * 8 + seq_len * 4 + 4)``), not the clients' own framing or metadata.
 
-Protocol, all through TransferQueue's public synchronous client
-(``transfer_queue.get_client()``, a ``TransferQueueClient``):
+Protocol, through each client's public synchronous API (``tq.get_client()``):
 
-* startup: ``ray.init(num_cpus=2, include_dashboard=False)`` on 127.0.0.1, then
-  ``transfer_queue.init()`` with the default ``SimpleStorage`` backend (one
-  ``TransferQueueController`` actor plus ``storage_units`` ``SimpleStorageUnit``
-  actors, each a separate process serving ZMQ over TCP loopback);
+* startup (``startup_s``): for TransferQueue, ``ray.init(num_cpus=2,
+  include_dashboard=False)`` on 127.0.0.1, then ``transfer_queue.init()`` with the default
+  ``SimpleStorage`` backend (one ``TransferQueueController`` actor plus ``storage_units``
+  ``SimpleStorageUnit`` actors, each a separate process serving ZMQ over TCP loopback;
+  ``ray.init`` is tried up to 3 times: its node start-up times out on a loaded machine);
+  for the compat client, ``tq.init()`` in the placement asked for;
 * warm-up: one batch put, fetched and cleared in a scratch partition, so
   socket connects and first-call imports are not timed;
-* put: one producer calls ``client.put(TensorDict, partition_id=...)`` once per
-  batch of ``batch`` samples;
-* get: one consumer task (``task_name="consumer"``) loops
-  ``client.get_meta(fields, batch_size=batch, mode="fetch")`` +
-  ``client.get_data(meta)`` until every sample has been consumed.
+* a round: one producer calls ``client.put(TensorDict, partition_id=...)`` once per batch
+  of ``batch`` samples; then one consumer task (``task_name="consumer"``) loops
+  ``client.get_meta(fields, batch_size=batch, mode="fetch")`` + ``client.get_data(meta)``
+  until every sample has been consumed; the partition is cleared.
 
 Every sample read back is checked against what was put (outside the timed
-regions).  Nothing is ever estimated: if TransferQueue cannot be imported or
-started, :func:`run_transferqueue` raises :class:`RuntimeError` saying why.
+regions).  Nothing is ever estimated: if a client cannot be imported or
+started, this raises :class:`RuntimeError` saying why.
+
+``--serve`` keeps the client started and runs one round per ``round`` line read on stdin,
+printing one JSON line per round (after a first line with the start-up figures):
+``hub_throughput.py --peer`` alternates rounds of TransferQueue and of the compat client
+this way, so both meet the same machine load, and start-up is paid once.
 
 Standalone::
 
     python benchmarks/_transferqueue_peer.py --samples 4096 --seq-len 1024 --batch 32
+    python benchmarks/_transferqueue_peer.py --client compat --placement zmq
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["payload_bytes", "run_transferqueue"]
+__all__ = ["Peer", "payload_bytes", "run_transferqueue", "start_compat", "start_transferqueue"]
 
 _FIELDS = ("input_ids", "logprobs", "reward")
 _PARTITION = "flowrl_bench"
 _WARMUP_PARTITION = "flowrl_bench_warmup"
 _CONSUMER_TASK = "consumer"
 _GIB = float(1 << 30)
+_RAY_ATTEMPTS = 3
 _INSTALL_HINT = (
     "install it with `pip install -c constraints.txt transferqueue==0.1.11` where "
     "constraints.txt holds `torch==2.13.0` (it pulls ray[default] and tensordict; the "
@@ -110,36 +119,87 @@ def _field_rows(torch: Any, value: Any, n: int) -> Any:
     return value
 
 
-def run_transferqueue(
-    samples: int, seq_len: int, batch: int, *, storage_units: int = 1
-) -> dict[str, Any]:
-    """Measure TransferQueue put and get throughput on the benchmark payload.
+class Peer:
+    """A started client with the benchmark payload, ready to run measured rounds."""
 
-    Args:
-        samples: number of samples to put and then get back.
-        seq_len: tokens per sample (``input_ids`` and ``logprobs`` length).
-        batch: samples per ``put`` call and per consumer micro-batch.
-        storage_units: ``SimpleStorageUnit`` actors.  Each TransferQueue actor reserves one Ray
-            CPU, so Ray is started with ``max(2, storage_units + 1)`` logical CPUs (2 for the
-            default single unit).  TransferQueue's own default is 2 units.
+    def __init__(self, client: Any, torch: Any, samples: int, seq_len: int, batch: int) -> None:
+        from tensordict import TensorDict
 
-    Returns:
-        ``put_samples_per_s``, ``get_samples_per_s``, ``put_gib_per_s``, ``get_gib_per_s``,
-        ``version`` (``transfer_queue.__version__``), plus the raw timings (``put_s``, ``get_s``),
-        ``startup_s`` (``ray.init`` + ``transfer_queue.init``, split in ``ray_init_s`` and
-        ``tq_init_s``), the payload size and the configuration used.
-
-    Raises:
-        ValueError: on non-positive arguments.
-        RuntimeError: if TransferQueue is not installed, a Ray instance is already running in
-            this process, it cannot start, or data read back differs from what was put.
-    """
-    if samples <= 0 or seq_len <= 0 or batch <= 0 or storage_units <= 0:
-        raise ValueError(
-            f"samples, seq_len, batch and storage_units must be positive, got "
-            f"{samples=}, {seq_len=}, {batch=}, {storage_units=}"
+        self.client, self.torch = client, torch
+        self.samples, self.seq_len, self.batch = samples, seq_len, batch
+        self.data = _make_payload(torch, samples, seq_len)
+        self.starts = list(range(0, samples, batch))
+        # Built before timing: TensorDicts of contiguous row slices (views, no copies).
+        self.batches = [
+            TensorDict(
+                {f: self.data[f][s : s + batch] for f in _FIELDS},
+                batch_size=[min(batch, samples - s)],
+            )
+            for s in self.starts
+        ]
+        self.rounds = 0
+        # Warm-up: first-call socket connects and lazy imports, in a scratch partition.
+        client.put(data=self.batches[0], partition_id=_WARMUP_PARTITION)
+        meta = client.get_meta(
+            data_fields=list(_FIELDS),
+            batch_size=self.batches[0].batch_size[0],
+            partition_id=_WARMUP_PARTITION,
+            task_name=_CONSUMER_TASK,
         )
-    ray, torch, TensorDict, tq = _import_transferqueue()
+        client.get_data(meta)
+        client.clear_partition(_WARMUP_PARTITION)
+
+    def round(self) -> dict[str, Any]:
+        """Put every batch, then consume them all; check what was read; clear."""
+        client, fields = self.client, list(_FIELDS)
+        partition = f"{_PARTITION}_{self.rounds}"
+        self.rounds += 1
+        put_indexes: list[list[int]] = []
+        tp0 = time.perf_counter()
+        for td in self.batches:
+            put_indexes.append(client.put(data=td, partition_id=partition).global_indexes)
+        put_s = time.perf_counter() - tp0
+
+        got: list[tuple[list[int], Any]] = []
+        remaining = self.samples
+        tg0 = time.perf_counter()
+        while remaining > 0:
+            n = min(self.batch, remaining)
+            meta = client.get_meta(
+                data_fields=fields, batch_size=n, partition_id=partition, task_name=_CONSUMER_TASK
+            )
+            if meta.size != n:
+                raise RuntimeError(f"peer: get_meta returned {meta.size} samples, expected {n}")
+            got.append((meta.global_indexes, client.get_data(meta)))
+            remaining -= n
+        get_s = time.perf_counter() - tg0
+
+        _verify(self.torch, self.data, put_indexes, self.starts, got, self.seq_len)
+        client.clear_partition(partition)
+        nbytes = payload_bytes(self.samples, self.seq_len)
+        return {
+            "put_samples_per_s": self.samples / put_s,
+            "get_samples_per_s": self.samples / get_s,
+            "put_gib_per_s": nbytes / put_s / _GIB,
+            "get_gib_per_s": nbytes / get_s / _GIB,
+            "put_s": put_s,
+            "get_s": get_s,
+        }
+
+
+@contextlib.contextmanager
+def start_transferqueue(
+    samples: int, seq_len: int, batch: int, *, storage_units: int = 1
+) -> Iterator[tuple[Peer, dict[str, Any]]]:
+    """TransferQueue started on a private local Ray: the peer, and its start-up figures
+    (``startup_s`` = ``ray_init_s`` + ``tq_init_s``, versions, configuration).
+
+    Each TransferQueue actor reserves one Ray CPU, so Ray is started with
+    ``max(2, storage_units + 1)`` logical CPUs (2 for the default single unit).
+    Raises RuntimeError if TransferQueue is not installed, a Ray instance is already running
+    in this process, or it cannot start.
+    """
+    ray, torch, _, tq = _import_transferqueue()
     if ray.is_initialized():
         raise RuntimeError(
             "TransferQueue peer needs its own local Ray instance, but Ray is already initialised "
@@ -147,17 +207,6 @@ def run_transferqueue(
         )
     from omegaconf import OmegaConf
 
-    data = _make_payload(torch, samples, seq_len)
-    starts = list(range(0, samples, batch))
-    # Built before timing: TensorDicts of contiguous row slices (views, no copies).
-    batches = [
-        TensorDict(
-            {f: data[f][s : s + batch] for f in _FIELDS},
-            batch_size=[min(batch, samples - s)],
-        )
-        for s in starts
-    ]
-    fields = list(_FIELDS)
     conf = OmegaConf.create(
         {
             "controller": {"sampler": "SequentialSampler", "polling_mode": False},
@@ -167,18 +216,23 @@ def run_transferqueue(
             },
         }
     )
-
     t0 = time.perf_counter()
-    try:
-        ray.init(
-            num_cpus=max(2, storage_units + 1),
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            log_to_driver=False,
-            namespace="flowrl_transferqueue_peer",
-        )
-    except Exception as e:
-        raise RuntimeError(f"TransferQueue peer: ray.init failed: {type(e).__name__}: {e}") from e
+    for attempt in range(1, _RAY_ATTEMPTS + 1):  # Ray's node start-up can time out under load
+        try:
+            ray.init(
+                num_cpus=max(2, storage_units + 1),
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                log_to_driver=False,
+                namespace="flowrl_transferqueue_peer",
+            )
+            break
+        except Exception as e:
+            ray.shutdown()
+            if attempt == _RAY_ATTEMPTS:
+                raise RuntimeError(
+                    f"TransferQueue peer: ray.init failed {attempt} times: {type(e).__name__}: {e}"
+                ) from e
     try:
         t1 = time.perf_counter()
         try:
@@ -189,70 +243,67 @@ def run_transferqueue(
                 f"TransferQueue peer: transfer_queue.init failed: {type(e).__name__}: {e}"
             ) from e
         t2 = time.perf_counter()
-
-        # Warm-up: first-call socket connects and lazy imports, in a scratch partition.
-        client.put(data=batches[0], partition_id=_WARMUP_PARTITION)
-        meta = client.get_meta(
-            data_fields=fields,
-            batch_size=batches[0].batch_size[0],
-            partition_id=_WARMUP_PARTITION,
-            task_name=_CONSUMER_TASK,
-        )
-        client.get_data(meta)
-        client.clear_partition(_WARMUP_PARTITION)
-
-        # Put: one producer, one call per batch.
-        put_indexes: list[list[int]] = []
-        tp0 = time.perf_counter()
-        for td in batches:
-            put_meta = client.put(data=td, partition_id=_PARTITION)
-            put_indexes.append(put_meta.global_indexes)
-        put_s = time.perf_counter() - tp0
-
-        # Get: one consumer task, get_meta + get_data per micro-batch, until all are consumed.
-        got: list[tuple[list[int], Any]] = []
-        remaining = samples
-        tg0 = time.perf_counter()
-        while remaining > 0:
-            n = min(batch, remaining)
-            meta = client.get_meta(
-                data_fields=fields, batch_size=n, partition_id=_PARTITION, task_name=_CONSUMER_TASK
-            )
-            if meta.size != n:
-                raise RuntimeError(
-                    f"TransferQueue peer: get_meta returned {meta.size} samples, expected {n}"
-                )
-            got.append((meta.global_indexes, client.get_data(meta)))
-            remaining -= n
-        get_s = time.perf_counter() - tg0
-
-        _verify(torch, data, put_indexes, starts, got, seq_len)
-        client.clear_partition(_PARTITION)
+        info = {
+            "client": "transferqueue",
+            "version": tq.__version__,
+            "startup_s": t2 - t0,
+            "ray_init_s": t1 - t0,
+            "tq_init_s": t2 - t1,
+            "storage_units": storage_units,
+            "backend": "SimpleStorage",
+            "ray_version": ray.__version__,
+        }
+        yield Peer(client, torch, samples, seq_len, batch), info
     finally:
         try:
             tq.close()
         finally:
             ray.shutdown()
 
-    nbytes = payload_bytes(samples, seq_len)
+
+@contextlib.contextmanager
+def start_compat(
+    samples: int, seq_len: int, batch: int, *, placement: str
+) -> Iterator[tuple[Peer, dict[str, Any]]]:
+    """flowrl.compat.transfer_queue started in ``placement``: the peer and ``startup_s``."""
+    import torch
+
+    import flowrl.compat.transfer_queue as tq
+
+    t0 = time.perf_counter()
+    tq.init(
+        {
+            "backend": {"SimpleStorage": {"total_storage_size": samples + 2 * batch}},
+            "flowrl": {"placement": placement, "fetch_timeout": 60.0},
+        }
+    )
+    try:
+        info = {"client": "compat", "placement": placement, "startup_s": time.perf_counter() - t0}
+        yield Peer(tq.get_client(), torch, samples, seq_len, batch), info
+    finally:
+        tq.close()
+
+
+def run_transferqueue(
+    samples: int, seq_len: int, batch: int, *, storage_units: int = 1
+) -> dict[str, Any]:
+    """One round of TransferQueue: put and get throughput, timings and start-up figures."""
+    _check_sizes(samples, seq_len, batch, storage_units)
+    with start_transferqueue(samples, seq_len, batch, storage_units=storage_units) as (peer, info):
+        return {**peer.round(), **info, **_sizes(samples, seq_len, batch)}
+
+
+def _check_sizes(*sizes: int) -> None:
+    if any(size <= 0 for size in sizes):
+        raise ValueError(f"samples, seq_len, batch and storage_units must be positive, got {sizes}")
+
+
+def _sizes(samples: int, seq_len: int, batch: int) -> dict[str, int]:
     return {
-        "put_samples_per_s": samples / put_s,
-        "get_samples_per_s": samples / get_s,
-        "put_gib_per_s": nbytes / put_s / _GIB,
-        "get_gib_per_s": nbytes / get_s / _GIB,
-        "version": tq.__version__,
-        "put_s": put_s,
-        "get_s": get_s,
-        "startup_s": t2 - t0,
-        "ray_init_s": t1 - t0,
-        "tq_init_s": t2 - t1,
-        "payload_bytes": nbytes,
+        "payload_bytes": payload_bytes(samples, seq_len),
         "samples": samples,
         "seq_len": seq_len,
         "batch": batch,
-        "storage_units": storage_units,
-        "backend": "SimpleStorage",
-        "ray_version": ray.__version__,
     }
 
 
@@ -271,7 +322,7 @@ def _verify(
             row_of[gi] = start + k
     if len(row_of) != data["reward"].shape[0]:
         raise RuntimeError(
-            f"TransferQueue peer: put assigned {len(row_of)} distinct indexes for "
+            f"peer: put assigned {len(row_of)} distinct indexes for "
             f"{data['reward'].shape[0]} samples"
         )
     seen: set[int] = set()
@@ -285,32 +336,48 @@ def _verify(
             if f != "reward":
                 value = value.reshape(n, seq_len)
             if not torch.equal(value, expected):
-                raise RuntimeError(
-                    f"TransferQueue peer: field {f!r} read back differs from what was put"
-                )
+                raise RuntimeError(f"peer: field {f!r} read back differs from what was put")
     if seen != set(row_of):
         raise RuntimeError(
-            f"TransferQueue peer: consumer got {len(seen)} distinct samples, expected {len(row_of)}"
+            f"peer: consumer got {len(seen)} distinct samples, expected {len(row_of)}"
         )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--client", choices=["transferqueue", "compat"], default="transferqueue")
+    parser.add_argument("--placement", choices=["inproc", "zmq"], default="zmq", help="compat only")
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument(
         "--storage-units", type=int, default=1, help="SimpleStorageUnit actors (default 1)"
     )
+    parser.add_argument(
+        "--serve", action="store_true", help="one round per 'round' line on stdin, JSON lines"
+    )
     args = parser.parse_args(argv)
     try:
-        result = run_transferqueue(
-            args.samples, args.seq_len, args.batch, storage_units=args.storage_units
-        )
-    except (RuntimeError, ValueError) as e:
+        _check_sizes(args.samples, args.seq_len, args.batch, args.storage_units)
+        if args.client == "transferqueue":
+            started = start_transferqueue(
+                args.samples, args.seq_len, args.batch, storage_units=args.storage_units
+            )
+        else:
+            started = start_compat(args.samples, args.seq_len, args.batch, placement=args.placement)
+        with started as (peer, info):
+            info.update(_sizes(args.samples, args.seq_len, args.batch))
+            if not args.serve:
+                print(json.dumps({**peer.round(), **info}, indent=2))
+                return 0
+            print(json.dumps(info), flush=True)
+            for line in sys.stdin:
+                if line.strip() != "round":
+                    break
+                print(json.dumps(peer.round()), flush=True)
+    except (RuntimeError, ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(result, indent=2))
     return 0
 
 

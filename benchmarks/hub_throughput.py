@@ -47,11 +47,14 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
   reports ``peer`` figures and ``put_get_speedup_vs_transferqueue``: samples / (put time +
   consumer-loop time) for flowrl over the same for TransferQueue (its put, get_meta and
   get_data). ``compat``: flowrl's TransferQueue-compatible client
-  (``flowrl.compat.transfer_queue``, benchmarks/_compat_peer.py) driven exactly as the peer
-  drives TransferQueue (TensorDicts in and out, ``put`` / ``get_meta`` / ``get_data``), per
-  placement (``inproc``, ``zmq``), each with ``put_get_speedup_vs_transferqueue``
-  (TransferQueue's put + get seconds over the compat client's, same payload, same run) and
-  the put and get speedups apart.
+  (``flowrl.compat.transfer_queue``) driven by the same driver
+  (benchmarks/_transferqueue_peer.py: TensorDicts in and out, ``put`` / ``get_meta`` /
+  ``get_data``), per placement (``inproc``, ``zmq``). The three clients run
+  ``--peer-rounds`` (5) alternating rounds, each in its own process started once; every
+  figure is the median over rounds, and ``put_get_speedup_vs_transferqueue`` of a
+  placement is the median of TransferQueue's put + get seconds over the compat client's
+  in the same round (``put_get_speedup_per_round`` lists them), with the put and get
+  speedups apart.
 
 Read ratios from one run; absolute numbers drift on a shared 2-core machine.
 Usage: python benchmarks/hub_throughput.py --json [--transport zmq] [--peer]
@@ -430,35 +433,85 @@ def _echo(address: str) -> None:
     ctx.term()
 
 
-def peer(samples: int, seq_len: int, batch: int, script: str = "_transferqueue_peer.py",
-         *extra: str) -> dict:  # fmt: skip
-    """Run a peer script (in a fresh process: each starts its own servers) for its JSON."""
-    args = ["--samples", str(samples), "--seq-len", str(seq_len), "--batch", str(batch), *extra]
-    out = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name(script)), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if out.returncode != 0:
-        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
-    return json.loads(out.stdout[out.stdout.index("{") :])  # the peer prints one JSON object
+PEER_CLIENTS = {
+    "transferqueue": ["--client", "transferqueue"],
+    "inproc": ["--client", "compat", "--placement", "inproc"],
+    "zmq": ["--client", "compat", "--placement", "zmq"],
+}
 
 
-def compat_vs_peer(samples: int, seq_len: int, batch: int, tq: dict) -> dict:
-    """flowrl.compat.transfer_queue on the peer's protocol, per placement, and its speedup
-    over TransferQueue: samples / (put time + get time), as for the peer itself."""
-    out: dict = {}
-    for placement in ("inproc", "zmq"):
-        got = peer(samples, seq_len, batch, "_compat_peer.py", "--placement", placement)
-        out[placement] = got
-        if "put_s" in got and "put_s" in tq:
-            got["put_get_speedup_vs_transferqueue"] = (tq["put_s"] + tq["get_s"]) / (
-                got["put_s"] + got["get_s"]
+def peer_rounds(samples: int, seq_len: int, batch: int, rounds: int) -> dict:
+    """TransferQueue and the compat client (per placement) in alternating rounds.
+
+    Each client runs in its own process (``_transferqueue_peer.py --serve``: each starts
+    its own servers, once); round r runs one measured round of every client, in an order
+    rotated each round, so all meet the same machine load. Returns ``peer`` (TransferQueue)
+    and ``compat`` (per placement) with each client's median figures; the compat entries
+    add the median over rounds of TransferQueue's put + get seconds over theirs, in the
+    same round (``put_get_speedup_vs_transferqueue``), and of the put and get ratios apart.
+    """
+    script = str(Path(__file__).with_name("_transferqueue_peer.py"))
+    sizes = ["--samples", str(samples), "--seq-len", str(seq_len), "--batch", str(batch)]
+    procs: dict[str, subprocess.Popen] = {}
+    info: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {name: [] for name in PEER_CLIENTS}
+    try:
+        for name, args in PEER_CLIENTS.items():  # one start-up at a time (Ray's is heavy)
+            procs[name] = subprocess.Popen(
+                [sys.executable, script, *args, *sizes, "--serve"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
             )
-            got["put_speedup_vs_transferqueue"] = tq["put_s"] / got["put_s"]
-            got["get_speedup_vs_transferqueue"] = tq["get_s"] / got["get_s"]
-    return out
+            info[name] = _peer_line(procs[name])
+        live = [name for name in procs if "error" not in info[name]]
+        for r in range(rounds):
+            for name in live[r % len(live) :] + live[: r % len(live)]:
+                procs[name].stdin.write("round\n")  # type: ignore[union-attr]
+                procs[name].stdin.flush()  # type: ignore[union-attr]
+                runs[name].append(_peer_line(procs[name]))
+    finally:
+        for proc in procs.values():
+            with contextlib.suppress(OSError):
+                proc.stdin.close()  # type: ignore[union-attr]
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    tq = {**info["transferqueue"], **_medians(runs["transferqueue"])}
+    compat: dict = {}
+    for placement in ("inproc", "zmq"):
+        got = compat[placement] = {**info[placement], **_medians(runs[placement])}
+        pairs = list(zip(runs["transferqueue"], runs[placement], strict=False))
+        if pairs:
+            ratios = [(t["put_s"] + t["get_s"]) / (c["put_s"] + c["get_s"]) for t, c in pairs]
+            got["put_get_speedup_vs_transferqueue"] = statistics.median(ratios)
+            got["put_get_speedup_per_round"] = ratios
+            got["put_speedup_vs_transferqueue"] = statistics.median(
+                t["put_s"] / c["put_s"] for t, c in pairs
+            )
+            got["get_speedup_vs_transferqueue"] = statistics.median(
+                t["get_s"] / c["get_s"] for t, c in pairs
+            )
+    return {"peer": tq, "compat": compat}
+
+
+def _peer_line(proc: subprocess.Popen) -> dict:
+    """The next JSON line of a peer process, or its error."""
+    line = proc.stdout.readline()  # type: ignore[union-attr]
+    if not line:
+        err = proc.stderr.read().strip().splitlines()  # type: ignore[union-attr]
+        return {"error": err[-1:] or [f"exited with {proc.wait()}"]}
+    return json.loads(line)
+
+
+def _medians(rounds: list[dict]) -> dict:
+    if not rounds or any("error" in r for r in rounds):
+        return {"rounds": rounds}
+    keys = [k for k in rounds[0] if isinstance(rounds[0][k], int | float)]
+    return {"rounds": len(rounds), **{k: statistics.median(r[k] for r in rounds) for k in keys}}
 
 
 def main() -> None:
@@ -469,6 +522,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--peer", action="store_true", help="also run TransferQueue (needs .[peer])")
+    ap.add_argument("--peer-rounds", type=int, default=5, help="alternating --peer rounds")
     args = ap.parse_args()
     result: dict = {
         "transport": args.transport,
@@ -490,12 +544,11 @@ def main() -> None:
         result["stage_round_vs_echo"] = ratio
         result["stage_round_legs_vs_echo"] = ratio * STAGE_ROUND_LEGS / 2
     if args.peer:
-        tq = peer(args.samples, args.seq_len, args.batch)
-        result["peer"] = tq
+        result.update(peer_rounds(args.samples, args.seq_len, args.batch, args.peer_rounds))
+        tq = result["peer"]
         if "put_samples_per_s" in tq:
             tq_rate = 1 / (1 / tq["put_samples_per_s"] + 1 / tq["get_samples_per_s"])
             result["put_get_speedup_vs_transferqueue"] = result["put_get_samples_per_s"] / tq_rate
-        result["compat"] = compat_vs_peer(args.samples, args.seq_len, args.batch, tq)
     if args.json:
         print(json.dumps(result))
     else:

@@ -98,15 +98,21 @@ def test_ray_placement_task_joins(ray_runtime) -> None:
 def test_compat_benchmark_runs_and_checks_what_it_read(where: str) -> None:
     """The --peer benchmark's compat side at a tiny size (it compares every sample read
     with what was put, and fails otherwise)."""
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "_compat_peer.py"
-    args = ["--placement", where, "--samples", "64", "--seq-len", "16", "--batch", "8"]
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "_transferqueue_peer.py"
+    args = ["--client", "compat", "--placement", where]
+    args += ["--samples", "64", "--seq-len", "16", "--batch", "8", "--serve"]
     out = subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=300
+        [sys.executable, str(script), *args],
+        input="round\nround\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout[out.stdout.index("{") :])
-    assert report["placement"] == where and report["samples"] == 64
-    assert report["put_samples_per_s"] > 0 and report["get_samples_per_s"] > 0
+    info, *rounds = (json.loads(line) for line in out.stdout.splitlines())
+    assert info["placement"] == where and info["samples"] == 64
+    assert len(rounds) == 2  # one per 'round' line, the client started once
+    assert all(r["put_samples_per_s"] > 0 and r["get_samples_per_s"] > 0 for r in rounds)
 
 
 def test_zmq_streaming_dataloader_worker_process_joins() -> None:

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 
 tensordict = pytest.importorskip("tensordict", reason="needs the compat extra (tensordict)")
 torch = pytest.importorskip("torch")
 
 import flowrl.compat.transfer_queue as tq  # noqa: E402
-from flowrl.errors import ConfigError, SchemaError  # noqa: E402
+from flowrl.errors import ConfigError, SchemaError, UnknownColumnError  # noqa: E402
 
 TensorDict = tensordict.TensorDict
 NonTensorStack = tensordict.NonTensorStack
@@ -74,6 +75,15 @@ def test_kv_tutorial_flow(q) -> None:
     with pytest.raises(ConfigError, match="not ready"):
         q.kv_batch_get(keys=all_keys, partition_id="Train", select_fields=["response"])
 
+    # fields never put are left out, as TransferQueue does (verl V1 asks for ref_log_prob
+    # and values when it runs with no reference policy or critic)
+    asked = ["input_ids", "ref_log_prob", "values"]
+    assert list(q.kv_batch_get(keys=keys, partition_id="Train", select_fields=asked).keys()) == [
+        "input_ids"
+    ]
+    with pytest.raises(UnknownColumnError, match=r"none of the fields \['values'\]"):
+        q.kv_batch_get(keys=keys, partition_id="Train", select_fields=["values"])
+
     before = live(q)
     q.kv_clear(keys=all_keys[:2], partition_id="Train")
     assert list(q.kv_list(partition_id="Train")["Train"]) == all_keys[2:]
@@ -91,6 +101,8 @@ def test_kv_put_dict_of_one_sample_and_value_kinds(q) -> None:
             "image": torch.arange(2 * 2 * 3, dtype=torch.float32).reshape(2, 2, 3),
             "prompt": NonTensorStack("a", "bc"),
             "extra": NonTensorStack({"k": 1}, {"k": 2}),
+            # numpy scalars, as a dataset's index and verl's per-sample metadata carry them
+            "index": NonTensorStack(np.int64(7), {"steps": np.int32(3), "w": [np.float32(0.5)]}),
         },
         batch_size=2,
     )
@@ -103,6 +115,7 @@ def test_kv_put_dict_of_one_sample_and_value_kinds(q) -> None:
     assert torch.equal(got["image"].values().reshape(2, 2, 3), fields["image"])
     assert got["prompt"] == ["a", "bc"]
     assert got["extra"] == [{"k": 1}, {"k": 2}]
+    assert got["index"] == [7, {"steps": 3, "w": [0.5]}]
     single = q.kv_batch_get(keys="c", partition_id="q")
     assert single["reward"].tolist() == [2.0] and single["prompt"] == ["x"]
     got["reward"][0] = 9.0  # reads are the caller's copies

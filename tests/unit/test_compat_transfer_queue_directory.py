@@ -56,3 +56,27 @@ def test_a_refused_request_raises_transport_error(tmp_path) -> None:
     finally:
         remote.close()
         server.close()
+
+
+def test_wait_changed_wakes_on_a_tag_change(directory) -> None:
+    """A waiter sleeps until keys or tags change (a replay buffer's wake-up), not longer."""
+    import threading
+    import time
+
+    start = directory.generation()
+    assert directory.wait_changed(start, 0.01) == start  # nothing changed: times out
+    directory.bind("train", ["a"], [1])
+    bound = directory.generation()
+    assert bound != start and directory.wait_changed(start, 5.0) == bound  # already moved
+
+    timer = threading.Timer(0.05, directory.update, ("train", [1], [{"status": "finished"}], []))
+    timer.start()
+    began = time.monotonic()
+    woke = directory.wait_changed(bound, 30.0)
+    timer.join()
+    assert woke != bound and time.monotonic() - began < 30.0
+    assert directory.listing("train") == {"train": {"a": {"status": "finished"}}}
+    before = directory.generation()
+    directory.lookup("train", ["a"])
+    directory.describe([1])
+    assert directory.generation() == before  # reads are not changes

@@ -317,8 +317,9 @@ class _Responder(threading.Thread):
 
     def _answer(self, meta: flowrl.BatchMeta) -> None:
         prompts = self.hub.get(meta, ["prompt_ids"]).ragged("prompt_ids")
-        self.hub.put({"response_ids": [p[::-1] + 1 for p in prompts]}, indices=meta)
-        self.hub.ack(meta, meta.indices)  # a subset: ack only these
+        # the response and the ack in one step: a sample the manager consumed is evicted
+        # at once (a separate ack let a test see it live for a moment under load)
+        self.hub.put({"response_ids": [p[::-1] + 1 for p in prompts]}, indices=meta, ack=meta)
 
 
 def _config(**flowrl_settings: object) -> dict:
@@ -359,6 +360,10 @@ def _check_served(out: DataProto) -> None:
     out.check_consistency()
     _, counts = np.unique(out.non_tensor_batch["uid"], return_counts=True)
     assert (counts == 2).all()  # whole groups only
+    _check_responses(out)
+
+
+def _check_responses(out: DataProto) -> None:
     resp = from_dataproto(out)
     for p, r in zip(resp.ragged("prompt_ids"), resp.ragged("response_ids"), strict=True):
         assert r.tolist() == (p[::-1] + 1).tolist()  # each response belongs to its prompt
@@ -400,8 +405,10 @@ def test_agent_loop_manager_serves_the_asked_groups_in_order() -> None:
 
 
 def test_agent_loop_manager_carries_unfinished_groups_over() -> None:
+    """serve=ready: the oldest complete groups, whoever's (for trainers that take the
+    output as it comes; RayPPOTrainer's union needs serve=asked, the default)."""
     hub = _manager_hub()
-    manager = _manager(hub, _config())
+    manager = _manager(hub, _config(serve="ready"))
     responder = _Responder(hub, hold={1})  # the second group fed (uid "b") straggles
     responder.start()
     # a group the hub already holds (the hub's own prompt source), complete
@@ -434,11 +441,101 @@ def test_agent_loop_manager_refuses_bad_config() -> None:
     with pytest.raises(ConfigError, match=r"every uid must appear rollout\.n=2 times"):
         manager.generate_sequences(bad)
     assert hub.statistics().live == 0 and manager._uid_of == {}  # nothing changed
-    val = _prompts(["a"], base=1)
-    val.meta_info["validate"] = True
-    with pytest.raises(ConfigError, match="training rollouts only"):
-        manager.generate_sequences(val)
+    with pytest.raises(ConfigError, match="use serve=ready"):
+        _manager(hub, _config(feed_prompts=False, serve="asked"))
+    with pytest.raises(ConfigError, match="serve must be one of"):
+        _manager(hub, _config(serve="oldest"))
     hub.close()
+
+
+def _union_with_trainer_batch(prompts: DataProto, out: DataProto) -> DataProto:
+    """What RayPPOTrainer does with the output: union with the rest of its batch (raises
+    unless every row's uid and data_source line up)."""
+    rest = DataProto.from_dict(
+        tensors={"row": torch.arange(len(prompts))},
+        non_tensors={k: prompts.non_tensor_batch[k] for k in ("uid", "data_source")},
+    )
+    return rest.union(out)
+
+
+def test_asked_groups_keep_their_uids_while_others_wait() -> None:
+    """serve=asked (default): a straggling group is waited for, a complete group the hub
+    holds from elsewhere is not served (and stays claimable), and the output lines up row
+    for row with the prompts, as RayPPOTrainer's union needs."""
+    hub = _manager_hub()
+    manager = _manager(hub, _config(columns=["data_source"]))
+    responder = _Responder(hub, hold={1})  # the second group fed (uid "b") straggles
+    responder.start()
+    hub.put(
+        {"prompt_ids": [np.arange(3)] * 2, "response_ids": [np.arange(3)[::-1] + 1] * 2,
+         "data_source": ["other"] * 2},
+        groups=1000,
+    )  # fmt: skip
+    threading.Timer(0.3, responder.release.set).start()
+    prompts = _prompts(["a", "b"], base=10)
+    out = manager.generate_sequences(prompts)
+    _check_served(out)
+    assert list(out.non_tensor_batch["uid"]) == ["a", "a", "b", "b"]
+    assert _union_with_trainer_batch(prompts, out).batch["row"].tolist() == [0, 1, 2, 3]
+    second = _prompts(["c"], base=20)
+    assert list(manager.generate_sequences(second).non_tensor_batch["uid"]) == ["c", "c"]
+    other = hub.claim("verl_rollout", 8, min_n=1, timeout=5)  # given back, still there
+    assert other.groups.tolist() == [1000, 1000]
+    hub.ack(other)
+    assert hub.statistics().live == 0 and manager._uid_of == {}
+    responder.stop.set()
+    responder.join()
+    hub.close()
+
+
+def test_a_failed_call_leaves_nothing_behind() -> None:
+    """A validation call that times out: its rows, answered later, are discarded by the
+    next call (which serves its own groups) instead of lingering in the hub."""
+    hub = _manager_hub()
+    manager = _manager(hub, _config(timeout=0.5))
+    responder = _Responder(hub, hold={-1})  # validation rows (no group) straggle
+    responder.start()
+    val = _prompts(["v"], base=30)
+    val.meta_info["validate"] = True
+    with pytest.raises(flowrl.errors.Timeout, match=r"2 not ready"):
+        manager.generate_sequences(val)
+    responder.release.set()
+    assert responder.released.wait(10)
+    manager.timeout = 30
+    out = manager.generate_sequences(_prompts(["a"], base=10))
+    assert list(out.non_tensor_batch["uid"]) == ["a", "a"]
+    assert hub.statistics().live == 0 and not manager._abandoned
+    responder.stop.set()
+    responder.join()
+    hub.close()
+
+
+def test_validation_is_served_apart_from_training() -> None:
+    """RayPPOTrainer's _validate: rows of val_kwargs.n=1 per uid, padded to the dp size by
+    repeating rows; each row gets its own rollout in order, and validation samples never
+    reach a training call, in either serve mode."""
+    for serve in ("asked", "ready"):
+        hub = _manager_hub()
+        manager = _manager(hub, _config(columns=["data_source"], serve=serve))
+        responder = _Responder(hub, hold=set())
+        responder.start()
+        train = _prompts(["a"], base=10)
+        manager.generate_sequences(train)
+        val = _prompts(["v", "w"], base=30)[[0, 2, 0, 2]]  # n=1, then two padding rows
+        val.non_tensor_batch["uid"] = np.array(["v", "w", "v", "w"], dtype=object)
+        val.meta_info["validate"] = True
+        out = manager.generate_sequences(val)
+        out.check_consistency()
+        assert list(out.non_tensor_batch["uid"]) == ["v", "w", "v", "w"]
+        assert torch.equal(out.batch["prompts"], val.batch["input_ids"])  # row for row
+        _check_responses(out)
+        assert _union_with_trainer_batch(val, out).batch["row"].tolist() == [0, 1, 2, 3]
+        assert hub.statistics().live == 0  # validation samples consumed, none left over
+        after = manager.generate_sequences(_prompts(["b", "c"], base=20))
+        assert sorted(set(after.non_tensor_batch["uid"])) == ["b", "c"]
+        responder.stop.set()
+        responder.join()
+        hub.close()
 
 
 def test_example_runs() -> None:

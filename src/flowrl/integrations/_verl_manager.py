@@ -7,11 +7,22 @@ calls ``generate_sequences(prompts) -> DataProto`` once per step. This manager:
 1. puts the step's prompts into the hub (``prompt_ids`` plus any ``non_tensor_batch`` key
    the hub declares as a column), one hub group per verl ``uid``: the hub's rollout stages
    (flowrl engines, vLLM, ...) stream responses into it;
-2. claims ``len(prompts)`` samples of *complete* groups, oldest first (GroupSampler), so a
-   group still generating when the step has enough is carried over to the next call and
-   served first there; a partial group is never returned;
-3. returns them in verl's padded layout (``to_dataproto``), in the order of ``prompts``
-   when the same groups came back, and acks the claim.
+2. ``serve: asked`` (default): waits for exactly those groups and returns them row for row
+   in the order of ``prompts``, with their ``uid`` s, which RayPPOTrainer's
+   ``batch.union(output)`` needs; ``serve: ready``: claims ``len(prompts)`` samples of
+   *complete* groups, oldest first (GroupSampler), so a group still generating when the
+   step has enough is carried over to the next call and served first there (for trainers
+   that take the output as it comes); a partial group is never returned;
+3. returns them in verl's padded layout (``to_dataproto``) and acks them.
+
+Validation calls (``meta_info["validate"]``, RayPPOTrainer's ``_validate``) are served
+apart: every row is put as its own sample in hub partition ``validate`` with no group (the
+training claims take whole groups only, so they never see one), its response is read row
+for row, and the samples are consumed before the call returns.
+
+Samples the manager holds while it waits (other groups' or other rows') are leased to it
+and given back, first in line, when the call returns; samples of a call that failed are
+discarded when they turn up.
 
 Settings come from a ``flowrl`` block of the verl config (``+flowrl.address=ipc://...``)::
 
@@ -22,6 +33,7 @@ Settings come from a ``flowrl`` block of the verl config (``+flowrl.address=ipc:
       response_column: response_ids
       columns: []                   # more columns to return (rm_scores, rollout_log_probs)
       feed_prompts: true            # false: the hub's own prompt source feeds it
+      serve: asked                  # asked | ready (see 2. above; ready when feed_prompts false)
       timeout: null                 # seconds one call may wait for complete groups
 """
 
@@ -44,6 +56,8 @@ from flowrl.integrations._verl_compat import require_verl
 __all__ = ["HubAgentLoopManager"]
 
 _POLL_S = 1.0
+_CLAIM_ALL = 1 << 20  # samples one collecting claim may take
+_SERVE = ("asked", "ready")
 
 
 class HubAgentLoopManager:
@@ -68,6 +82,15 @@ class HubAgentLoopManager:
         self.prompt_column = str(self._setting("flowrl.prompt_column", "prompt_ids"))
         self.response_column = str(self._setting("flowrl.response_column", "response_ids"))
         self.feed_prompts = bool(self._setting("flowrl.feed_prompts", True))
+        self.serve = str(self._setting("flowrl.serve", "asked" if self.feed_prompts else "ready"))
+        if self.serve not in _SERVE:
+            raise ConfigError(f"HubAgentLoopManager flowrl.serve must be one of {_SERVE}, got "
+                              f"{self.serve!r}")  # fmt: skip
+        if self.serve == "asked" and not self.feed_prompts:
+            raise ConfigError(
+                "HubAgentLoopManager flowrl.serve=asked serves the groups of the prompts it "
+                "puts, but flowrl.feed_prompts is false: use serve=ready"
+            )
         self.timeout = self._setting("flowrl.timeout", None)
         self.prompt_length = self._setting("data.max_prompt_length", None)
         self.response_length = self._setting("actor_rollout_ref.rollout.response_length", None)
@@ -78,6 +101,7 @@ class HubAgentLoopManager:
         self._sampler = GroupSampler(self.group_size)
         self._uid_of: dict[int, str] = {}  # hub group -> verl uid of prompts we put
         self._next_group = 0
+        self._abandoned: set[int] = set()  # samples of calls that failed: dropped when seen
 
     @classmethod
     def create(cls, *args: Any, **kwargs: Any) -> HubAgentLoopManager:
@@ -96,29 +120,29 @@ class HubAgentLoopManager:
         return connect(str(address))
 
     def generate_sequences(self, prompts: Any) -> Any:
-        """``len(prompts)`` samples of complete groups from the hub, as verl's rollout
-        output (``prompts``, ``responses``, ``input_ids``, ``attention_mask``,
-        ``position_ids``, ``response_mask``, ``uid`` and the extra columns)."""
+        """The rollouts of ``prompts`` (see the module docstring), as verl's rollout output
+        (``prompts``, ``responses``, ``input_ids``, ``attention_mask``, ``position_ids``,
+        ``response_mask``, ``uid`` and the extra columns)."""
+        start = time.monotonic()
+        if prompts.meta_info.get("validate", False):
+            out = self._serve_rows(prompts, self._put_rows(prompts, -1, "validate"))
+        elif self.serve == "asked":
+            first = self._next_group
+            out = self._serve_rows(prompts, self._put_prompts(prompts))
+            for g in range(first, self._next_group):
+                self._uid_of.pop(g, None)
+        else:
+            out = self._serve_ready(prompts)
+        out.meta_info["timing"] = {"agent_loop/flowrl_wait": time.monotonic() - start}
+        return out
+
+    def _serve_ready(self, prompts: Any) -> Any:
         import torch
 
-        if prompts.meta_info.get("validate", False):
-            raise ConfigError(
-                "HubAgentLoopManager serves training rollouts only; run validation with "
-                "verl's own manager (trainer.val_before_train=False, trainer.test_freq=-1)"
-            )
-        start = time.monotonic()
         if self.feed_prompts:
             self._put_prompts(prompts)
         meta = self._claim(len(prompts))
-        batch = self.hub.get(meta)
-        out = to_dataproto(
-            batch,
-            prompt=self.prompt_column,
-            response=self.response_column,
-            prompt_length=self.prompt_length,
-            response_length=self.response_length,
-            meta_info=dict(prompts.meta_info),
-        )
+        out = self._dataproto(self.hub.get(meta), prompts)
         self.hub.ack(meta)
         uids = [self._uid_of.get(g, str(g)) for g in meta.groups.tolist()]
         for g in set(meta.groups.tolist()):
@@ -127,11 +151,79 @@ class HubAgentLoopManager:
         order = _input_order(prompts.non_tensor_batch.get("uid"), uids)
         if order is not None:
             out.reorder(torch.as_tensor(order))
-        out.meta_info["timing"] = {"agent_loop/flowrl_wait": time.monotonic() - start}
         return out
 
+    def _serve_rows(self, prompts: Any, indices: np.ndarray) -> Any:
+        """The samples ``indices`` (one per row of ``prompts``), once all are ready, in
+        that order with the rows' uids; other samples claimed meanwhile are given back."""
+        held: list[_Held] = []
+        try:
+            self._collect(indices, held)
+            out = self._dataproto(self.hub.get(self.hub.meta(indices, self.columns)), prompts)
+            for claim in held:
+                if claim.mine.size:
+                    self.hub.ack(claim.meta, claim.meta.indices[claim.mine])
+                    claim.open -= claim.mine.size
+        except BaseException:
+            self._abandoned.update(indices.tolist())
+            raise
+        finally:
+            for claim in held:
+                if claim.open:
+                    self.hub.release(claim.meta)  # what was not ours, back first in line
+        uids = prompts.non_tensor_batch.get("uid")
+        if uids is not None:
+            out.non_tensor_batch["uid"] = np.array(list(uids), dtype=object)
+        return out
+
+    def _collect(self, indices: np.ndarray, held: list[_Held]) -> None:
+        """Claim until every sample of ``indices`` is held (in ``held``: each claim and
+        the positions of ours in it); drop samples of failed calls on the way."""
+        missing = set(indices.tolist())
+        deadline = None if self.timeout is None else time.monotonic() + float(self.timeout)
+        while missing:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise Timeout(
+                    f"HubAgentLoopManager waited {self.timeout}s for the rollouts of "
+                    f"{len(indices)} prompts ({len(missing)} not ready) in task "
+                    f"{self.task!r}; are the hub's rollout stages running?"
+                )
+            wait = _POLL_S if left is None else max(min(_POLL_S, left), 1e-3)
+            lease = max(3600.0, 2 * float(self.timeout or 0))  # held ones must not expire
+            try:
+                meta = self.hub.claim(
+                    self.task, _CLAIM_ALL, min_n=1, timeout=wait, lease_timeout=lease
+                )
+            except Timeout:
+                continue
+            except EndOfStream:
+                raise EndOfStream(
+                    f"HubAgentLoopManager: the hub's stream ended with {len(missing)} of "
+                    f"{len(indices)} rollouts not ready in task {self.task!r}"
+                ) from None
+            claim = _Held(meta, np.flatnonzero(np.isin(meta.indices, list(missing))))
+            held.append(claim)
+            missing.difference_update(meta.indices[claim.mine].tolist())
+            stale = [i for i in meta.indices.tolist() if i in self._abandoned]
+            if stale:
+                self.hub.drop(meta, stale)
+                self._abandoned.difference_update(stale)
+                claim.open -= len(stale)
+
+    def _dataproto(self, batch: Any, prompts: Any) -> Any:
+        return to_dataproto(
+            batch,
+            prompt=self.prompt_column,
+            response=self.response_column,
+            prompt_length=self.prompt_length,
+            response_length=self.response_length,
+            meta_info=dict(prompts.meta_info),
+        )
+
     # -- steps ------------------------------------------------------------------------------
-    def _put_prompts(self, prompts: Any) -> None:
+    def _put_prompts(self, prompts: Any) -> np.ndarray:
+        """Put the prompts, one hub group per uid; the samples' indices, row by row."""
         uids = prompts.non_tensor_batch.get("uid")
         if uids is None:
             raise ConfigError(
@@ -153,6 +245,14 @@ class HubAgentLoopManager:
         rank = np.empty(keys.size, dtype=np.int64)
         rank[np.argsort(first, kind="stable")] = np.arange(keys.size)
         groups = self._next_group + rank[local]
+        indices = self._put_rows(prompts, groups, "")  # checks all before changing the hub
+        for key, g in zip(keys.tolist(), (self._next_group + rank).tolist(), strict=True):
+            self._uid_of[g] = key
+        self._next_group += keys.size
+        return indices
+
+    def _put_rows(self, prompts: Any, groups: Any, partition: str) -> np.ndarray:
+        """One sample per row: the unpadded prompt and the columns the hub declares."""
         ids = prompts.batch["input_ids"].numpy()
         mask = prompts.batch["attention_mask"].numpy().astype(bool)
         data: dict[str, Any] = {
@@ -162,10 +262,7 @@ class HubAgentLoopManager:
         for key, values in prompts.non_tensor_batch.items():
             if key in declared and key not in data:
                 data[key] = list(values)
-        self.hub.put(data, groups=groups)  # checks everything before changing the hub
-        for key, g in zip(keys.tolist(), (self._next_group + rank).tolist(), strict=True):
-            self._uid_of[g] = key
-        self._next_group += keys.size
+        return np.asarray(self.hub.put(data, groups=groups, partition=partition))
 
     def _claim(self, n: int) -> Any:
         if n % self.group_size:
@@ -204,6 +301,16 @@ class HubAgentLoopManager:
         from omegaconf import OmegaConf
 
         return OmegaConf.select(self.config, key, default=default)
+
+
+class _Held:
+    """A claim ``_collect`` made: the positions of the samples it waits for in it, and how
+    many of its samples are still leased (given back with ``release`` if any)."""
+
+    __slots__ = ("meta", "mine", "open")
+
+    def __init__(self, meta: Any, mine: np.ndarray) -> None:
+        self.meta, self.mine, self.open = meta, mine, len(meta)
 
 
 def _input_order(wanted: Any, served: list[str]) -> np.ndarray | None:

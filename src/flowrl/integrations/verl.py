@@ -5,7 +5,10 @@
 * :class:`DataProtoLoader`: DataProtos of whole GRPO groups whose size the data-parallel
   world divides (verl's ``chunk`` never raises "only support equal chunk").
 * :class:`HubAgentLoopManager`: ``actor_rollout_ref.rollout.agent.agent_loop_manager_class``
-  that serves ``generate_sequences`` from the hub, carrying unfinished groups over.
+  that serves ``generate_sequences`` from the hub: the groups asked for with their uids
+  (or the oldest complete ones, carrying unfinished groups over), validation apart.
+
+verl's V1 trainer (TransferQueue underneath) meets flowrl in :mod:`flowrl.integrations.verl_v1`.
 
 verl is imported when one of these is used, never by ``import flowrl``; each checks that
 the installed verl is the supported release (:data:`SUPPORTED_VERL`).

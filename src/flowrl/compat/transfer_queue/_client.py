@@ -311,7 +311,8 @@ class TransferQueueClient:
         partition_id: str,
         select_fields: Sequence[str] | str | None = None,
     ) -> Any:
-        """The fields of the keys' samples as a TensorDict (by default, those all of them have)."""
+        """The fields of the keys' samples as a TensorDict (by default, those all of them have;
+        ``select_fields`` never put into the hub are left out, as TransferQueue does)."""
         keys = _check_keys([keys] if isinstance(keys, str) else keys, "kv_batch_get()")
         partition = _check_partition(partition_id, "kv_batch_get()")
         indices = self._indices_of(keys, partition, "kv_batch_get()")
@@ -319,7 +320,16 @@ class TransferQueueClient:
             fields = self.directory.describe(indices.tolist())[1]
         else:
             names = [select_fields] if isinstance(select_fields, str) else select_fields
-            fields = _check_fields(names, "kv_batch_get()")
+            asked = _check_fields(names, "kv_batch_get()")
+            # as TransferQueue: a field never put into this hub is left out, not an error
+            # (verl's V1 trainer asks for ref_log_prob and values with no reference or critic)
+            self._know_columns(asked, required=False)
+            fields = [f for f in asked if f in self.hub.schema.by_name]
+            if not fields:
+                raise UnknownColumnError(
+                    f"kv_batch_get(): none of the fields {asked} was ever put into this "
+                    f"TransferQueue (flowrl hub); keys asked for in partition {partition!r}"
+                )
         if not fields:
             raise ConfigError(
                 f"kv_batch_get(): the keys of partition {partition!r} have no field in common "

@@ -14,6 +14,7 @@ msgpack-encoded ``msgspec`` messages (never pickle).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -26,11 +27,12 @@ from flowrl.errors import ConfigError, TransportError
 __all__ = ["DirectoryServer", "KeyDirectory", "RemoteDirectory"]
 
 _POLL_MS = 100
+_WAIT_POLL_S = 0.005
 _RPC_TIMEOUT_MS = 60_000
 
 Method = Literal[
     "lookup", "bind", "update", "describe", "listing", "remove", "forget", "remove_partition",
-    "declare", "columns",
+    "declare", "columns", "generation",
 ]  # fmt: skip
 
 
@@ -42,10 +44,16 @@ class _Entry(msgspec.Struct):
 
 
 class KeyDirectory:
-    """Keys, tags and fields of a hub's samples, and its column declarations."""
+    """Keys, tags and fields of a hub's samples, and its column declarations.
+
+    ``generation()`` counts the changes to keys and tags; ``wait_changed`` sleeps until it
+    moves (what a replay buffer polling ``kv_list`` waits on instead of a fixed interval).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._generation = 0
         self._keys: dict[str, dict[str, int]] = {}  # partition -> key -> sample index
         self._entries: dict[int, _Entry] = {}
         self._columns: dict[str, Column] = {}
@@ -67,6 +75,7 @@ class KeyDirectory:
                     known[key] = index
                     self._entries[index] = _Entry(partition, key, {}, [])
                 out.append(known[key])
+            self._bump()
             return out
 
     def update(
@@ -87,6 +96,7 @@ class KeyDirectory:
                 if tags is not None:
                     entry.tag.update(tags[i])
                 entry.fields.extend(f for f in fields if f not in entry.fields)
+            self._bump()
 
     def describe(self, indices: Sequence[int]) -> tuple[list[dict[str, Any]], list[str]]:
         """Each sample's tag, and the fields every one of them has (in write order)."""
@@ -115,6 +125,7 @@ class KeyDirectory:
             gone = [known.pop(k) for k in keys if k in known]
             for index in gone:
                 self._entries.pop(index, None)
+            self._bump()
             return gone
 
     def forget(self, indices: Sequence[int]) -> None:
@@ -124,12 +135,29 @@ class KeyDirectory:
                 entry = self._entries.pop(index, None)
                 if entry is not None and entry.key is not None:
                     self._keys[entry.partition].pop(entry.key, None)
+            self._bump()
 
     def remove_partition(self, partition: str) -> None:
         with self._lock:
             self._keys.pop(partition, None)
             for index in [i for i, e in self._entries.items() if e.partition == partition]:
                 del self._entries[index]
+            self._bump()
+
+    def generation(self) -> int:
+        """How many times keys or tags changed so far."""
+        with self._lock:
+            return self._generation
+
+    def wait_changed(self, since: int, timeout: float) -> int:
+        """The generation once it differs from ``since``, or after ``timeout`` seconds."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._generation != since, timeout)
+            return self._generation
+
+    def _bump(self) -> None:  # with the lock held
+        self._generation += 1
+        self._changed.notify_all()
 
     def declare(self, columns: Sequence[Column]) -> None:
         with self._lock:
@@ -272,6 +300,20 @@ class RemoteDirectory:
 
     def columns(self, names: Sequence[str]) -> list[Column]:
         return self._call("columns", list(names))
+
+    def generation(self) -> int:
+        return self._call("generation")
+
+    def wait_changed(self, since: int, timeout: float) -> int:
+        """As :meth:`KeyDirectory.wait_changed`, asking every few milliseconds (the server
+        thread answers one request at a time, so it never blocks on a wait)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            now = self.generation()
+            left = deadline - time.monotonic()
+            if now != since or left <= 0:
+                return now
+            time.sleep(min(_WAIT_POLL_S, left))
 
     def close(self) -> None:
         self._sock.close()

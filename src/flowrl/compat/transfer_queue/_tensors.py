@@ -13,6 +13,9 @@ tensor ``[B, d1, d2, ...]``            tensor           jagged nested tensor ``[
 ``NonTensorStack`` of other values     object           ``NonTensorStack``
 =====================================  ===============  ====================================
 
+Object values are stored as msgpack: numpy scalars in them come back as Python numbers,
+tuples as lists.
+
 A ``[B, L]`` tensor is stored one 1-D sequence per sample, so later puts may use another
 ``L`` (TransferQueue keeps per-sample shapes too). Values read are copies the caller owns.
 """
@@ -134,7 +137,19 @@ def _to_column(name: str, value: Any, n: int, where: str, td: Any) -> tuple[Colu
         )
     if all(isinstance(x, str) for x in items):
         return Column.string(name), items
-    return Column.object(name), items
+    return Column.object(name), [_plain(x) for x in items]
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars (a dataset's ``index``, verl's per-sample metadata) as the Python
+    numbers msgpack encodes, inside dicts and lists too; anything else unchanged."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _dtype_name(name: str, value: Any, where: str) -> str:

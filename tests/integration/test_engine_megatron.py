@@ -36,7 +36,7 @@ pytestmark = [
 
 import torch  # noqa: E402
 
-from flowrl._pipeline.weights import load_named, module_weights  # noqa: E402
+from flowrl._weights.sync import load_named, module_weights  # noqa: E402
 from flowrl.engines import OptimConfig, TorchUpdateEngine, TrainBatch  # noqa: E402
 from flowrl.errors import ConfigError  # noqa: E402
 

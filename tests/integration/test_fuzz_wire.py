@@ -174,7 +174,7 @@ def server_pids(hub: Any) -> list[int]:
             cmdline = (proc / "cmdline").read_bytes()
         except OSError:
             continue
-        if b"flowrl._transport.serve" in cmdline and folder in cmdline:
+        if b"flowrl._launch.serve" in cmdline and folder in cmdline:
             pids.append(int(proc.name))
     return pids
 

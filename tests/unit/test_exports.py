@@ -12,17 +12,31 @@ import flowrl
 import flowrl.errors
 import flowrl.events
 import flowrl.hooks
+import flowrl.sched_hooks
 import flowrl.testing
 
 
-def _names_bound_in_init() -> set[str]:
-    """Every public name ``flowrl/__init__.py`` binds (imports and assignments)."""
+def _type_checking_imports() -> dict[str, str]:
+    """Name -> module of the imports ``flowrl/__init__.py`` makes for type checkers."""
     tree = ast.parse(inspect.getsource(flowrl))
-    names: set[str] = set()
+    blocks = [
+        n for n in tree.body if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)
+    ]
+    return {
+        alias.asname or alias.name: str(node.module)
+        for block in blocks
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+
+
+def _names_bound_in_init() -> set[str]:
+    """Every public name ``flowrl/__init__.py`` binds (lazy imports and assignments)."""
+    tree = ast.parse(inspect.getsource(flowrl))
+    names = set(_type_checking_imports())
     for node in tree.body:
-        if isinstance(node, ast.ImportFrom | ast.Import):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif isinstance(node, ast.Assign):
+        if isinstance(node, ast.Assign):
             names.update(t.id for t in node.targets if isinstance(t, ast.Name))
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             names.add(node.target.id)
@@ -44,6 +58,11 @@ def test_all_is_complete() -> None:
     assert set(flowrl.__all__) == _names_bound_in_init()
 
 
+def test_lazy_homes_match_the_type_checking_imports() -> None:
+    """``_HOMES`` (what runs) and the ``TYPE_CHECKING`` imports (what type checkers see) agree."""
+    assert _type_checking_imports() == flowrl._HOMES
+
+
 def test_every_name_in_all_exists() -> None:
     for name in flowrl.__all__:
         assert hasattr(flowrl, name), name
@@ -61,7 +80,7 @@ def test_public_module_attributes_are_all_listed() -> None:
 
 @pytest.mark.parametrize(
     "module",
-    [flowrl.errors, flowrl.events, flowrl.hooks, flowrl.testing],
+    [flowrl.errors, flowrl.events, flowrl.hooks, flowrl.sched_hooks, flowrl.testing],
 )
 def test_submodule_all_is_sorted_and_resolves(module: types.ModuleType) -> None:
     assert list(module.__all__) == sorted(module.__all__)
@@ -95,5 +114,9 @@ def test_import_does_not_load_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, flowrl; sys.exit('torch' in sys.modules)"
+    code = (
+        "import sys, flowrl, flowrl._launch.serve\n"
+        "for name in flowrl.__all__: getattr(flowrl, name)\n"
+        "sys.exit('torch' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

@@ -11,9 +11,9 @@ import pytest
 
 import flowrl
 from flowrl import Column, Rows, StageContext
-from flowrl._pipeline.sched_hooks import RolloutScheduler
 from flowrl.errors import ConfigError
 from flowrl.sched import BalancerConfig, ForecastConfig, ParallelMode, PlannerConfig
+from flowrl.sched_hooks import RolloutScheduler
 
 GROUP = 4
 STEP_GROUPS = 4

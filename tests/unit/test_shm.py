@@ -14,8 +14,8 @@ import pytest
 
 import flowrl
 from flowrl import Column, HubConfig
+from flowrl._client.batch import LazyColumn
 from flowrl._store import shm
-from flowrl._store.batch import LazyColumn
 from flowrl._store.shm import SHM_PREFIX, ShmArena, ShmMaps, ShmUnavailable
 from flowrl._transport import wire
 from flowrl.errors import TransportError, UnknownIndexError

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from flowrl import Column, Hub
+from flowrl._observers.staleness import StalenessMetrics
 from flowrl._pipeline.admission import AdmissionController, Staleness
 from flowrl._pipeline.loader import Loader
 from flowrl._pipeline.pipeline import Pipeline
 from flowrl._pipeline.stage import stage
-from flowrl._pipeline.staleness import StalenessMetrics
 from flowrl.errors import ConfigError, PipelineError, Timeout, WouldBlock
 
 IDS = Column.ragged("ids", "int64")

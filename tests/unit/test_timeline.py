@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from flowrl import Timeline
-from flowrl._pipeline.timeline import occupancy
+from flowrl._observers.timeline import occupancy
 from flowrl.events import Acked, Claimed, VersionPublished
 
 pytest.importorskip("matplotlib")

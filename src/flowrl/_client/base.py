@@ -16,9 +16,10 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 
-from flowrl._client.config import HubStats
+from flowrl._client.batch import Batch, LazyColumn, _to_python, arrow_of
 from flowrl._client.future import PutFuture
 from flowrl._client.ports import ControlPort, DataPort, Reservation
+from flowrl._config import HubStats
 from flowrl._controller.eventlog import Subscription
 from flowrl._controller.meta import BatchMeta
 from flowrl._controller.samplers import FifoSampler, Sampler
@@ -39,7 +40,6 @@ from flowrl._schema.columns import Column
 from flowrl._schema.encode import Encoded, numeric_array
 from flowrl._schema.ragged import RaggedArray
 from flowrl._schema.schema import Schema
-from flowrl._store.batch import Batch, LazyColumn, _to_python, arrow_of
 from flowrl._store.partial import VERSIONS
 from flowrl.errors import ConfigError, LeaseError, SchemaError, TransportError, UnknownIndexError
 from flowrl.events import Event

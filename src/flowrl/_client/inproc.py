@@ -13,8 +13,8 @@ from typing import final
 import numpy as np
 
 from flowrl._client.base import HubClient, _split_by_unit
-from flowrl._client.config import HubConfig
 from flowrl._client.local import LocalControl, LocalData
+from flowrl._config import HubConfig
 from flowrl._controller.controller import Controller
 from flowrl._controller.journal import attach_journal, lock_journal
 from flowrl._schema.columns import Column

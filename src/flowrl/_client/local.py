@@ -16,9 +16,9 @@ from typing import final
 import numpy as np
 import pyarrow as pa
 
-from flowrl._client.config import HubStats, UnitStats
 from flowrl._client.future import PutFuture
 from flowrl._client.ports import ControlPort, DataPort, Reservation
+from flowrl._config import HubStats, UnitStats
 from flowrl._controller.controller import Controller
 from flowrl._controller.eventlog import EventLog
 from flowrl._controller.journal import Journal

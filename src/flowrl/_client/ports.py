@@ -16,8 +16,9 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from flowrl._client.config import HubStats, UnitStats
+from flowrl._client.batch import LazyColumn
 from flowrl._client.future import PutFuture
+from flowrl._config import HubStats, UnitStats
 from flowrl._controller.eventlog import EventLog
 from flowrl._controller.meta import BatchMeta
 from flowrl._controller.samplers import Sampler
@@ -34,7 +35,6 @@ from flowrl._protocol.commands import (
 )
 from flowrl._schema.columns import Column
 from flowrl._schema.encode import Encoded
-from flowrl._store.batch import LazyColumn
 
 __all__ = ["ControlPort", "DataPort", "Reservation"]
 

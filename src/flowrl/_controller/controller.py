@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from flowrl._client.config import HubStats, TaskStats
+from flowrl._config import HubStats, TaskStats
 from flowrl._controller import replay
 from flowrl._controller.eventlog import EventLog
 from flowrl._controller.leases import Lease, Leases, check_ackable

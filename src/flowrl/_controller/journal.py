@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from flowrl._client.config import HubConfig, JournalConfig
+from flowrl._config import HubConfig, JournalConfig
 from flowrl._controller.snapshot import restore, snapshot_of
 from flowrl._folder_lock import FolderLock
 from flowrl.errors import ConfigError, JournalError

@@ -34,6 +34,7 @@ import msgspec
 import numpy as np
 
 from flowrl._client.base import HubClient
+from flowrl._client.batch import Batch
 from flowrl._controller.meta import BatchMeta
 from flowrl._controller.samplers import (
     BalancedSampler,
@@ -43,7 +44,6 @@ from flowrl._controller.samplers import (
     StalenessSampler,
 )
 from flowrl._pipeline.constants import POLL_S
-from flowrl._store.batch import Batch
 from flowrl.errors import ConfigError, EndOfStream, LeaseError, StageError, Timeout
 
 __all__ = ["Loader", "LoaderStats"]

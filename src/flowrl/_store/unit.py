@@ -29,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from flowrl._client.config import JournalConfig, UnitStats
+from flowrl._config import JournalConfig, UnitStats
 from flowrl._folder_lock import FolderLock
 from flowrl._schema.columns import Column
 from flowrl._schema.encode import numeric_array

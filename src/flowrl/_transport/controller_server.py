@@ -19,7 +19,7 @@ import numpy as np
 import zmq
 
 from flowrl._client.base import _split_by_unit
-from flowrl._client.config import HubConfig
+from flowrl._config import HubConfig
 from flowrl._controller.controller import Controller
 from flowrl._controller.journal import attach_journal
 from flowrl._controller.wake import NOBODY, Wake

@@ -16,10 +16,10 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 
+from flowrl._client.batch import LazyColumn
 from flowrl._schema.columns import Column
 from flowrl._schema.encode import Encoded, arrow_of_buffers
 from flowrl._schema.ragged import RaggedArray, arrow_ragged_parts
-from flowrl._store.batch import LazyColumn
 from flowrl.errors import TransportError
 
 __all__ = [

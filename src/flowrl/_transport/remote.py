@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, final
 
 from flowrl._client.base import HubClient
-from flowrl._client.config import HubConfig
+from flowrl._config import HubConfig
 from flowrl._schema.schema import Schema
 from flowrl._transport import wire
 from flowrl._transport.remote_control import RemoteControl

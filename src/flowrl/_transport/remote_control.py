@@ -16,8 +16,8 @@ from typing import Any, final
 import msgspec
 import numpy as np
 
-from flowrl._client.config import HubConfig, HubStats
 from flowrl._client.ports import ControlPort, Reservation
+from flowrl._config import HubConfig, HubStats
 from flowrl._controller.eventlog import EventLog
 from flowrl._controller.meta import BatchMeta
 from flowrl._controller.reservations import RESERVATION_MIN_S

@@ -14,14 +14,14 @@ from typing import Any, final
 import numpy as np
 import pyarrow as pa
 
-from flowrl._client.config import UnitStats
+from flowrl._client.batch import LazyColumn
 from flowrl._client.future import PutFuture
 from flowrl._client.ports import DataPort
+from flowrl._config import UnitStats
 from flowrl._protocol import commands
 from flowrl._schema.columns import Column
 from flowrl._schema.encode import Encoded
 from flowrl._schema.schema import Schema
-from flowrl._store.batch import LazyColumn
 from flowrl._store.partial import VERSIONS
 from flowrl._store.shm import ShmMaps, ShmUnavailable
 from flowrl._transport import wire

@@ -35,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 import zmq
 
-from flowrl._client.config import JournalConfig
+from flowrl._config import JournalConfig
 from flowrl._schema.columns import Column
 from flowrl._store.partial import VERSIONS
 from flowrl._store.shm import SHM_MIN_BYTES, ShmArena

@@ -13,7 +13,7 @@ import msgspec
 import numpy as np
 
 from flowrl import errors
-from flowrl._client.config import HubConfig, HubStats, UnitStats
+from flowrl._config import HubConfig, HubStats, UnitStats
 from flowrl._controller.meta import WireMeta
 from flowrl._controller.samplers import (
     BalancedSampler,

@@ -26,7 +26,7 @@ from typing import Any, cast, final
 import torch
 import torch.distributed as dist
 
-from flowrl._pipeline.weights import load_named, module_weights
+from flowrl._weights.sync import load_named, module_weights
 from flowrl.engines._distributed import init_default_group
 from flowrl.engines._training import OptimConfig, TokenWeightedTrainer, missing_state
 from flowrl.errors import ConfigError

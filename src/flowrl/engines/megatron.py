@@ -38,7 +38,7 @@ from typing import Any, final
 import torch
 import torch.distributed as dist
 
-from flowrl._pipeline.weights import load_named, module_weights
+from flowrl._weights.sync import load_named, module_weights
 from flowrl.engines._distributed import init_default_group
 from flowrl.engines._megatron_llama import LlamaShape, hf_to_megatron, megatron_to_hf
 from flowrl.engines._training import OptimConfig, TokenWeightedTrainer

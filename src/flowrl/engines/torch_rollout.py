@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from flowrl._pipeline.weights import load_named
+from flowrl._weights.sync import load_named
 from flowrl.engines.base import Completion, GenerationRequest, RolloutEngine, SamplingParams
 from flowrl.errors import ConfigError
 from flowrl.models.causal import as_causal_lm, max_positions

@@ -12,7 +12,7 @@ from typing import Any, final
 
 import torch
 
-from flowrl._pipeline.weights import module_weights
+from flowrl._weights.sync import module_weights
 from flowrl.engines._training import OptimConfig, TokenWeightedTrainer
 from flowrl.models.causal import as_causal_lm
 

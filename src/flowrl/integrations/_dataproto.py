@@ -32,11 +32,11 @@ from typing import Any, Literal
 
 import numpy as np
 
+from flowrl._client.batch import Batch
 from flowrl._controller.meta import BatchMeta
 from flowrl._schema.columns import Column
 from flowrl._schema.encode import encode
 from flowrl._schema.ragged import RaggedArray
-from flowrl._store.batch import Batch
 from flowrl.errors import ConfigError, SchemaError
 from flowrl.integrations._verl_compat import require_verl
 

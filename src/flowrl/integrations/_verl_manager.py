@@ -47,8 +47,8 @@ import numpy as np
 
 from flowrl._client.base import HubClient
 from flowrl._controller.samplers import GroupSampler
+from flowrl._launch.processes import connect
 from flowrl._schema.ragged import RaggedArray
-from flowrl._transport.launch import connect
 from flowrl.errors import ConfigError, EndOfStream, Timeout
 from flowrl.integrations._dataproto import to_dataproto
 from flowrl.integrations._verl_compat import require_verl

@@ -41,9 +41,9 @@ import msgspec
 import numpy as np
 
 from flowrl._client.base import HubClient
+from flowrl._client.batch import Batch
 from flowrl._controller.samplers import GroupSampler
 from flowrl._schema.columns import Column
-from flowrl._store.batch import Batch
 from flowrl.errors import ConfigError, EndOfStream, Timeout
 
 __all__ = [

@@ -18,7 +18,7 @@ iterates a ``flowrl.Loader``::
   appends the new tokens to the hub, so a worker that takes over a preempted micro-batch
   resumes each response from its stored prefix instead of sampling it again. The workers
   are the instances of the scheduling layer
-  (``flowrl._pipeline.sched_hooks.RolloutScheduler``, on unless ``--no-schedule``): its
+  (``flowrl.sched_hooks.RolloutScheduler``, on unless ``--no-schedule``): its
   forecaster, balancer and planner subscribe to the hub's events, and its sampler decides
   how many of the ready prompts each worker claims.
 * ``reward``: the rule-based verifier.

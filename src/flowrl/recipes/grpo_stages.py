@@ -25,7 +25,6 @@ from flowrl import (
     Staleness,
     WeightStore,
 )
-from flowrl._pipeline.sched_hooks import RolloutScheduler
 from flowrl.models import as_causal_lm
 from flowrl.recipes.grpo_config import N_HEADS, GRPOConfig, groups_per_put
 from flowrl.recipes.grpo_rollout import RolloutBackend
@@ -39,6 +38,7 @@ from flowrl.sched import (
     PlannerConfig,
     kv_capacity_tokens,
 )
+from flowrl.sched_hooks import RolloutScheduler
 from flowrl.tasks import VOCAB_SIZE, ArithTask, verify
 
 __all__ = [

@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 import torch
 
-from flowrl._pipeline.weights import load_named
+from flowrl._weights.sync import load_named
 from flowrl.models import TinyLM, TinyLMConfig, as_causal_lm, generate
 from flowrl.recipes.grpo_config import LLAMA_HEAD_DIM, MAX_SEQ_LEN, N_HEADS, GRPOConfig
 from flowrl.recipes.grpo_update import PolicyUpdate, make_update, update_policy

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 import flowrl
-from flowrl._pipeline.weights import load_named, module_weights
+from flowrl._weights.sync import load_named, module_weights
 from flowrl.engines import LossFn, OptimConfig, TorchUpdateEngine, TrainBatch
 from flowrl.models import as_causal_lm
 from flowrl.recipes.grpo_config import GRPOConfig

@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 
 from flowrl._client.base import HubClient
+from flowrl._client.batch import Batch
+from flowrl._observers.timeline import Timeline
 from flowrl._pipeline.loader import Loader
-from flowrl._pipeline.timeline import Timeline
-from flowrl._store.batch import Batch
 from flowrl.errors import Timeout
 
 __all__ = ["diagnose", "next_batch"]

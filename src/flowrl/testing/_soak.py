@@ -37,7 +37,7 @@ from typing import Any, final
 import msgspec
 import numpy as np
 
-from flowrl._client.config import HubConfig
+from flowrl._config import HubConfig
 from flowrl._schema.columns import Column
 from flowrl._validate import is_int
 from flowrl.errors import (
@@ -181,7 +181,7 @@ class _Client:
     """One connection and its own tallies; ``call`` times and classifies every call."""
 
     def __init__(self, address: str) -> None:
-        from flowrl._transport.launch import connect
+        from flowrl._launch.processes import connect
 
         self.hub = connect(address)
         self.latency: dict[str, list[float]] = collections.defaultdict(list)
@@ -382,7 +382,7 @@ def _process_main(address: str, roles: Any, start: Any, cfg_json: bytes, inbox: 
 # -- the coordinator -------------------------------------------------------------------------
 def run_soak(config: SoakConfig | None = None) -> SoakReport:
     """Run the soak scenario described in this module's docstring; returns the report."""
-    from flowrl._transport.launch import connect, launch_hub
+    from flowrl._launch.processes import connect, launch_hub
 
     cfg = config or SoakConfig()
     if not isinstance(cfg, SoakConfig):

@@ -107,7 +107,7 @@ class ProcessExecutor(Executor):
             )
         for spec in pipeline.stages:
             _check_importable(spec)
-        from flowrl._transport.launch import connect
+        from flowrl._launch.processes import connect
 
         pipeline.register(hub)
         stop = self._stop
@@ -158,7 +158,7 @@ class ProcessExecutor(Executor):
             self._stop = self._ctx.Event()  # the executor can run again
 
     def default_hub(self, columns: Sequence[Column]) -> HubClient:
-        from flowrl._transport.launch import launch_hub
+        from flowrl._launch.processes import launch_hub
 
         return launch_hub(columns)
 
@@ -251,7 +251,7 @@ class _Shared(BaseManager):
 
 
 def _admission(address: str, staleness: Staleness) -> AdmissionController:
-    from flowrl._transport.launch import connect
+    from flowrl._launch.processes import connect
 
     return AdmissionController(connect(address), staleness)
 

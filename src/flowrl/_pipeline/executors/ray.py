@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, final
 
+from flowrl._launch.ray_hub import import_ray
 from flowrl._pipeline.admission import AdmissionController, Staleness
 from flowrl._pipeline.constants import MAX_RESTARTS
 from flowrl._pipeline.executors.base import Executor
@@ -52,7 +53,6 @@ from flowrl._pipeline.executors.processes import (
     outcome_of,
     worker_main,
 )
-from flowrl._transport.ray_hub import import_ray
 from flowrl.errors import ConfigError, StageError, Timeout
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class RayExecutor(Executor):
         self._stop.set()
 
     def default_hub(self, columns: Sequence[Column]) -> HubClient:
-        from flowrl._transport.ray_hub import launch_ray_hub
+        from flowrl._launch.ray_hub import launch_ray_hub
 
         return launch_ray_hub(columns)
 
@@ -349,7 +349,7 @@ class StageWorker:
         """Run the worker; returns its msgspec-encoded report or failure."""
         import ray
 
-        from flowrl._transport.launch import connect
+        from flowrl._launch.processes import connect
 
         sys.path.extend(p for p in path if p not in sys.path)
         spec: StageSpec = pickle.loads(pickled)  # imports the stage's module
@@ -392,7 +392,7 @@ class Shared:
     """The admission controller and the sample quota of a run, for every source worker."""
 
     def __init__(self, address: str, staleness: Staleness | None, max_samples: int | None):
-        from flowrl._transport.launch import connect
+        from flowrl._launch.processes import connect
 
         self._admission = (
             None if staleness is None else AdmissionController(connect(address), staleness)

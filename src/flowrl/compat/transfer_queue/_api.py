@@ -25,8 +25,8 @@ from typing import Any, TypeVar, cast
 import msgspec
 
 from flowrl._client.base import HubClient
-from flowrl._client.config import HubConfig
 from flowrl._client.inproc import Hub
+from flowrl._config import HubConfig
 from flowrl.compat.transfer_queue._client import TransferQueueClient
 from flowrl.compat.transfer_queue._directory import DirectoryServer, KeyDirectory, RemoteDirectory
 from flowrl.compat.transfer_queue._meta import KVBatchMeta
@@ -211,8 +211,8 @@ def _start(
 
 
 def _launch(placement: str, config: HubConfig) -> HubClient:
-    from flowrl._transport.launch import launch_hub
-    from flowrl._transport.ray_hub import launch_ray_hub
+    from flowrl._launch.processes import launch_hub
+    from flowrl._launch.ray_hub import launch_ray_hub
 
     if placement == "inproc":
         return Hub(config=config)
@@ -225,7 +225,7 @@ def _launch(placement: str, config: HubConfig) -> HubClient:
 
 def _join(placement: str) -> tuple[HubClient, RemoteDirectory] | None:
     """A client of the hub an earlier ``init`` started in this process tree, if any."""
-    from flowrl._transport.launch import connect
+    from flowrl._launch.processes import connect
 
     raw = os.environ.get(ADDRESS_ENV)
     addresses = json.loads(raw) if raw else None

@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from flowrl._client.batch import Batch
 from flowrl._schema.columns import Column
 from flowrl._schema.ragged import RaggedArray
-from flowrl._store.batch import Batch
 from flowrl.errors import SchemaError
 
 __all__ = ["field_columns", "import_tensordict", "read_fields", "single_sample"]

@@ -34,11 +34,11 @@ from typing import Any, final
 
 import msgspec
 
-from flowrl._client.config import HubConfig
+from flowrl._config import HubConfig
+from flowrl._launch.processes import checked_args, request_shutdown
+from flowrl._launch.specs import ControllerSpec, ServerSpec, UnitSpec
 from flowrl._schema.columns import Column
-from flowrl._transport.launch import checked_args, request_shutdown
 from flowrl._transport.remote import RPC_TIMEOUT_S, RemoteHub
-from flowrl._transport.specs import ControllerSpec, ServerSpec, UnitSpec
 from flowrl.errors import ConfigError, TransportError
 
 __all__ = ["PORTS", "PORT_TRIES", "RayServers", "import_ray", "launch_ray_hub"]
@@ -248,6 +248,6 @@ def _stop(actors: list[Any], addresses: list[str]) -> None:
 def _server_actor() -> Any:
     import ray
 
-    from flowrl._transport.ray_server import ServerHost
+    from flowrl._launch.ray_server import ServerHost
 
     return ray.remote(num_cpus=0)(ServerHost)

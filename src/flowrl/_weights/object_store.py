@@ -11,7 +11,7 @@ another node Ray first transfers the object to that node's store. Objects are im
 so a reader never sees a half-written version; a version's memory is freed once the
 registry moved on and no snapshot holds it.
 
-The same interface as the shared-memory pair (:class:`~flowrl._pipeline.weights.
+The same interface as the shared-memory pair (:class:`~flowrl._weights.sync.
 BaseWeightPublisher` / ``BaseWeightSubscriber``): ``publish``, ``publish_async``,
 ``poll``, ``sync(engine)``, ``close``. Ray is imported when a publisher or subscriber is
 made, and it connects to the running cluster (``ray.init()`` if this process is not).
@@ -24,7 +24,8 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, final
 
-from flowrl._pipeline.weights import (
+from flowrl._launch.ray_hub import import_ray
+from flowrl._weights.sync import (
     BaseWeightPublisher,
     BaseWeightSubscriber,
     TensorEntry,
@@ -33,7 +34,6 @@ from flowrl._pipeline.weights import (
     _copy_in,
     typed,
 )
-from flowrl._transport.ray_hub import import_ray
 
 if TYPE_CHECKING:
     import numpy as np

@@ -1,4 +1,4 @@
-"""Process entry point: ``python -m flowrl._transport.serve <json spec> <launcher pid>``.
+"""Process entry point: ``python -m flowrl._launch.serve <json spec> <launcher pid>``.
 
 Runs the controller or one storage unit until a Shutdown request arrives. Started by
 ``flowrl.launch_hub``; the spec is a msgspec JSON document (no pickle).
@@ -14,7 +14,7 @@ import time
 
 import msgspec
 
-from flowrl._transport.specs import ControllerSpec, ServerSpec
+from flowrl._launch.specs import ControllerSpec, ServerSpec
 
 
 def _exit_with_parent(parent: int, leftovers: str | None, interval: float = 1.0) -> None:

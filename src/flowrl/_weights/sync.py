@@ -21,7 +21,7 @@ engine (``RolloutEngine.update_weights``), so the stream never stops. Two transp
   arena, each tensor's name, dtype, shape and offset) is replaced with an atomic rename.
   Subscribers keep each arena mapped read-only, so a load is one copy from memory whose
   pages are already mapped.
-- the Ray object store on a cluster (:mod:`flowrl._pipeline.weights_ray`).
+- the Ray object store on a cluster (:mod:`flowrl._weights.object_store`).
 
 Torn-read safety (shared memory): an arena is ``flock``-ed exclusively while a version
 is written into it and shared while a subscriber reads it. The publisher writes only

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from flowrl._client.config import HubConfig, JournalConfig
+from flowrl._config import HubConfig, JournalConfig
 from flowrl._schema.columns import Column
 
 __all__ = ["ControllerSpec", "ServerSpec", "UnitSpec"]

@@ -15,12 +15,12 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
 
-from flowrl._client.config import HubConfig
+from flowrl._config import HubConfig
+from flowrl._launch.specs import ControllerSpec, ServerSpec, UnitSpec
 from flowrl._schema.columns import Column
 from flowrl._store.shm import SHM_PREFIX, shm_folder
 from flowrl._transport import wire
 from flowrl._transport.remote import RPC_TIMEOUT_S, RemoteHub
-from flowrl._transport.specs import ControllerSpec, ServerSpec, UnitSpec
 from flowrl.errors import ConfigError, TransportError
 
 __all__ = ["as_restarted", "connect", "launch_hub"]
@@ -128,7 +128,7 @@ class _Servers:
             [
                 sys.executable,
                 "-m",
-                "flowrl._transport.serve",
+                "flowrl._launch.serve",
                 msgspec.json.encode(spec).decode(),
                 str(os.getpid()),
             ],

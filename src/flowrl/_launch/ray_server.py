@@ -17,9 +17,9 @@ from typing import Any
 import msgspec
 import zmq
 
+from flowrl._launch.processes import as_restarted
+from flowrl._launch.specs import ControllerSpec, ServerSpec
 from flowrl._transport.controller_server import ControllerServer
-from flowrl._transport.launch import as_restarted
-from flowrl._transport.specs import ControllerSpec, ServerSpec
 from flowrl._transport.unit_server import UnitServer
 
 __all__ = ["BIND_WAIT_S", "ServerHost"]

@@ -1,0 +1,1 @@
+"""Weight sync between a trainer and rollout engines (no hub involved)."""

@@ -44,8 +44,9 @@ def test_only_live_leases_past_their_current_deadline_come_due() -> None:
     leases.consume(settled, settled.indices, whole=True)
     leases.take(renewed, 8.0)  # its entry at 2.0 is stale now
     assert leases.next_deadline() == 2.0  # (a stale entry may only make it early)
+    assert leases.due == 2.0  # what the controller checks before looking further
     assert leases.pop_due(5.0) is due
-    assert leases.pop_due(5.0) is None
+    assert leases.pop_due(5.0) is None and leases.due == 8.0
     leases.expire(due)
     assert state.status[2] == READY and state.queue.view().tolist() == [2]
     assert leases.pop_due(8.5) is renewed
@@ -111,11 +112,13 @@ def test_reservations_expire_uncommitted_indices_only() -> None:
     assert (res.count, res.ahead) == (6, 2)
     table.committed[a[:2] % CAP] = True
     res.committed(a[:2] % CAP)
-    assert res.next_deadline() == 1.0
+    assert res.next_deadline() == 1.0 == res.due
     assert res.expire(2.0) == 1  # the put's entry holds nothing any more; its pool is freed
+    assert res.due == 5.0
     assert (res.count, res.ahead, table.live) == (2, 0, 4)
     assert res.release(b) == 2 and res.release(b) == 0
     assert res.next_deadline() is None  # nothing reserved: the remaining entry is dropped
+    assert res.due == float("inf")
 
 
 def test_reclaiming_ahead_frees_the_pools_not_the_puts() -> None:

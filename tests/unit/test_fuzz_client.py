@@ -603,7 +603,14 @@ def bad_reads(draw: st.DrawFn, world: World) -> Case:
     if kind == "partial":  # prefixes of in-progress values: of unknown samples or columns
         indices = draw(st.one_of(st.just([3]), _bad_indices(repeats=False)))
         column = draw(st.one_of(st.sampled_from(["ids", "reward", "nope"]), junk))
-        assume(not (isinstance(indices, list) and indices == [3] and column == "ids"))
+        assume(
+            not (
+                isinstance(indices, list)
+                and indices == [3]
+                and isinstance(column, str)
+                and column == "ids"
+            )
+        )
         return Case(f"partial({indices!r}, {column!r})", lambda h: h.partial(indices, column))
     if kind == "meta":
         indices = draw(_bad_indices(repeats=False))  # reading a sample twice is fine

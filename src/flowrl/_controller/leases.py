@@ -16,6 +16,7 @@ Invariant: a sample is in at most one live lease per task (the table's property 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -70,6 +71,7 @@ class Leases:
         self.live: dict[int, Lease] = {}
         self.next_id = 1
         self._deadlines: list[tuple[float, int]] = []
+        self.due = math.inf  # the earliest deadline in the heap (maybe a stale entry's)
         self._tasks = tasks
         self._capacity = capacity
         self._emit = emit
@@ -115,12 +117,14 @@ class Leases:
         """Hold ``lease`` as live, due at its deadline (a snapshot restores them so)."""
         self.live[lease.id] = lease
         heapq.heappush(self._deadlines, (lease.deadline, lease.id))
+        self.due = self._deadlines[0][0]
 
     def take(self, lease: Lease, deadline: float) -> None:
         """Hand a waiting balanced part to its rank, due at ``deadline`` from now on."""
         lease.taken = True
         lease.deadline = deadline
         heapq.heappush(self._deadlines, (deadline, lease.id))
+        self.due = self._deadlines[0][0]
         self._emit(LeaseTaken, task=lease.task, lease=lease.id, deadline=deadline)
 
     def get(self, task: str, lease_id: int, what: str) -> Lease:
@@ -167,6 +171,7 @@ class Leases:
         deadlines = self._deadlines
         while deadlines and deadlines[0][0] <= now:
             deadline, lid = heapq.heappop(deadlines)
+            self.due = deadlines[0][0] if deadlines else math.inf
             lease = self.live.get(lid)
             if lease is not None and lease.deadline == deadline:
                 return lease
@@ -178,6 +183,7 @@ class Leases:
         deadlines = self._deadlines
         while deadlines and deadlines[0][1] not in self.live:
             heapq.heappop(deadlines)
+        self.due = deadlines[0][0] if deadlines else math.inf
         return deadlines[0][0] if deadlines else None
 
     def held_by_others(self, task: str, consumer: str = "") -> bool:

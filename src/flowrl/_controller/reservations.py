@@ -12,6 +12,7 @@ them later is refused and reserves afresh.
 from __future__ import annotations
 
 import collections
+import math
 
 import numpy as np
 
@@ -33,6 +34,7 @@ class Reservations:
         self._is_ahead = np.zeros(table.capacity, dtype=bool)  # by slot
         # (deadline, indices, pooled): pooled ones were reserved ahead
         self._held: collections.deque[tuple[float, np.ndarray, bool]] = collections.deque()
+        self.due = math.inf  # the first reservation's deadline
 
     def hold(self, indices: np.ndarray, n: int, deadline: float) -> None:
         """Count a put's first ``n`` of ``indices`` and the rest, reserved ahead, as
@@ -44,6 +46,7 @@ class Reservations:
             self._is_ahead[ahead % self._table.capacity] = True
             self.ahead += int(ahead.size)
             self._held.append((deadline, ahead, True))
+        self.due = self._held[0][0]
 
     def placed(self, n: int) -> None:
         """Count ``n`` indices a journal's replay placed, to be committed at once."""
@@ -79,12 +82,14 @@ class Reservations:
         count = 0
         while held and held[0][0] <= now:
             count += self.release(held.popleft()[1]) > 0
+        self.due = held[0][0] if held else math.inf
         return count
 
     def next_deadline(self) -> float | None:
         """When the next reservation expires (None: nothing is reserved)."""
         if not self.count:
             self._held.clear()  # every reservation was committed or aborted
+            self.due = math.inf
         return self._held[0][0] if self._held else None
 
     def _settle_ahead(self, slots: np.ndarray) -> None:

@@ -11,26 +11,10 @@ import json
 from pathlib import Path
 
 import pytest
+from grpo_runs import TINY, step_metrics
 
 from flowrl.errors import ConfigError
 from flowrl.recipes.grpo_arith import GRPOConfig, main, run
-
-TINY = {
-    "steps": 3,
-    "prompts_per_step": 2,
-    "group_size": 4,
-    "rollout_batch": 4,
-    "clean_steps": 5,
-    "noisy_steps": 2,
-    "eval_size": 8,
-    "progress": False,
-    "log_every": 0,
-}
-
-
-def _metrics(run_dir: str | Path) -> list[dict]:
-    lines = [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [m for m in lines if "summary" not in m]
 
 
 def test_torch_engines_run_a_llama_with_tis(tmp_path: Path) -> None:
@@ -49,7 +33,7 @@ def test_torch_engines_run_a_llama_with_tis(tmp_path: Path) -> None:
     assert summary["steps"] == 3 and summary["lag_max"] <= 1
     n = TINY["steps"] * TINY["prompts_per_step"] * TINY["group_size"]
     assert summary["stage_samples"]["Rollout"] >= n
-    metrics = _metrics(summary["run_dir"])
+    metrics = step_metrics(summary["run_dir"])
     assert [m["version"] for m in metrics] == [1, 2, 3]  # one published version per step
     for m in metrics:
         assert 0.0 <= m["reward"] <= 1.0 and m["n_tokens"] > 0
@@ -69,7 +53,7 @@ def test_engine_appends_change_nothing_that_is_sampled_or_trained(tmp_path: Path
     a = run(GRPOConfig(**sync, append_every=0, out=str(tmp_path)))
     b = run(GRPOConfig(**sync, append_every=1, out=str(tmp_path)))
     keys = ("reward", "loss", "kl_ref", "n_tokens", "version", "lag_max", "token_lag_mean")
-    ma, mb = _metrics(a["run_dir"]), _metrics(b["run_dir"])
+    ma, mb = step_metrics(a["run_dir"]), step_metrics(b["run_dir"])
     assert [[m[k] for k in keys] for m in ma] == [[m[k] for k in keys] for m in mb]
     assert a["eval_greedy_after"] == b["eval_greedy_after"]
 
@@ -86,10 +70,10 @@ def test_deepspeed_trainer_resumes_its_checkpoint_exactly(tmp_path: Path, capsys
     resumed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert resumed["resumed_from"] == 2 and resumed["steps"] == 3
     keys = ("reward", "loss", "kl_ref", "n_tokens", "version", "grad_norm")
-    got = [m[k] for m in _metrics(resumed["run_dir"]) for k in keys]
-    want = [m[k] for m in _metrics(whole["run_dir"]) for k in keys]
+    got = [m[k] for m in step_metrics(resumed["run_dir"]) for k in keys]
+    want = [m[k] for m in step_metrics(whole["run_dir"]) for k in keys]
     assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
-    for m in _metrics(whole["run_dir"]):  # on-policy: the sampler's log-probs are pi_old's
+    for m in step_metrics(whole["run_dir"]):  # on-policy: the sampler's log-probs are pi_old's
         assert m["is_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
         assert m["is_truncated_fraction"] == 0.0
 

@@ -10,26 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from grpo_runs import TINY, step_metrics
 
 from flowrl.errors import Timeout
 from flowrl.recipes.grpo_arith import GRPOConfig, main, run
 
-TINY = {
-    "steps": 3,
-    "prompts_per_step": 2,
-    "group_size": 4,
-    "rollout_batch": 4,
-    "clean_steps": 5,
-    "noisy_steps": 2,
-    "eval_size": 8,
-    "progress": False,
-}
 KEYS = ("reward", "loss", "kl_ref", "clip_fraction", "n_tokens", "version", "lag_max")
-
-
-def _metrics(run_dir: str | Path) -> list[dict]:
-    lines = [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [m for m in lines if "summary" not in m]
 
 
 def _argv(**overrides: object) -> list[str]:
@@ -50,7 +36,7 @@ def test_synchronous_run_is_reproducible_for_a_seed_with_or_without_appends(
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         Path(s["run_dir"]).name for s in (a, b)
     )
-    ma, mb = _metrics(a["run_dir"]), _metrics(b["run_dir"])
+    ma, mb = step_metrics(a["run_dir"]), step_metrics(b["run_dir"])
     assert [[m[k] for k in KEYS] for m in ma] == [[m[k] for k in KEYS] for m in mb]
     assert a["eval_greedy_after"] == b["eval_greedy_after"]
     assert a["lag_max"] == 0  # on-policy: every trained sample came from the current weights
@@ -111,7 +97,7 @@ def test_step_sizes_that_used_to_hang_make_progress(tmp_path: Path, shape: dict)
     cfg = GRPOConfig(**{**TINY, **shape}, stall_timeout=60.0, out=str(tmp_path))
     summary = run(cfg)
     assert summary["steps"] == 3
-    assert len(_metrics(summary["run_dir"])) == 3
+    assert len(step_metrics(summary["run_dir"])) == 3
 
 
 def test_a_run_that_stops_making_progress_raises_a_diagnosis(tmp_path: Path) -> None:
@@ -137,7 +123,7 @@ def test_a_checkpointed_run_resumes_where_it_stopped(tmp_path: Path, capsys) -> 
 
     assert resumed["run_dir"] == first["run_dir"] and resumed["resumed_from"] == 2
     assert resumed["steps"] == 4 and resumed["stage_samples"]["Rollout"] >= 2 * 8
-    whole_m, resumed_m = _metrics(whole["run_dir"]), _metrics(resumed["run_dir"])
+    whole_m, resumed_m = step_metrics(whole["run_dir"]), step_metrics(resumed["run_dir"])
     assert [m["step"] for m in resumed_m] == [0, 1, 2, 3]
     assert [[m[k] for k in KEYS] for m in resumed_m] == [[m[k] for k in KEYS] for m in whole_m]
 

@@ -166,7 +166,11 @@ def test_a_killed_engine_worker_is_resumed_from_its_appended_prefix(
             assert EOS not in got["response"][:-1]
             mixed += n > m
         assert mixed >= 1
-        for i in set(rows) - set(victim["indices"]):  # the others: one version each
-            assert len(set(rows[i]["response_versions"])) == 1
+        # The others: the other worker may be mid-generation when version 1 lands (the
+        # victim publishes it before dying), so a response may switch once, never back.
+        for i in set(rows) - set(victim["indices"]):
+            versions = rows[i]["response_versions"]
+            assert versions == sorted(versions) and set(versions) <= {0, 1}, versions
+            assert sample_versions[i] == versions[0]  # as old as its oldest token
     finally:
         hub.close()

@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-RECIPES = {"grpo": "flowrl.recipes.grpo_arith"}
+RECIPES = {"grpo": "flowrl.recipes.grpo_cli"}  # modules with main(argv); light to import
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -262,3 +262,26 @@ def test_main_job_on_the_megatron_trainer_resumes_its_checkpoint_exactly(
     assert [m["version"] for m in metrics(whole["run_dir"])] == [1, 2, 3]
     got = [m[k] for m in metrics(resumed["run_dir"]) for k in keys]
     assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
+
+
+def test_a_cpu_user_sees_none_of_megatrons_gpu_kernel_notices() -> None:
+    """Megatron-core warns, on import and per GPT it builds, that Transformer Engine and Apex
+    are absent and a CUDA-graph default is deprecated: noise without a GPU. (Python's
+    default filters, as a user runs it: its DeprecationWarnings stay hidden.)"""
+    import subprocess
+    import sys
+
+    code = (
+        "from flowrl.engines import MegatronUpdateEngine\n"
+        "from flowrl.models.hf import tiny_llama\n"
+        "model = tiny_llama(vocab_size=16, hidden_size=64, n_layers=1, n_heads=2, n_kv_heads=2)\n"
+        "MegatronUpdateEngine(model).close()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
+    assert "UserWarning" not in done.stderr, done.stderr

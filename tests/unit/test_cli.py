@@ -6,13 +6,20 @@ failed after the 30 s warm-up with an internal traceback (or hung forever).
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import msgspec
 import pytest
+from grpo_runs import TINY
 
 from flowrl.__main__ import main
 from flowrl.errors import ConfigError
+from flowrl.recipes.grpo_cli import check_out_folder
 from flowrl.recipes.grpo_config import GRPOConfig, flag, groups_per_put
 
 
@@ -57,6 +64,10 @@ def test_other_help_pages_still_work(capsys) -> None:
             "--hub-capacity 256",
         ),
         (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+        # inf and nan pass every comparison check; inf failed after the warm-up
+        (["--lr", "inf"], "--lr inf: expected a finite number"),
+        (["--kl-coef", "nan"], "--kl-coef nan: expected a finite number"),
+        (["--engine", "PATH"], "argument --engine: invalid choice: 'PATH'"),
     ],
 )
 def test_a_bad_configuration_is_refused_before_anything_runs(capsys, argv, says) -> None:
@@ -99,3 +110,93 @@ def test_an_unknown_recipe_or_no_command_is_a_usage_error(capsys, argv, says) ->
         main(argv)
     assert exit_.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_engine_flags_show_their_choices_in_the_help(capsys) -> None:
+    text = _help(capsys, ["run", "grpo", "--help"])
+    assert "--engine {builtin,torch,vllm}" in text
+    assert "--trainer {builtin,torch,deepspeed,megatron}" in text
+    assert "--model {tinylm,llama}" in text
+
+
+@pytest.mark.parametrize(
+    ("out", "says"),
+    [
+        ("{file}", "expected a folder, but the path is a file"),
+        ("{file}/runs", "expected a folder, but the path is under {file}, which is a file"),
+    ],
+)
+def test_an_out_that_cannot_hold_runs_is_refused_with_the_other_flags(
+    tmp_path: Path, capsys, out: str, says: str
+) -> None:
+    file = tmp_path / "a-file"
+    file.write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "grpo", "--out", out.format(file=file)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"flowrl run grpo: error: --out '{out.format(file=file)}': " in err
+    assert says.format(file=file) in err and "Traceback" not in err
+
+
+def test_an_unwritable_out_is_refused(tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if os.access(locked, os.W_OK):  # root writes anywhere
+        pytest.skip("this user can write in a 0500 folder (root)")
+    with pytest.raises(ConfigError, match="this user cannot create folders in"):
+        check_out_folder(str(locked / "runs"))
+
+
+def test_help_and_argument_errors_do_not_import_torch() -> None:
+    code = (
+        "import sys\n"
+        "from flowrl.__main__ import main\n"
+        "for argv in (['run', 'grpo', '--help'], ['run', 'grpo', '--steps', 'x'],"
+        " ['run', 'grpo', '--lr', '-1']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print('torch' in sys.modules, file=sys.stderr)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stderr.strip().splitlines()[-1] == "False", done.stderr
+
+
+def test_ctrl_c_ends_the_run_with_one_line_saying_how_to_resume(tmp_path: Path) -> None:
+    argv = [
+        *(f"--{k.replace('_', '-')}={v}" for k, v in TINY.items() if k != "progress"),
+        "--steps=1000",
+        "--log-every=1",
+        "--checkpoint-every=1",
+        f"--out={tmp_path}",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flowrl", "run", "grpo", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # wait until two steps are done (so one is checkpointed)
+            if re.match(r"step +2/1000 ", line):
+                break
+        else:
+            pytest.fail(f"the run ended before step 2: {proc.wait()}")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130
+    lines = [ln for ln in err.splitlines() if ln.startswith("flowrl run grpo:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    run_dir = next(tmp_path.iterdir())
+    assert lines[0].startswith("flowrl run grpo: interrupted after ")
+    assert lines[0].endswith(f"with: flowrl run grpo --resume {run_dir}")
+    assert "\r" not in err  # stderr is a pipe: no progress-bar frames

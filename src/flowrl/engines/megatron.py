@@ -31,7 +31,9 @@ engines. Megatron is imported only when an engine is constructed.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, final
 
@@ -66,14 +68,15 @@ class MegatronUpdateEngine(TokenWeightedTrainer):
         pad_id: int = 0,
         backend: str | None = None,
     ) -> None:
-        try:
-            from megatron.core import parallel_state
-        except ImportError as exc:
-            raise ConfigError(f"MegatronUpdateEngine needs megatron-core: {_INSTALL}") from exc
-        self.shape = LlamaShape.of(_llama_config(model))
-        self._owns_parallel_state = _init_parallel(backend)
-        self._dp_group = parallel_state.get_data_parallel_group()
-        self.model = _build_gpt(self.shape)
+        with _quiet_on_cpu():
+            try:
+                from megatron.core import parallel_state
+            except ImportError as exc:
+                raise ConfigError(f"MegatronUpdateEngine needs megatron-core: {_INSTALL}") from exc
+            self.shape = LlamaShape.of(_llama_config(model))
+            self._owns_parallel_state = _init_parallel(backend)
+            self._dp_group = parallel_state.get_data_parallel_group()
+            self.model = _build_gpt(self.shape)
         device = next(model.parameters()).device
         self.model.to(device)
         weights = hf_to_megatron(dict(module_weights(model)), self.shape)
@@ -252,6 +255,20 @@ def _llama_config(model: torch.nn.Module) -> Any:
             f"{type(model).__name__}; use TorchUpdateEngine for other models"
         )
     return config
+
+
+# What Megatron-core says on every CPU run: its fused GPU kernels (Transformer Engine,
+# Apex) are absent, and the local layer spec's default CUDA-graph scope is deprecated.
+_CPU_NOISE = r"((Transformer Engine and Apex are|Apex is) not installed|full scope is deprecated)"
+
+
+@contextlib.contextmanager
+def _quiet_on_cpu() -> Iterator[None]:
+    """Silence Megatron-core's warnings about GPU-only kernels when there is no GPU."""
+    with warnings.catch_warnings():
+        if not torch.cuda.is_available():
+            warnings.filterwarnings("ignore", message=_CPU_NOISE, category=UserWarning)
+        yield
 
 
 def _init_parallel(backend: str | None) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,7 +32,12 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 
 
 def _parser(
-    cls: type[C], prog: str, description: str, *, defaults: bool
+    cls: type[C],
+    prog: str,
+    description: str,
+    *,
+    defaults: bool,
+    choices: Mapping[str, Sequence[str]],
 ) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=_Formatter)
     for field in msgspec.inspect.type_info(cls).fields:  # type: ignore[attr-defined]
@@ -46,8 +51,16 @@ def _parser(
             )
         else:
             metavar = {int: "N", float: "X"}.get(type(field.default), "PATH")
+            allowed = choices.get(field.name)
+            if allowed is not None:  # the help shows {a,b,c}; argparse refuses the rest
+                metavar = "{" + ",".join(allowed) + "}"
             parser.add_argument(
-                flag, type=type(field.default), default=default, help=help_text, metavar=metavar
+                flag,
+                type=type(field.default),
+                default=default,
+                help=help_text,
+                metavar=metavar,
+                choices=allowed,
             )
     parser.add_argument(
         "--resume",
@@ -66,12 +79,17 @@ def parse_config(
     prog: str,
     description: str,
     read_saved: Callable[[Path], dict[str, Any]],
+    choices: Mapping[str, Sequence[str]] | None = None,
 ) -> tuple[C, str | None]:
-    """The config (and ``--resume`` folder) of ``argv``; a bad one exits with status 2."""
-    parser = _parser(cls, prog, description, defaults=True)
+    """The config (and ``--resume`` folder) of ``argv``; a bad one exits with status 2.
+
+    ``choices``: the values a string field accepts (its flag's help lists them).
+    """
+    choices = choices or {}
+    parser = _parser(cls, prog, description, defaults=True, choices=choices)
     args = vars(parser.parse_args(argv))
     resume = args.pop("resume", None)
-    given = vars(_parser(cls, prog, description, defaults=False).parse_args(argv))
+    given = vars(_parser(cls, prog, description, defaults=False, choices=choices).parse_args(argv))
     given.pop("resume", None)
     try:
         if resume is not None:

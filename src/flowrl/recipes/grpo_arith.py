@@ -47,7 +47,6 @@ depends on timing, and so does each micro-batch's random stream.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -58,7 +57,7 @@ import torch
 
 import flowrl
 from flowrl import Loader, Timeline, WeightStore
-from flowrl.errors import ConfigError, Timeout
+from flowrl.errors import ConfigError
 from flowrl.recipes.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -67,7 +66,7 @@ from flowrl.recipes.checkpoint import (
     save_checkpoint,
     write_config,
 )
-from flowrl.recipes.cli import config_errors, parse_config
+from flowrl.recipes.grpo_cli import main
 from flowrl.recipes.grpo_config import GRPOConfig, check_resumable
 from flowrl.recipes.grpo_rollout import RolloutBackend
 from flowrl.recipes.grpo_stages import (
@@ -79,12 +78,13 @@ from flowrl.recipes.grpo_stages import (
 )
 from flowrl.recipes.grpo_trainer import Trainer, evaluate, update_policy
 from flowrl.recipes.grpo_update import checkpoint_globals
-from flowrl.recipes.progress import bar, format_step, log, log_to_stderr
+from flowrl.recipes.progress import bar, format_step, log
 from flowrl.recipes.stall import next_batch
 from flowrl.tasks import ArithTask
 
 __all__ = [
     "GRPOConfig",
+    "Interrupted",
     "build_pipeline",
     "build_scheduler",
     "main",
@@ -108,6 +108,48 @@ def run(cfg: GRPOConfig, *, resume: str | Path | None = None) -> dict[str, Any]:
     t_start = time.perf_counter()
     run_dir, checkpoint = _open_run(cfg, resume)
     log.info("run folder: %s", run_dir)
+    try:
+        return _train(cfg, run_dir, checkpoint, resume, t_start)
+    except KeyboardInterrupt:
+        raise Interrupted(run_dir) from None
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the run (a ``KeyboardInterrupt`` still); its folder can be resumed."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        try:  # one line per step, then the summary
+            with open(run_dir / "metrics.jsonl") as f:
+                self.steps_done = sum(1 for line in f if not line.startswith('{"summary"'))
+        except FileNotFoundError:  # stopped in the warm-up
+            self.steps_done = 0
+        try:
+            self.checkpoint: Path | None = latest_checkpoint(run_dir)
+        except ConfigError:
+            self.checkpoint = None
+        super().__init__(self.advice())
+
+    def advice(self) -> str:
+        """One line: where the run stopped and how to go on."""
+        if self.checkpoint is None:
+            return (
+                f"interrupted after {self.steps_done} steps, before the first checkpoint "
+                f"(--checkpoint-every); start a new run (this one is in {self.run_dir})"
+            )
+        return (
+            f"interrupted after {self.steps_done} steps; continue from the latest checkpoint "
+            f"({self.checkpoint.name}) with: flowrl run grpo --resume {self.run_dir}"
+        )
+
+
+def _train(
+    cfg: GRPOConfig,
+    run_dir: Path,
+    checkpoint: dict[str, Any] | None,
+    resume: str | Path | None,
+    t_start: float,
+) -> dict[str, Any]:
     task = ArithTask(digits=(1, cfg.max_digits), seed=cfg.seed)
     held_out = ArithTask(digits=(1, cfg.max_digits), seed=10_000 + cfg.seed).sample(cfg.eval_size)
     max_new = task.max_response_len + 1
@@ -264,8 +306,13 @@ def _session_figures(
 def _open_run(cfg: GRPOConfig, resume: str | Path | None) -> tuple[Path, dict[str, Any] | None]:
     """A fresh run folder, or the resumed run's folder and its latest checkpoint."""
     if resume is None:
-        run_dir = new_run_dir(cfg.out)
-        write_config(run_dir, cfg)
+        try:
+            run_dir = new_run_dir(cfg.out)
+            write_config(run_dir, cfg)
+        except OSError as exc:  # a file in the way, a read-only mount, a full disk
+            raise ConfigError(
+                f"--out {cfg.out!r}: cannot create a run folder there ({exc})"
+            ) from None
         return run_dir, None
     run_dir = Path(resume)
     check_resumable(read_config(run_dir), cfg)
@@ -296,33 +343,3 @@ def _abandon(run_: Any, loader: Loader, hub: flowrl.Hub) -> None:
     except BaseException as exc:  # the first failure is the one raised
         log.debug("the pipeline also failed while stopping: %s", exc)
     hub.close()
-
-
-PROG = "flowrl run grpo"
-DESCRIPTION = """\
-GRPO on CPU, streaming through the embedded hub: a small transformer learns multi-digit
-addition (a supervised warm-up, then RL steps; see docs/grpo.md).
-
-Each run writes OUT/<timestamp>/: config.json, metrics.jsonl (one line per step),
-checkpoints/ and timeline.png. Progress bars and log lines go to stderr; the last line of
-stdout is the JSON summary.
-
-examples:
-  flowrl run grpo                                   one-step-off streaming (max staleness 1)
-  flowrl run grpo --max-staleness 0                 synchronous, reproducible for a --seed
-  flowrl run grpo --resume runs/grpo/20260101-120000 --steps 400   continue a run"""
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``flowrl run grpo [options]``: run the job, print the JSON summary on stdout."""
-    cfg, resume = parse_config(
-        GRPOConfig, argv, prog=PROG, description=DESCRIPTION, read_saved=read_config
-    )
-    try:
-        with log_to_stderr(), config_errors(PROG):
-            summary = run(cfg, resume=resume)
-    except Timeout as exc:  # the run stalled: the message is the diagnosis
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(summary))
-    return 0

@@ -24,6 +24,7 @@ fit (what the checks guard):
 from __future__ import annotations
 
 import importlib.util
+import math
 from typing import Annotated, Any
 
 import msgspec
@@ -194,6 +195,8 @@ def _check_types(cfg: GRPOConfig) -> None:
         ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
         if kind is float:
             ok = isinstance(value, int | float) and not isinstance(value, bool)
+            if ok and not math.isfinite(value):  # inf / nan pass every comparison check
+                raise _refuse(field, value, f"a finite number (like {default!r})")
         if not ok:
             raise _refuse(field, value, f"a {kind.__name__} (like {default!r})")
 

@@ -21,7 +21,7 @@ from flowrl._weights.sync import load_named
 from flowrl.models import TinyLM, TinyLMConfig, as_causal_lm, generate
 from flowrl.recipes.grpo_config import LLAMA_HEAD_DIM, MAX_SEQ_LEN, N_HEADS, GRPOConfig
 from flowrl.recipes.grpo_update import PolicyUpdate, make_update, update_policy
-from flowrl.recipes.progress import bar, log
+from flowrl.recipes.progress import bar, log, quarter_logger
 from flowrl.tasks import EOS_ID, VOCAB_SIZE, ArithTask, pretrain, verify
 
 __all__ = ["Trainer", "build_model", "evaluate", "update_policy", "warm_up"]
@@ -143,9 +143,10 @@ def warm_up(cfg: GRPOConfig, model: torch.nn.Module, task: ArithTask) -> None:
         100 * cfg.noise,
     )
     with bar(total, "warm-up", enabled=cfg.progress) as warm_bar:
-        pretrain(
-            model, task, cfg.clean_steps, lr=3e-3, noise=0.0, seed=cfg.seed, on_step=warm_bar.update
-        )
+        on_step = warm_bar.update
+        if cfg.progress and warm_bar.disable:  # stderr redirected: a line per quarter instead
+            on_step = quarter_logger(total, "warm-up")
+        pretrain(model, task, cfg.clean_steps, lr=3e-3, noise=0.0, seed=cfg.seed, on_step=on_step)
         pretrain(
             model,
             task,
@@ -153,7 +154,7 @@ def warm_up(cfg: GRPOConfig, model: torch.nn.Module, task: ArithTask) -> None:
             lr=3e-4,
             noise=cfg.noise,
             seed=cfg.seed + 1,
-            on_step=warm_bar.update,
+            on_step=on_step,
         )
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from tqdm import tqdm
 
-__all__ = ["bar", "format_step", "log", "log_to_stderr"]
+__all__ = ["bar", "format_step", "log", "log_to_stderr", "quarter_logger"]
 
 log = logging.getLogger("flowrl.recipes")
 
@@ -44,8 +44,25 @@ def log_to_stderr(level: int = logging.INFO) -> Iterator[None]:
 
 
 def bar(total: int, desc: str, *, enabled: bool, unit: str = "step") -> tqdm[Any]:
-    """A progress bar on stderr (a no-op object when not ``enabled``)."""
-    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, file=sys.stderr)
+    """A progress bar on stderr; a no-op object when not ``enabled`` or when stderr is not
+    a terminal (a redirected stderr would fill with hundreds of ``\\r`` frames)."""
+    shown = enabled and sys.stderr.isatty()
+    return tqdm(total=total, desc=desc, unit=unit, disable=not shown, file=sys.stderr)
+
+
+def quarter_logger(total: int, desc: str) -> Callable[[], None]:
+    """A per-step callback that logs ``desc: N/total`` at each quarter of ``total``: the
+    progress a bar would show, as a few lines where no bar is drawn."""
+    marks = {max(1, round(total * q / 4)) for q in (1, 2, 3, 4)}
+    done = 0
+
+    def step() -> None:
+        nonlocal done
+        done += 1
+        if done in marks:
+            log.info("%s: %d/%d", desc, done, total)
+
+    return step
 
 
 def format_step(m: Mapping[str, Any], steps: int) -> str:

@@ -21,7 +21,13 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 # low -> high; see docs/design.md for what each room is for
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("flowrl.errors", "flowrl._validate", "flowrl._config", "flowrl._folder_lock"),
+    (
+        "flowrl.errors",
+        "flowrl._validate",
+        "flowrl._config",
+        "flowrl._folder_lock",
+        "flowrl.tracking",
+    ),
     ("flowrl._schema",),
     ("flowrl.events", "flowrl.hooks", "flowrl._observers"),
     ("flowrl.sched",),

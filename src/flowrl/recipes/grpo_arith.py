@@ -46,10 +46,9 @@ depends on timing, and so does each micro-batch's random stream.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -81,6 +80,13 @@ from flowrl.recipes.grpo_update import checkpoint_globals
 from flowrl.recipes.progress import bar, format_step, log
 from flowrl.recipes.stall import next_batch
 from flowrl.tasks import ArithTask
+from flowrl.tracking import (
+    ConsoleTracker,
+    JsonlTracker,
+    Tracker,
+    Tracking,
+    parse_backends,
+)
 
 __all__ = [
     "GRPOConfig",
@@ -179,7 +185,7 @@ def _train(
         groups=cfg.group_size,
         timeout=cfg.stall_timeout,
     )
-    metrics_file = _metrics_file(run_dir, trainer.metrics)
+    tracking = _tracking(cfg, run_dir, trainer.metrics)
     t_rl = time.time()
     run_ = pipe.start(hub, loaders=[loader], max_samples=(cfg.steps - start) * batch_size)
     steps_bar = bar(cfg.steps, "grpo", enabled=cfg.progress)
@@ -209,13 +215,10 @@ def _train(
             )
             step_start, step_cpu = time.time(), time.process_time()
             trainer.finish_step(m)
-            metrics_file.write(json.dumps(m) + "\n")
-            metrics_file.flush()
+            tracking.log(m, step=trainer.step)
             steps_bar.set_postfix(reward=f"{m['reward']:.3f}", lag=f"{m['lag_mean']:.2f}")
             steps_bar.update(1)
             done = trainer.step
-            if cfg.log_every and (done % cfg.log_every == 0 or done == cfg.steps):
-                log.info("%s", format_step(m, cfg.steps))
             if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
                 saved = save_checkpoint(run_dir, done, trainer.state_dict(cfg))
         steps_bar.close()
@@ -225,7 +228,7 @@ def _train(
         policy = trainer.policy()  # the trained weights, before the engines close
     except BaseException:
         steps_bar.close()
-        metrics_file.close()
+        tracking.finish()
         _abandon(run_, loader, hub)
         raise
     finally:
@@ -249,8 +252,10 @@ def _train(
         "timeline_png": str(run_dir / "timeline.png"),
         "sched": None if scheduler is None else msgspec.to_builtins(scheduler.statistics()),
     }
-    metrics_file.write(json.dumps({"summary": summary}) + "\n")
-    metrics_file.close()
+    jsonl = tracking.trackers.get("jsonl")
+    if isinstance(jsonl, JsonlTracker):
+        jsonl.write_line({"summary": summary})
+    tracking.finish()
     hub.close()
     log.info(
         "done: reward %.3f -> %.3f, held-out greedy accuracy %.3f -> %.3f; outputs in %s",
@@ -326,12 +331,25 @@ def _open_run(cfg: GRPOConfig, resume: str | Path | None) -> tuple[Path, dict[st
     return run_dir, state
 
 
-def _metrics_file(run_dir: Path, metrics: list[dict[str, Any]]) -> IO[str]:
-    """``metrics.jsonl`` holding the lines of ``metrics`` (a resumed run's so far)."""
-    f = open(run_dir / "metrics.jsonl", "w")  # noqa: SIM115 - closed by run()
-    for m in metrics:
-        f.write(json.dumps(m) + "\n")
-    return f
+def _tracking(cfg: GRPOConfig, run_dir: Path, metrics: list[dict[str, Any]]) -> Tracking:
+    """The run's metrics sinks (``--logger``); a resumed run's steps so far are kept in
+    ``metrics.jsonl``, and the console line is the recipe's own, every ``--log-every``."""
+    sinks: list[str | Tracker] = []
+    for name in parse_backends(cfg.logger):
+        if name == "console":
+            sinks.append(
+                ConsoleTracker(
+                    every=cfg.log_every,
+                    last=cfg.steps,
+                    format=lambda m, step: format_step(m, cfg.steps),
+                    logger=log,
+                )
+            )
+        elif name == "jsonl":
+            sinks.append(JsonlTracker(run_dir / "metrics.jsonl", history=metrics))
+        else:
+            sinks.append(name)
+    return Tracking(sinks, run_dir=run_dir, config=msgspec.to_builtins(cfg))
 
 
 def _abandon(run_: Any, loader: Loader, hub: flowrl.Hub) -> None:

@@ -31,6 +31,7 @@ import msgspec
 from msgspec import Meta
 
 from flowrl.errors import ConfigError
+from flowrl.tracking import parse_backends
 
 __all__ = [
     "ENGINES",
@@ -60,6 +61,8 @@ _NEEDS = {
     "deepspeed": ("deepspeed", "pip install 'flowrl[deepspeed]'"),
     "megatron": ("megatron", "pip install 'flowrl[megatron]' (see docs/engines.md#megatron-core)"),
     "llama": ("transformers", "pip install 'flowrl[hf]'"),
+    "tensorboard": ("tensorboard", "pip install 'flowrl[tensorboard]'"),
+    "wandb": ("wandb", "pip install 'flowrl[wandb]'"),
 }
 
 
@@ -108,7 +111,18 @@ class GRPOConfig(msgspec.Struct, frozen=True, kw_only=True):
     out: Annotated[str, Meta(description="parent folder; each run writes OUT/<timestamp>/")] = (
         "runs/grpo"
     )
-    progress: Annotated[bool, Meta(description="show progress bars")] = True
+    progress: Annotated[
+        bool, Meta(description="show progress bars (when stderr is a terminal)")
+    ] = True
+    logger: Annotated[
+        str,
+        Meta(
+            description="metrics sinks, comma-separated: console (a line every --log-every "
+            "steps), jsonl (metrics.jsonl), tensorboard (OUT/<run>/tensorboard), wandb "
+            "(WANDB_MODE=offline works without a network), or a name added with "
+            "flowrl.tracking.register_backend"
+        ),
+    ] = "console,jsonl"
     engine: Annotated[
         str,
         Meta(
@@ -156,6 +170,7 @@ RESUMABLE_FIELDS = frozenset(
         "checkpoint_every",
         "out",
         "progress",
+        "logger",
     }
 )
 
@@ -246,6 +261,10 @@ def _check_values(cfg: GRPOConfig) -> None:
         raise _refuse("kl_coef", cfg.kl_coef, "a number >= 0")
     if not cfg.out:
         raise _refuse("out", cfg.out, "a folder")
+    try:
+        parse_backends(cfg.logger)
+    except ConfigError as exc:
+        raise ConfigError(f"{flag('logger')} {cfg.logger!r}: {exc}") from None
     if not cfg.tis_cap >= 0:
         raise _refuse("tis_cap", cfg.tis_cap, "a number >= 0", "0 turns the correction off")
     if not 0 <= cfg.zero_stage <= 3:
@@ -285,8 +304,9 @@ def _check_engines(cfg: GRPOConfig) -> None:
             f"a multiple of {LLAMA_HEAD_DIM} with {flag('model')} llama",
             f"its attention heads are {LLAMA_HEAD_DIM} wide",
         )
-    for field in ("engine", "trainer", "model"):
-        value = getattr(cfg, field)
+    chosen = [(f, getattr(cfg, f)) for f in ("engine", "trainer", "model")]
+    chosen += [("logger", name) for name in parse_backends(cfg.logger)]
+    for field, value in chosen:
         if value in _NEEDS and importlib.util.find_spec(_NEEDS[value][0]) is None:
             module, install = _NEEDS[value]
             raise ConfigError(

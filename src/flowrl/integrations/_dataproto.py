@@ -28,7 +28,7 @@ schema and layout                   ``meta_info["flowrl:schema"]``: equal for ba
 ``from_dataproto`` takes any DataProto: the keys ``to_dataproto`` wrote come back as the
 columns they were; every other key (a batch verl built, fields verl added) becomes the
 column ``_dataproto_infer`` gives it, and verl's padded ``prompts``/``responses`` become
-ragged token columns whose lengths come from ``attention_mask``.
+ragged token columns whose lengths come from ``attention_mask`` (``_dataproto_padded``).
 """
 
 from __future__ import annotations
@@ -44,6 +44,13 @@ from flowrl._schema.encode import encode
 from flowrl._schema.ragged import RaggedArray
 from flowrl.errors import ConfigError, SchemaError
 from flowrl.integrations._dataproto_infer import infer_array, infer_tensor, unnest
+from flowrl.integrations._dataproto_padded import (
+    LAYOUT_KEYS,
+    tensor_keys,
+    unpad,
+    verl_sequence_columns,
+    verl_sequences,
+)
 from flowrl.integrations._dataproto_rows import ROWS_KEY, TASK_KEY, batch_meta, rows_of
 from flowrl.integrations._verl_compat import require_verl
 
@@ -51,8 +58,6 @@ __all__ = ["Layout", "from_dataproto", "to_dataproto"]
 
 Layout = Literal["padded", "nopad"]
 META_KEY = "flowrl:schema"
-# from_dataproto unpads with these three: in the padded layout they are never a column
-_LAYOUT_KEYS = ("prompts", "responses", "attention_mask")
 _WHERE = "from_dataproto()"
 
 
@@ -96,10 +101,13 @@ def to_dataproto(
     response_lengths = None
     if seq:
         _check_sequence(columns, prompt, response)
-        made = _verl_sequences(
-            batch.ragged(prompt), batch.ragged(response), pad_token_id, prompt_length,
+        made = verl_sequences(
+            batch.ragged(prompt),
+            batch.ragged(response),
+            pad_token_id,
+            prompt_length,
             response_length,
-        )  # fmt: skip
+        )
         derived = [key for key in made if key not in columns]  # a column of that name wins
         tensors.update({key: made[key] for key in derived})
         width = made["responses"].shape[1]
@@ -160,8 +168,8 @@ def from_dataproto(
     if info is not None:
         columns, values, used = _made_columns(dp, info)
     else:
-        columns, values, used = _verl_sequence_columns(dp, prompt, response, pad_token_id)
-    for key in _tensor_keys(dp):
+        columns, values, used = verl_sequence_columns(dp, prompt, response, pad_token_id)
+    for key in tensor_keys(dp):
         if key not in used and key != ROWS_KEY:
             columns[key], values[key] = infer_tensor(key, dp.batch[key])
     for key, array in dp.non_tensor_batch.items():
@@ -184,7 +192,7 @@ def _made_columns(
     _check_keys(dp, info)
     prompt, response = info["sequence"] or (None, None)
     if prompt is not None:
-        prompts, responses = _unpad(dp)
+        prompts, responses = unpad(dp)
     values: dict[str, Any] = {}
     for name, column in columns.items():
         where = _placement(name, column.kind, info)
@@ -206,8 +214,8 @@ def _made_columns(
 
 def _check_keys(dp: Any, info: Mapping[str, Any]) -> None:
     """Every key from_dataproto reads is there (verl code may have popped some)."""
-    tensors = _tensor_keys(dp)
-    want = {ROWS_KEY} | (set(_LAYOUT_KEYS) if info["sequence"] else set())
+    tensors = tensor_keys(dp)
+    want = {ROWS_KEY} | (set(LAYOUT_KEYS) if info["sequence"] else set())
     objects = {TASK_KEY}
     for name, kind, _, _ in info["columns"]:
         if name not in info["sequence"]:
@@ -231,117 +239,7 @@ def _placement(name: str, kind: str, info: Mapping[str, Any]) -> str:
     return "tokens" if name in info["token_columns"] else "apart"
 
 
-def _unpad(dp: Any) -> tuple[RaggedArray, RaggedArray]:
-    """Left-padded prompts and right-padded responses, lengths from attention_mask."""
-    prompts = dp.batch["prompts"].numpy()
-    responses = dp.batch["responses"].numpy()
-    attention = dp.batch["attention_mask"].numpy()
-    width = prompts.shape[1]
-    p_lengths = attention[:, :width].sum(axis=1).astype(np.int64)
-    r_lengths = attention[:, width:].sum(axis=1).astype(np.int64)
-    p_mask = np.arange(width) >= (width - p_lengths)[:, None]
-    p_cu = np.zeros(len(p_lengths) + 1, dtype=np.int64)
-    np.cumsum(p_lengths, out=p_cu[1:])
-    return RaggedArray(prompts[p_mask], p_cu), RaggedArray.from_padded(responses, r_lengths)
-
-
-# -- a DataProto verl built -----------------------------------------------------------------
-def _verl_sequence_columns(
-    dp: Any, prompt: str, response: str, pad: int
-) -> tuple[dict[str, Column], dict[str, Any], set[str]]:
-    """verl's padded sequence as ragged ``prompt``/``response`` columns, when the DataProto
-    has it; checked to come back equal from ``to_dataproto(pad_token_id=pad)``."""
-    keys = _tensor_keys(dp)
-    if not keys.issuperset(_LAYOUT_KEYS):
-        return {}, {}, set()
-    tensors = dp.batch
-    for name in (prompt, response):
-        if name in keys or name in dp.non_tensor_batch:
-            raise SchemaError(
-                f"from_dataproto(): the DataProto has a key {name!r} and verl's padded "
-                f"sequence, which becomes column {name!r}; pass prompt=/response= naming "
-                "columns it does not have"
-            )
-    prompts, responses = _unpad(dp)
-    made = _verl_sequences(
-        prompts, responses, pad, tensors["prompts"].shape[1], tensors["responses"].shape[1]
-    )
-    for key in _LAYOUT_KEYS:
-        _check_rebuilt(key, made[key], tensors[key], pad)
-    rebuilt = keys & {"input_ids", "position_ids"}
-    used = {*_LAYOUT_KEYS, *(k for k in rebuilt if _equal(made[k], tensors[k]))}
-    columns = {
-        prompt: Column.ragged(prompt, prompts.dtype.name),
-        response: Column.ragged(response, responses.dtype.name),
-    }
-    return columns, {prompt: prompts, response: responses}, used
-
-
-def _check_rebuilt(key: str, made: Any, got: Any, pad: int) -> None:
-    if _equal(made, got):
-        return
-    if made.dtype != got.dtype or made.shape != got.shape:
-        found = f"{got.dtype} of shape {tuple(got.shape)}, expected {made.dtype}"
-    else:
-        row, col = (int(i) for i in (made != got.cpu()).nonzero()[0])
-        found = (
-            f"row {row} holds {int(got[row, col])} at position {col} where verl's layout "
-            f"has {int(made[row, col])}"
-        )
-    raise SchemaError(
-        f"from_dataproto(): batch[{key!r}] is not verl's padded layout (prompts left-padded "
-        f"and responses right-padded with pad_token_id={pad}, attention_mask 1 on their "
-        f"tokens, int64): {found}; pass the pad_token_id verl padded with "
-        "(the tokenizer's) or build the batch in that layout"
-    )
-
-
-def _equal(a: Any, b: Any) -> bool:
-    import torch
-
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b.cpu())
-
-
-# -- padded sequences ---------------------------------------------------------------------
-def _verl_sequences(
-    prompts: RaggedArray,
-    responses: RaggedArray,
-    pad: int,
-    prompt_length: int | None,
-    response_length: int | None,
-) -> dict[str, Any]:
-    import torch
-
-    p_len = _width(prompts, prompt_length, "prompt_length")
-    r_len = _width(responses, response_length, "response_length")
-    p_ids, p_mask = prompts.padded(pad, p_len, True)
-    r_ids, r_mask = responses.padded(pad, r_len, False)
-    p_ids_t = torch.from_numpy(np.array(p_ids, dtype=np.int64))
-    r_ids_t = torch.from_numpy(np.array(r_ids, dtype=np.int64))
-    attention = torch.from_numpy(np.concatenate([p_mask, r_mask], axis=1).astype(np.int64))
-    return {
-        "prompts": p_ids_t,
-        "responses": r_ids_t,
-        "input_ids": torch.cat([p_ids_t, r_ids_t], dim=1),
-        "attention_mask": attention,
-        # verl's compute_position_id_with_mask
-        "position_ids": torch.clip(torch.cumsum(attention, dim=1) - 1, min=0),
-        "response_mask": torch.from_numpy(r_mask.astype(np.int64)),
-    }
-
-
-def _width(r: RaggedArray, want: int | None, name: str) -> int:
-    longest = int(r.lengths.max()) if len(r) else 0
-    if want is None:
-        return longest
-    if want < longest:
-        raise SchemaError(
-            f"to_dataproto() {name}={want} is shorter than the longest sequence ({longest}); "
-            f"raise {name} or leave it None to pad to the longest"
-        )
-    return want
-
-
+# -- padded layout ------------------------------------------------------------------------
 def _aligned(r: RaggedArray, response_lengths: np.ndarray) -> bool:
     return np.array_equal(r.lengths, response_lengths)
 
@@ -358,10 +256,6 @@ def _nested(r: RaggedArray) -> Any:
 def _check_dataproto(dp: Any) -> None:
     if not all(hasattr(dp, a) for a in ("batch", "non_tensor_batch", "meta_info")):
         raise ConfigError(f"from_dataproto() expects a verl DataProto, got {type(dp).__name__}")
-
-
-def _tensor_keys(dp: Any) -> set[str]:
-    return set(dp.batch.keys()) if dp.batch is not None else set()  # TensorDict has no `in`
 
 
 def _check_non_tensor(names: Sequence[str], columns: Mapping[str, Column]) -> set[str]:
@@ -386,11 +280,11 @@ def _check_sequence(columns: Mapping[str, Column], prompt: str, response: str) -
                 f"to_dataproto(): column {c.name!r} must hold ragged integer token ids, got "
                 f"{c.describe()}; pass prompt=/response= naming the token columns"
             )
-    clash = [k for k in _LAYOUT_KEYS if k in columns]
+    clash = [k for k in LAYOUT_KEYS if k in columns]
     if clash:
         raise SchemaError(
             f"to_dataproto(): columns {clash} would replace the keys verl's padded layout is "
-            f"read back from ({', '.join(_LAYOUT_KEYS)}); rename them or pass layout='nopad'"
+            f"read back from ({', '.join(LAYOUT_KEYS)}); rename them or pass layout='nopad'"
         )
 
 

@@ -99,7 +99,9 @@ def dataproto_claims(dp: Any) -> list[BatchMeta]:
 
 def ack_dataproto(hub: HubClient, dp: Any) -> int:
     """Ack every row of ``dp`` (each sample once, in the claim it came from), however many
-    claims verl's ``concat`` joined; the number of samples acked."""
+    claims verl's ``concat`` joined; the number of samples acked. A claim the hub no longer
+    holds (acked before, expired) raises ``LeaseError``; the claims before it (in the order
+    of ``dataproto_claims``) stay acked."""
     claims = dataproto_claims(dp)
     for meta in claims:
         hub.ack(meta, meta.indices)

@@ -43,7 +43,7 @@ from flowrl._schema.columns import Column
 from flowrl._schema.encode import encode
 from flowrl._schema.ragged import RaggedArray
 from flowrl.errors import ConfigError, SchemaError
-from flowrl.integrations._dataproto_infer import infer_array, infer_tensor, unnest
+from flowrl.integrations._dataproto_infer import host, infer_array, infer_tensor, unnest
 from flowrl.integrations._dataproto_padded import (
     LAYOUT_KEYS,
     tensor_keys,
@@ -203,11 +203,11 @@ def _made_columns(
             array = dp.non_tensor_batch[name]
             values[name] = array if column.kind in ("scalar", "tensor") else list(array)
         elif where == "dense":
-            values[name] = dp.batch[name].numpy()
+            values[name] = host(dp.batch[name])
         elif where == "nested":
             values[name] = unnest(dp.batch[name])
         else:  # a token column: the response's lengths
-            values[name] = RaggedArray.from_padded(dp.batch[name].numpy(), responses.lengths)
+            values[name] = RaggedArray.from_padded(host(dp.batch[name]), responses.lengths)
     used = {*columns, *info["derived"]}
     return columns, values, used
 

@@ -28,7 +28,7 @@ from flowrl._schema.encode import infer_column
 from flowrl._schema.ragged import RaggedArray
 from flowrl.errors import SchemaError
 
-__all__ = ["infer_array", "infer_tensor", "unnest"]
+__all__ = ["host", "infer_array", "infer_tensor", "unnest"]
 
 _NUMBER_KINDS = "biuf"
 
@@ -39,7 +39,7 @@ def infer_tensor(name: str, t: Any) -> tuple[Column, Any]:
         r = unnest(t)
         return Column.ragged(name, r.values.dtype.name), r
     try:
-        values = t.detach().cpu().numpy()
+        values = host(t)
     except TypeError as exc:  # bfloat16 and other dtypes numpy lacks
         raise SchemaError(
             f"from_dataproto(): batch[{name!r}] is {t.dtype}, which numpy (and flowrl) cannot "
@@ -70,8 +70,13 @@ def infer_array(name: str, a: np.ndarray) -> tuple[Column, Any]:
     return Column.object(name), items
 
 
+def host(t: Any) -> np.ndarray:
+    """A tensor's values as numpy, wherever it lives (verl may have moved it to a GPU)."""
+    return t.detach().cpu().numpy()
+
+
 def unnest(t: Any) -> RaggedArray:
     """A jagged nested tensor's rows (a chunk's view may not start at offset 0)."""
-    offsets = t.offsets().numpy()
+    offsets = host(t.offsets())
     start, end = int(offsets[0]), int(offsets[-1])
-    return RaggedArray(t.values().numpy()[start:end], offsets - start)
+    return RaggedArray(host(t.values())[start:end], offsets - start)

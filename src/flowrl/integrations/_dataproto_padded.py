@@ -19,6 +19,7 @@ import numpy as np
 from flowrl._schema.columns import Column
 from flowrl._schema.ragged import RaggedArray
 from flowrl.errors import SchemaError
+from flowrl.integrations._dataproto_infer import host
 
 __all__ = ["LAYOUT_KEYS", "tensor_keys", "unpad", "verl_sequence_columns", "verl_sequences"]
 
@@ -28,9 +29,9 @@ LAYOUT_KEYS = ("prompts", "responses", "attention_mask")
 
 def unpad(dp: Any) -> tuple[RaggedArray, RaggedArray]:
     """Left-padded prompts and right-padded responses, lengths from attention_mask."""
-    prompts = dp.batch["prompts"].numpy()
-    responses = dp.batch["responses"].numpy()
-    attention = dp.batch["attention_mask"].numpy()
+    prompts = host(dp.batch["prompts"])
+    responses = host(dp.batch["responses"])
+    attention = host(dp.batch["attention_mask"])
     width = prompts.shape[1]
     p_lengths = attention[:, :width].sum(axis=1).astype(np.int64)
     r_lengths = attention[:, width:].sum(axis=1).astype(np.int64)

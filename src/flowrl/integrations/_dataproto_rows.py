@@ -22,6 +22,7 @@ import numpy as np
 from flowrl._client.base import HubClient
 from flowrl._controller.meta import BatchMeta
 from flowrl.errors import ConfigError
+from flowrl.integrations._dataproto_infer import host
 
 __all__ = [
     "ROWS_KEY",
@@ -134,5 +135,5 @@ def _bookkeeping(dp: Any) -> tuple[np.ndarray, np.ndarray] | None:
     objects = getattr(dp, "non_tensor_batch", None) or {}
     if batch is None or ROWS_KEY not in set(batch.keys()) or TASK_KEY not in objects:
         return None
-    rows = batch[ROWS_KEY].detach().cpu().numpy()
+    rows = host(batch[ROWS_KEY])
     return rows, np.asarray(objects[TASK_KEY], dtype=object)

@@ -7,6 +7,9 @@ per-token log-probs, a scalar score) sit in an in-process hub. Per repeat we tim
 * ``to_dataproto_ms``: building verl's padded worker layout (prompts, responses,
   input_ids, attention_mask, position_ids, response_mask, log-probs) as a ``DataProto``;
 * ``from_dataproto_ms``: rebuilding the flowrl ``Batch`` from it (unpadding);
+* ``from_verl_ms``: ``from_dataproto`` of the DataProto verl's padding loop built (below):
+  no flowrl schema, so lengths come from ``attention_mask`` and the padded layout is
+  checked to rebuild equal;
 * ``verl_pad_ms``: the baseline verl's agent loop does for the same samples: pad Python
   token lists per sample into tensors (``torch.nn.functional.pad``) and
   ``DataProto.from_dict``.
@@ -83,7 +86,8 @@ def main() -> None:
     data = _data(args.samples, np.random.default_rng(0))
     p_width = max(len(p) for p in data["prompt_ids"])
     r_width = max(len(r) for r in data["response_ids"])
-    times: dict[str, list[float]] = {k: [] for k in ("claim_get", "to", "from", "verl_pad")}
+    keys = ("claim_get", "to", "from", "verl_pad", "from_verl")
+    times: dict[str, list[float]] = {k: [] for k in keys}
     for _ in range(args.repeats):
         hub = flowrl.Hub(
             [
@@ -102,10 +106,12 @@ def main() -> None:
         t2 = time.perf_counter()
         from_dataproto(dp)
         t3 = time.perf_counter()
-        _verl_pad(data, p_width, r_width)
+        verl_dp = _verl_pad(data, p_width, r_width)
         t4 = time.perf_counter()
+        from_dataproto(verl_dp)
+        t5 = time.perf_counter()
         hub.close()
-        for key, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+        for key, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
             times[key].append(dt * 1e3)
     med = {k: statistics.median(v) for k, v in times.items()}
     report = {
@@ -115,6 +121,7 @@ def main() -> None:
         "to_dataproto_ms": round(med["to"], 3),
         "from_dataproto_ms": round(med["from"], 3),
         "verl_pad_ms": round(med["verl_pad"], 3),
+        "from_verl_ms": round(med["from_verl"], 3),
         "ratio_to_vs_verl_pad": round(med["to"] / med["verl_pad"], 3),
     }
     print(json.dumps(report) if args.json else json.dumps(report, indent=2))

@@ -125,22 +125,32 @@ def test_padded_layout_is_what_verl_workers_expect() -> None:
 
 
 def test_bad_input_is_refused_with_a_clear_error() -> None:
-    hub = flowrl.Hub([Column.ragged("input_ids", "int64")])
-    hub.register_task("t", ["input_ids"])
-    hub.put({"input_ids": [np.arange(3)]})
+    hub = flowrl.Hub(
+        [
+            Column.ragged("prompt_ids", "int64"),
+            Column.ragged("response_ids", "int64"),
+            Column.scalar("attention_mask", "int64"),
+        ]
+    )
+    hub.register_task("t", ["prompt_ids", "response_ids", "attention_mask"])
+    hub.put({"prompt_ids": [np.arange(3)], "response_ids": [np.arange(2)],
+             "attention_mask": np.ones(1, dtype=np.int64)})  # fmt: skip
     batch = hub.get(hub.claim("t", 1))
-    with pytest.raises(SchemaError, match="collide with the DataProto keys"):
+    with pytest.raises(SchemaError, match=r"columns \['attention_mask'\] would replace"):
         to_dataproto(batch)
+    assert "attention_mask" in set(to_dataproto(batch, layout="nopad").batch.keys())
     with pytest.raises(ConfigError, match="layout must be"):
         to_dataproto(batch, layout="packed")  # type: ignore[arg-type]
+    with pytest.raises(SchemaError, match=r"non_tensor names \['nope'\]"):
+        to_dataproto(batch, non_tensor=["nope"])
     rich = _rich_hub()
     dp = to_dataproto(rich.get(rich.claim("t", 8)))
-    dp.pop(batch_keys=["logp", "flowrl_version"], non_tensor_batch_keys=["text"])
-    with pytest.raises(SchemaError, match=r"lacks \['flowrl_version', 'logp', 'text'\]"):
+    dp.pop(batch_keys=["logp", "flowrl:rows"], non_tensor_batch_keys=["text"])
+    with pytest.raises(SchemaError, match=r"lacks \['flowrl:rows', 'logp', 'text'\]"):
         from_dataproto(dp)
     rich.close()
-    with pytest.raises(ConfigError, match="made by flowrl's to_dataproto"):
-        from_dataproto(DataProto.from_dict(tensors={"x": torch.zeros(2)}))
+    with pytest.raises(ConfigError, match="expects a verl DataProto"):
+        from_dataproto({"x": torch.zeros(2)})
     hub.close()
 
 
@@ -226,8 +236,9 @@ def _check_against_monolithic(dp: DataProto, adv: torch.Tensor, rewards: np.ndar
     mono_index = np.repeat(np.arange(n_groups), g).astype(object)
     mono, _ = compute_grpo_outcome_advantage(mono_rewards, torch.ones(n_groups * g, 1), mono_index)
     mono_by_group = mono[:, 0].reshape(n_groups, g)
+    groups = from_dataproto(dp).meta.groups
     for i in range(len(dp)):
-        grp = int(dp.batch["flowrl_group"][i])
+        grp = int(groups[i])
         score = float(dp.batch["score"][i])
         expected = {
             round(float(a), 5)
@@ -267,7 +278,7 @@ def test_no_partial_group_is_ever_emitted() -> None:
     seen: list[int] = []
     for dp in loader:
         assert len(dp) % dp_size == 0
-        groups, counts = np.unique(dp.batch["flowrl_group"].numpy(), return_counts=True)
+        groups, counts = np.unique(from_dataproto(dp).meta.groups, return_counts=True)
         assert (counts == g).all() and 99 not in groups
         assert len(set(dp.non_tensor_batch["uid"])) == len(groups)
         seen.extend(groups.tolist())

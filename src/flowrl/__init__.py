@@ -2,7 +2,7 @@
 
 The user API is re-exported here; implementation modules are private (``flowrl._*``).
 Public sub-namespaces: ``flowrl.errors``, ``flowrl.events``, ``flowrl.hooks``,
-``flowrl.sched``, ``flowrl.sched_hooks``, ``flowrl.sim``, ``flowrl.testing``,
+``flowrl.sched``, ``flowrl.sched_hooks``, ``flowrl.sim``, ``flowrl.testing``, ``flowrl.tracking``,
 ``flowrl.integrations.verl``, ``flowrl.integrations.slime`` (imported on demand).
 
 Each name below is imported on first use (PEP 562 ``__getattr__``), so importing a

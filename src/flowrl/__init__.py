@@ -33,6 +33,7 @@ if typing.TYPE_CHECKING:
     from flowrl._launch.ray_hub import launch_ray_hub
     from flowrl._observers.staleness import StalenessMetrics, StalenessStep
     from flowrl._observers.timeline import Timeline
+    from flowrl._observers.trace import ChromeTrace
     from flowrl._pipeline.admission import AdmissionController, AdmissionStats, Staleness
     from flowrl._pipeline.executors.base import Executor
     from flowrl._pipeline.executors.processes import ProcessExecutor
@@ -68,6 +69,7 @@ __all__ = [
     "Batch",
     "BatchMeta",
     "CandidateView",
+    "ChromeTrace",
     "Column",
     "Executor",
     "FifoSampler",
@@ -125,6 +127,7 @@ _HOMES: dict[str, str] = {
     "Batch": "flowrl._client.batch",
     "BatchMeta": "flowrl._controller.meta",
     "CandidateView": "flowrl._controller.samplers",
+    "ChromeTrace": "flowrl._observers.trace",
     "Column": "flowrl._schema.columns",
     "Executor": "flowrl._pipeline.executors.base",
     "FifoSampler": "flowrl._controller.samplers",

@@ -176,7 +176,7 @@ def test_a_user_backend_is_registered_by_name(tmp_path: Path) -> None:
         register_backend("not a name", lambda run_dir, config: Memory())
 
 
-def test_the_main_job_logs_to_tensorboard_and_jsonl(tmp_path: Path) -> None:
+def test_the_main_job_logs_to_tensorboard_and_jsonl_and_writes_a_trace(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
     from grpo_runs import TINY, step_metrics
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -191,5 +191,9 @@ def test_the_main_job_logs_to_tensorboard_and_jsonl(tmp_path: Path) -> None:
     assert [e.step for e in events] == [1, 2, 3]  # steps done
     assert [e.value for e in events] == pytest.approx(rewards)
     assert "busy/Rollout" in acc.Tags()["scalars"]
+    # and every run writes a Chrome trace: the trainer's steps and waits, the stages' spans
+    trace = json.loads(Path(summary["trace_json"]).read_text())
+    names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {"step 1", "step 2", "step 3", "wait for a batch", "Rollout", "trainer"} <= names
     with pytest.raises(ConfigError, match="--logger 'console,bogus': unknown logger backend"):
         GRPOConfig(logger="console,bogus")

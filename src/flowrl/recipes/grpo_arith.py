@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 import flowrl
-from flowrl import Loader, Timeline, WeightStore
+from flowrl import ChromeTrace, Loader, Timeline, WeightStore
 from flowrl.errors import ConfigError
 from flowrl.recipes.checkpoint import (
     latest_checkpoint,
@@ -173,8 +173,9 @@ def _train(
     pipe.register(hub)  # now, not when the pipeline thread starts: a stall report lists all
     if trainer.version:
         hub.publish_version(trainer.version)  # admission control counts from here
-    timeline = Timeline()
+    timeline, trace = Timeline(), ChromeTrace()
     hub.subscribe(timeline)
+    hub.subscribe(trace)
     if scheduler is not None:
         hub.subscribe(scheduler.observe, strict=True)  # a policy: failures fail the run
     loader = Loader(
@@ -194,9 +195,11 @@ def _train(
     step_start, step_cpu = t_rl, time.process_time()
     try:
         while trainer.step < cfg.steps:
-            t_wait = time.perf_counter()
+            t_wait = time.time()
             batch = next_batch(loader, hub, timeline, step=trainer.step)
-            waited = time.perf_counter() - t_wait
+            t_got = time.time()
+            waited = t_got - t_wait
+            trace.span("wait for a batch", t_wait, t_got, group="trainer", step=trainer.step)
             m = trainer.update.step(batch)
             m.update(_batch_lag(store.version, batch))
             trainer.version = store.publish_weights(trainer.update.weights())
@@ -213,6 +216,7 @@ def _train(
                     for name in STAGE_NAMES
                 },
             )
+            trace.span(f"step {trainer.step + 1}", t_got, time.time(), group="trainer")
             step_start, step_cpu = time.time(), time.process_time()
             trainer.finish_step(m)
             tracking.log(m, step=trainer.step)
@@ -236,6 +240,7 @@ def _train(
         trainer.update.close()
     t_end = time.time()
     timeline.save_png(str(run_dir / "timeline.png"), title="flowrl GRPO: stage activity")
+    trace.save(run_dir / "trace.json")
     summary = {
         "steps": cfg.steps,
         "run_dir": str(run_dir),
@@ -250,6 +255,7 @@ def _train(
         "max_staleness": cfg.max_staleness,
         "stage_samples": {n: s.samples for n, s in result.stages.items()},
         "timeline_png": str(run_dir / "timeline.png"),
+        "trace_json": str(run_dir / "trace.json"),
         "sched": None if scheduler is None else msgspec.to_builtins(scheduler.statistics()),
     }
     jsonl = tracking.trackers.get("jsonl")

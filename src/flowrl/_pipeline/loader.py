@@ -53,12 +53,14 @@ _STATE_KEYS = ("task", "dp_rank", "dp_size", "batches", "samples", "tokens", "pe
 
 @final
 class LoaderStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Batches, samples and tokens handed out; ``unacked``: samples leased but not acked."""
+    """Batches, samples and tokens handed out; ``unacked``: samples leased but not acked;
+    ``wait_s``: seconds ``next()`` spent waiting for a claim (the trainer's idle time)."""
 
     batches: int
     samples: int
     tokens: int
     unacked: int
+    wait_s: float = 0.0
 
 
 @final
@@ -108,6 +110,7 @@ class Loader:
         self._committing: list[BatchMeta] = []  # covered by a state_dict, acked next
         self._skip: set[int] = set()  # covered by a loaded checkpoint: ack on sight
         self._batches = self._samples = self._tokens = 0
+        self._wait_s = 0.0
         self._error: BaseException | None = None
         self._ended = False
         # ack="checkpoint": our own held leases keep the task's stream open, so the end is
@@ -125,8 +128,12 @@ class Loader:
         if self._ended:
             raise StopIteration
         meta = None
-        while meta is None:
-            meta = self._drop_skipped(self._claim())
+        t0 = time.perf_counter()
+        try:
+            while meta is None:
+                meta = self._drop_skipped(self._claim())
+        finally:
+            self._wait_s += time.perf_counter() - t0
         try:
             batch = self.hub.get(meta)
         except BaseException:
@@ -264,6 +271,7 @@ class Loader:
             samples=self._samples,
             tokens=self._tokens,
             unacked=sum(len(m) for m in unacked),
+            wait_s=self._wait_s,
         )
 
     # -- lifecycle --------------------------------------------------------------------------

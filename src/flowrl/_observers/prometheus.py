@@ -1,0 +1,312 @@
+"""Prometheus metrics of a hub: ``serve_metrics(hub)`` answers ``GET /metrics``.
+
+Two sources, read at each scrape:
+
+* the hub's event stream (this module is an observer of it): counters of samples put,
+  claimed, acked, released and expired, bytes put per column, busy seconds per task
+  (time with at least one lease open: ``rate()`` of it is the stage's busy fraction), and
+  a histogram of the staleness of acked samples (policy versions behind the newest);
+* ``hub.statistics()``: gauges of ready / leased / consumed samples per task, live
+  samples, capacity, leases, the policy version, and bytes and samples per storage unit;
+  plus the size of the journal folder, and each registered ``Loader``'s wait seconds.
+
+Names follow Prometheus' conventions: ``flowrl_`` prefix, ``_total`` for counters, base
+units (``_seconds``, ``_bytes``), labels for task, column, unit. The server is
+``prometheus_client``'s own (a thread), on loopback unless told otherwise. It works for an
+embedded ``Hub`` and for a ``RemoteHub`` connected to a launched one alike.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol, final
+
+from flowrl._config import HubStats
+from flowrl.errors import ConfigError
+from flowrl.events import (
+    Acked,
+    Claimed,
+    Event,
+    Evicted,
+    LeaseExpired,
+    Put,
+    Released,
+    VersionPublished,
+)
+from flowrl.hooks import Observer
+
+__all__ = ["MetricsServer", "serve_metrics"]
+
+# policy versions behind the newest, at ack
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
+
+
+class _Hub(Protocol):
+    def statistics(self) -> HubStats: ...
+    def subscribe(self, observer: Callable[[Event], Any], *, strict: bool = False) -> Any: ...
+
+
+class _Loader(Protocol):
+    task: str
+
+    def statistics(self) -> Any: ...
+
+
+class _EventCounts(Observer):
+    """What the event stream adds up to; read under the lock by the collector."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.put: dict[str, int] = {}
+        self.put_bytes: dict[str, int] = {}
+        self.claimed: dict[str, int] = {}
+        self.settled: dict[tuple[str, str], int] = {}  # (task, acked|released|expired)
+        self.staleness: dict[str, list[int]] = {}  # task -> per-bucket counts (+inf last)
+        self.staleness_sum: dict[str, int] = {}
+        self._versions: dict[int, int] = {}  # live sample -> its policy version
+        self._version = 0
+        self._open: dict[str, int] = {}  # leases open per task
+        self._busy: dict[str, float] = {}
+        self._since: dict[str, float] = {}
+        self._leases: dict[int, str] = {}
+
+    def __call__(self, event: Event) -> None:
+        with self.lock:
+            super().__call__(event)
+
+    def on_put(self, event: Put) -> None:
+        n = len(event.indices)
+        for k, column in enumerate(event.columns):
+            self.put[column] = self.put.get(column, 0) + n
+            nbytes = sum(event.nbytes[k * n : (k + 1) * n])
+            self.put_bytes[column] = self.put_bytes.get(column, 0) + nbytes
+        if event.versions:
+            self._versions.update(zip(event.indices, event.versions, strict=True))
+        elif event.version >= 0:
+            self._versions.update(dict.fromkeys(event.indices, event.version))
+
+    def on_claim(self, event: Claimed) -> None:
+        self.claimed[event.task] = self.claimed.get(event.task, 0) + len(event.indices)
+        self._leases[event.lease] = event.task
+        self._lease_opens(event.task, event.t, +1)
+
+    def on_ack(self, event: Acked) -> None:
+        self._settle(event.task, "acked", event)
+        buckets = self.staleness.setdefault(event.task, [0] * (len(STALENESS_BUCKETS) + 1))
+        for i in event.indices:
+            lag = max(0, self._version - self._versions.get(i, self._version))
+            self.staleness_sum[event.task] = self.staleness_sum.get(event.task, 0) + lag
+            buckets[_bucket(lag)] += 1
+
+    def on_release(self, event: Released) -> None:
+        self._settle(event.task, "released", event)
+
+    def on_lease_expired(self, event: LeaseExpired) -> None:
+        self._settle(event.task, "expired", event)
+
+    def on_evict(self, event: Evicted) -> None:
+        for i in event.indices:
+            self._versions.pop(i, None)
+
+    def on_version(self, event: VersionPublished) -> None:
+        self._version = max(self._version, event.version)
+
+    def busy_seconds(self, now: float) -> dict[str, float]:
+        """Per task, seconds with at least one lease open, up to ``now``."""
+        busy = dict(self._busy)
+        for task, opened in self._open.items():
+            if opened:
+                busy[task] = busy.get(task, 0.0) + max(0.0, now - self._since[task])
+        return busy
+
+    def _settle(self, task: str, how: str, event: Acked | Released | LeaseExpired) -> None:
+        key = (task, how)
+        self.settled[key] = self.settled.get(key, 0) + len(event.indices)
+        if self._leases.pop(event.lease, None) is not None:
+            self._lease_opens(task, event.t, -1)
+
+    def _lease_opens(self, task: str, t: float, delta: int) -> None:
+        opened = self._open.get(task, 0)
+        if opened:  # the task was busy up to now
+            self._busy[task] = self._busy.get(task, 0.0) + max(0.0, t - self._since[task])
+        self._open[task] = opened + delta
+        self._since[task] = t
+
+
+def _bucket(lag: int) -> int:
+    for k, bound in enumerate(STALENESS_BUCKETS):
+        if lag <= bound:
+            return k
+    return len(STALENESS_BUCKETS)
+
+
+class _Collector:
+    """prometheus_client's custom-collector interface: fresh families at every scrape."""
+
+    def __init__(
+        self,
+        hub: _Hub,
+        counts: _EventCounts,
+        loaders: Sequence[_Loader],
+        journal: Path | None,
+    ) -> None:
+        self.hub, self.counts, self.loaders, self.journal = hub, counts, loaders, journal
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        stats = self.hub.statistics()
+        g = GaugeMetricFamily
+        per_task = [
+            (g("flowrl_task_ready_samples", "samples ready for the task", labels=["task"]), "ready"),
+            (g("flowrl_task_leased_samples", "samples the task holds leases on", labels=["task"]), "leased"),
+            (g("flowrl_task_consumed_samples", "live samples the task has acked", labels=["task"]), "consumed"),
+        ]
+        for family, field in per_task:
+            for task, t in sorted(stats.tasks.items()):
+                family.add_metric([task], getattr(t, field))
+            yield family
+        yield g("flowrl_hub_live_samples", "samples put or being put", value=stats.live)
+        yield g("flowrl_hub_capacity_samples", "samples the hub holds at most", value=stats.capacity)
+        yield g("flowrl_hub_leases", "open leases", value=stats.leases)
+        yield g("flowrl_policy_version", "the newest published policy version", value=stats.version)
+        unit_bytes = g("flowrl_unit_bytes", "bytes held by a storage unit", labels=["unit"])
+        unit_samples = g("flowrl_unit_samples", "samples held by a storage unit", labels=["unit"])
+        for u in stats.units:
+            unit_bytes.add_metric([str(u.unit)], u.nbytes)
+            unit_samples.add_metric([str(u.unit)], u.samples)
+        yield unit_bytes
+        yield unit_samples
+        if self.journal is not None:
+            yield g("flowrl_journal_bytes", "bytes in the journal folder", value=_folder_bytes(self.journal))
+        yield from self._event_families(CounterMetricFamily, HistogramMetricFamily)
+        if self.loaders:
+            wait = CounterMetricFamily(
+                "flowrl_loader_wait_seconds", "seconds a Loader waited for a batch", labels=["task"]
+            )
+            batches = CounterMetricFamily("flowrl_loader_batches", "batches a Loader handed out", labels=["task"])
+            for loader in self.loaders:
+                s = loader.statistics()
+                wait.add_metric([loader.task], s.wait_s)
+                batches.add_metric([loader.task], s.batches)
+            yield wait
+            yield batches
+
+    def _event_families(self, counter: Any, histogram: Any) -> Iterator[Any]:
+        c = self.counts
+        with c.lock:
+            put = counter("flowrl_put_samples", "samples a column was put for", labels=["column"])
+            put_bytes = counter("flowrl_put_bytes", "bytes put per column", labels=["column"])
+            for column in sorted(c.put):
+                put.add_metric([column], c.put[column])
+                put_bytes.add_metric([column], c.put_bytes[column])
+            claimed = counter("flowrl_claimed_samples", "samples claimed", labels=["task"])
+            for task, n in sorted(c.claimed.items()):
+                claimed.add_metric([task], n)
+            names = {
+                "acked": ("flowrl_acked_samples", "samples acked (consumed)"),
+                "released": ("flowrl_released_samples", "samples given back unconsumed"),
+                "expired": ("flowrl_lease_expired_samples", "samples whose lease expired"),
+            }
+            settled = {how: counter(name, text, labels=["task"]) for how, (name, text) in names.items()}
+            for (task, how), n in sorted(c.settled.items()):
+                settled[how].add_metric([task], n)
+            busy = counter(
+                "flowrl_task_busy_seconds", "seconds with at least one lease open", labels=["task"]
+            )
+            for task, seconds in sorted(c.busy_seconds(time.time()).items()):
+                busy.add_metric([task], seconds)
+            staleness = histogram(
+                "flowrl_staleness_versions",
+                "policy versions an acked sample was behind the newest",
+                labels=["task"],
+            )
+            for task, counts in sorted(c.staleness.items()):
+                bounds = [str(b) for b in STALENESS_BUCKETS] + ["+Inf"]
+                cumulative = [sum(counts[: k + 1]) for k in range(len(counts))]
+                staleness.add_metric([task], list(zip(bounds, cumulative, strict=True)), c.staleness_sum[task])
+        yield put
+        yield put_bytes
+        yield claimed
+        yield from settled.values()
+        yield busy
+        yield staleness
+
+
+def _folder_bytes(folder: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except FileNotFoundError:  # compaction replaced it meanwhile
+                pass
+    return total
+
+
+@final
+class MetricsServer:
+    """A running ``/metrics`` endpoint (see :func:`serve_metrics`); ``close()`` stops it."""
+
+    def __init__(self, server: Any, thread: threading.Thread, subscription: Any, registry: Any) -> None:
+        self._server, self._thread, self._subscription = server, thread, subscription
+        self.registry = registry  # add your own metrics here
+        host, port = server.server_address[:2]
+        self.port: int = port
+        self.url = f"http://{host}:{port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5.0)
+        unsubscribe = getattr(self._subscription, "close", None)
+        if unsubscribe is not None:
+            unsubscribe()
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def serve_metrics(
+    hub: _Hub,
+    *,
+    port: int = 0,
+    addr: str = "127.0.0.1",
+    loaders: Sequence[_Loader] = (),
+    journal: str | os.PathLike[str] | None = None,
+) -> MetricsServer:
+    """Serve ``hub``'s metrics on ``http://addr:port/metrics`` (port 0: a free one; read
+    ``.url``). ``loaders``: Loaders whose wait time to export; ``journal``: the hub's
+    journal folder, to export its size. Needs ``prometheus_client``
+    (``pip install 'flowrl[prometheus]'``)."""
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError as exc:
+        raise ConfigError(
+            "serve_metrics needs prometheus_client: pip install 'flowrl[prometheus]'"
+        ) from exc
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ConfigError(f"serve_metrics(port={port!r}): expected an int in [0, 65535]")
+    counts = _EventCounts()
+    subscription = hub.subscribe(counts)
+    registry = CollectorRegistry()
+    registry.register(_Collector(hub, counts, loaders, None if journal is None else Path(journal)))
+    try:
+        server, thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:
+        closer = getattr(subscription, "close", None)
+        if closer is not None:
+            closer()
+        raise ConfigError(f"serve_metrics: cannot listen on {addr}:{port} ({exc})") from exc
+    return MetricsServer(server, thread, subscription, registry)

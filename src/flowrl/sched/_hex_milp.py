@@ -32,7 +32,7 @@ from scipy import sparse
 from flowrl.errors import ConfigError
 from flowrl.sched import _highs
 
-__all__ = ["Instance", "Solution", "pareto_minimal", "solve"]
+__all__ = ["Instance", "Solution", "minimal_until", "solve"]
 
 MIP_GAP = 1e-6
 
@@ -65,20 +65,22 @@ class Solution:
     probes: int
 
 
-def pareto_minimal(gpus: NDArray[np.int64], order: NDArray[np.float64]) -> NDArray[np.bool_]:
-    """Rows not dominated by another row using no more GPUs of each type and no larger
-    ``order`` (equal rows: the first stays)."""
-    keep = np.zeros(len(gpus), dtype=bool)
-    # a row's dominators sort before it, so comparing with the rows kept so far suffices
-    kept: list[int] = []
-    for k in np.lexsort((np.arange(len(gpus)), order, gpus.sum(1))):
-        if kept:
-            mine = np.asarray(kept)
-            if np.any(np.all(gpus[mine] <= gpus[k], axis=1) & (order[mine] <= order[k])):
-                continue
-        kept.append(int(k))
-        keep[k] = True
-    return keep
+def minimal_until(gpus: NDArray[np.int64], step_s: NDArray[np.float64]) -> NDArray[np.float64]:
+    """For each training plan, the step level up to which its GPU vector is minimal among the
+    plans allowed (``step_s <= level``): plan ``k`` takes part at levels in ``[step_s[k],
+    until[k])``, an empty range when another plan is no slower and uses no more of any type.
+    A plan with a larger GPU vector than an allowed one never helps generation, so a probe
+    keeps only these (a few dozen of the thousand splits at 256 GPUs)."""
+    until = np.full(len(gpus), -np.inf)
+    alive = np.zeros(0, dtype=np.int64)
+    for k in np.lexsort((gpus.sum(1), step_s)):  # by step, fewer GPUs first among equals
+        if len(alive) and np.any(np.all(gpus[alive] <= gpus[k], axis=1)):
+            continue
+        beaten = np.all(gpus[k] <= gpus[alive], axis=1)
+        until[alive[beaten]] = step_s[k]
+        alive = np.append(alive[~beaten], k)
+        until[k] = np.inf
+    return until
 
 
 @final
@@ -90,14 +92,14 @@ class _Probe:
     assigned: NDArray[np.float64]  # rollouts, configs x classes
 
 
-def _probe(inst: Instance, level: float, *, relax: bool = False) -> _Probe | None:
+def _probe(
+    inst: Instance, until: NDArray[np.float64], level: float, *, relax: bool = False
+) -> _Probe | None:
     """The best rate with the plans and pairs allowed at step ``level`` (None: none);
     ``relax``: of the LP relaxation (an upper bound on the rate)."""
-    train = np.flatnonzero(inst.train_s <= level)
+    train = np.flatnonzero((inst.train_s <= level) & (until > level))
     if not len(train):
         return None
-    keep = pareto_minimal(inst.train_gpus[train], np.zeros(len(train)))
-    train = train[keep]
     pairs = np.argwhere((inst.tail + inst.fixed_s <= level) & np.isfinite(inst.seconds))
     n_cfg, n_cls = inst.seconds.shape
     if len(np.unique(pairs[:, 1])) < n_cls:
@@ -181,15 +183,17 @@ def _probe(inst: Instance, level: float, *, relax: bool = False) -> _Probe | Non
 
 def solve(inst: Instance) -> Solution:
     """The minimum step of ``inst`` (see the module docstring)."""
+    until = minimal_until(inst.train_gpus, inst.train_s)
     finite = np.isfinite(inst.tail) & np.isfinite(inst.seconds)
-    levels = np.unique(np.concatenate([inst.train_s, inst.tail[finite] + inst.fixed_s]))
+    useful = inst.train_s[until > inst.train_s]
+    levels = np.unique(np.concatenate([useful, inst.tail[finite] + inst.fixed_s]))
     nxt = np.append(levels[1:], math.inf)
     probes = 0
 
     def done(i: int, relax: bool) -> _Probe | None:
         nonlocal probes
         probes += 1
-        got = _probe(inst, float(levels[i]), relax=relax)
+        got = _probe(inst, until, float(levels[i]), relax=relax)
         return got if got is not None and 1.0 / got.rate + inst.fixed_s <= nxt[i] else None
 
     # the relaxation's rate is an upper bound, so its first done interval is a lower bound

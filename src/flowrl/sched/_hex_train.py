@@ -39,11 +39,22 @@ class TrainPlan:
 @final
 @dataclass(frozen=True, slots=True)
 class TrainCandidates:
-    """The fastest plan per training GPU vector: ``gpus[k]`` per pool, ``step_s[k]``."""
+    """The fastest plan per training GPU vector: ``gpus[k]`` per pool, ``step_s[k]``, its
+    data-parallel degree ``dp[k]`` and per pool ``tp[k]`` and ``stages[k]``."""
 
     gpus: NDArray[np.int64]
     step_s: NDArray[np.float64]
-    plans: tuple[TrainPlan, ...]
+    dp: NDArray[np.int64]
+    tp: NDArray[np.int64]
+    stages: NDArray[np.int64]
+
+    def plan(self, k: int) -> TrainPlan:
+        pairs = zip(self.tp[k], self.stages[k], strict=True)
+        return TrainPlan(
+            dp=int(self.dp[k]),
+            stages=tuple((int(a), int(b)) for a, b in pairs),
+            step_s=float(self.step_s[k]),
+        )
 
 
 def split_counts(pool: GpuPool) -> list[int]:
@@ -52,7 +63,7 @@ def split_counts(pool: GpuPool) -> list[int]:
     return sorted({*range(0, pool.count + 1, node), pool.count})
 
 
-def _options(pool: GpuPool, dp: int, only: int | None) -> list[tuple[int, int, int]]:
+def _options(pool: GpuPool, dp: int, only: int | None, layers: int) -> list[tuple[int, int, int]]:
     """``(gpus, tp, stages)`` one pool can give a plan of data-parallel degree ``dp``
     (``only``: with exactly that many GPUs)."""
     out = [(0, 0, 0)] if not only else []
@@ -60,7 +71,7 @@ def _options(pool: GpuPool, dp: int, only: int | None) -> list[tuple[int, int, i
         if g == 0 or g % dp:
             continue
         for tp in TP_DEGREES:
-            if tp <= pool.hw.gpus_per_node and (g // dp) % tp == 0:
+            if tp <= pool.hw.gpus_per_node and (g // dp) % tp == 0 and g // dp // tp <= layers:
                 out.append((g, tp, g // dp // tp))
     return out
 
@@ -80,7 +91,9 @@ def training_candidates(
     steps: list[NDArray[np.float64]] = []
     for dp in range(1, max(p.count for p in pools) + 1):
         opts = [
-            np.array(_options(p, dp, None if only is None else only[t]), dtype=np.int64)
+            np.array(
+                _options(p, dp, None if only is None else only[t], model.layers), dtype=np.int64
+            )
             for t, p in enumerate(pools)
         ]
         if any(len(o) == 0 for o in opts) or all(len(o) == 1 and not o[0, 0] for o in opts):
@@ -121,8 +134,8 @@ def training_candidates(
         rows.append((g[fits], tp[fits], st[fits], np.full(int(fits.sum()), dp)))
         steps.append(step[fits])
     if not rows:
-        empty = np.zeros((0, len(pools)), dtype=np.int64)
-        return TrainCandidates(gpus=empty, step_s=np.zeros(0), plans=())
+        none = np.zeros((0, len(pools)), dtype=np.int64)
+        return TrainCandidates(none, np.zeros(0), np.zeros(0, dtype=np.int64), none, none)
     g, tp, st, dps = (np.concatenate([r[j] for r in rows]) for j in range(4))
     step = np.concatenate(steps)
     # the fastest plan per GPU vector: sort by (vector, step), keep each vector's first
@@ -130,12 +143,4 @@ def training_candidates(
     g, tp, st, dps, step = g[order], tp[order], st[order], dps[order], step[order]
     first = np.ones(len(g), dtype=bool)
     first[1:] = np.any(g[1:] != g[:-1], axis=1)
-    plans = tuple(
-        TrainPlan(
-            dp=int(dps[k]),
-            stages=tuple((int(a), int(b)) for a, b in zip(tp[k], st[k], strict=True)),
-            step_s=float(step[k]),
-        )
-        for k in np.flatnonzero(first)
-    )
-    return TrainCandidates(gpus=g[first], step_s=step[first], plans=plans)
+    return TrainCandidates(g[first], step[first], dps[first], tp[first], st[first])

@@ -179,7 +179,7 @@ def search_training(
     """Fastest training plan using exactly ``counts`` GPUs per pool (None: none fits)."""
     _check_pools(pools, counts)
     cands = training_candidates(pools, workload, only=counts)
-    return cands.plans[0] if cands.plans else None
+    return cands.plan(0) if len(cands.gpus) else None
 
 
 def _interconnect(pools: Pools, counts: tuple[int, ...]) -> float:
@@ -287,7 +287,7 @@ def allocate(
     if not configs:
         raise ConfigError(f"no GPU type can hold a rollout replica of {workload.model.name!r}")
     cands = training_candidates(pools, workload)
-    if not len(cands.plans):
+    if not len(cands.gpus):
         raise ConfigError("no train/rollout split fits the model's training memory")
     classes = length_classes(workload)
     counts = tuple(p.count for p in pools)
@@ -308,8 +308,7 @@ def allocate(
         )
 
     if method == "exact":
-        keep = np.flatnonzero(_hex_milp.pareto_minimal(cands.gpus, cands.step_s))
-        best = solve(keep)
+        best = solve(np.arange(len(cands.gpus)))
         evaluated = best.probes
     else:
         best, evaluated = _bisect_search(
@@ -319,7 +318,7 @@ def allocate(
         pools,
         workload,
         cands.gpus[best.train],
-        cands.plans[best.train],
+        cands.plan(best.train),
         _rollout_plan(configs, classes, best),
         best.step_s,
         evaluated,

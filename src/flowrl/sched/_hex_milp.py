@@ -15,8 +15,12 @@ sets are constant, and the best generation time is the inverse of the best rate 
 configuration, and ``1 / r`` the makespan: the paper's ``x * len <= y * h * Theta`` divided
 by ``Theta``.) On interval ``i`` the best step is ``F_i = max(b_i, 1/r_i + fixed_s)``; ``r_i``
 never decreases with ``i``, so the first interval whose ``1/r_i + fixed_s`` falls below the
-next breakpoint holds the optimum, and a binary search finds it in ``log2(breakpoints)``
-MILPs. Exact up to HiGHS's relative gap (1e-6).
+next breakpoint holds the optimum. The search bisects the intervals with the LP relaxation
+first (its rate is an upper bound, so its first interval cannot lie after the optimum's),
+then gallops up from there with integer probes and bisects the last stride: about
+``log2(breakpoints)`` LPs and one to three MILPs. Only training plans whose GPU vector is
+minimal among the allowed ones enter a probe (``_Frontier``). Exact up to HiGHS's
+relative gap (1e-6).
 """
 
 from __future__ import annotations
@@ -26,13 +30,13 @@ from dataclasses import dataclass
 from typing import final
 
 import numpy as np
-from numpy.typing import NDArray
+from numpy.typing import ArrayLike, NDArray
 from scipy import sparse
 
 from flowrl.errors import ConfigError
 from flowrl.sched import _highs
 
-__all__ = ["Instance", "Solution", "minimal_until", "solve"]
+__all__ = ["Instance", "Solution", "solve"]
 
 MIP_GAP = 1e-6
 
@@ -65,22 +69,44 @@ class Solution:
     probes: int
 
 
-def minimal_until(gpus: NDArray[np.int64], step_s: NDArray[np.float64]) -> NDArray[np.float64]:
-    """For each training plan, the step level up to which its GPU vector is minimal among the
-    plans allowed (``step_s <= level``): plan ``k`` takes part at levels in ``[step_s[k],
-    until[k])``, an empty range when another plan is no slower and uses no more of any type.
-    A plan with a larger GPU vector than an allowed one never helps generation, so a probe
-    keeps only these (a few dozen of the thousand splits at 256 GPUs)."""
-    until = np.full(len(gpus), -np.inf)
-    alive = np.zeros(0, dtype=np.int64)
-    for k in np.lexsort((gpus.sum(1), step_s)):  # by step, fewer GPUs first among equals
-        if len(alive) and np.any(np.all(gpus[alive] <= gpus[k], axis=1)):
-            continue
-        beaten = np.all(gpus[k] <= gpus[alive], axis=1)
-        until[alive[beaten]] = step_s[k]
-        alive = np.append(alive[~beaten], k)
-        until[k] = np.inf
-    return until
+@final
+class _Frontier:
+    """Training plans on the grid of their GPU counts (each type's distinct counts in order),
+    where "another plan uses no more GPUs of any type" is a prefix along every axis: a
+    cumulative minimum answers it for all plans at once. Rows must be distinct."""
+
+    def __init__(self, gpus: NDArray[np.int64], step_s: NDArray[np.float64]) -> None:
+        cols = [np.unique(c, return_inverse=True) for c in gpus.T]
+        self.at = tuple(inv.reshape(-1) for _, inv in cols)
+        self.shape = tuple(len(u) for u, _ in cols)
+        self.step_s = step_s
+
+    def _below(self, values: NDArray[np.float64]) -> NDArray[np.float64]:
+        """Per plan, the least value among the plans using no more of any type (itself
+        excluded): the minimum over axes of the prefix minimum one step down that axis."""
+        grid = np.full(self.shape, np.inf)
+        grid[self.at] = values
+        for ax in range(grid.ndim):
+            np.minimum.accumulate(grid, axis=ax, out=grid)
+        out = np.full(self.shape, np.inf)
+        for ax in range(grid.ndim):
+            lower = [slice(None)] * grid.ndim
+            upper = [slice(None)] * grid.ndim
+            lower[ax], upper[ax] = slice(1, None), slice(None, -1)
+            np.minimum(out[tuple(lower)], grid[tuple(upper)], out=out[tuple(lower)])
+        return out[self.at]
+
+    def useful(self) -> NDArray[np.bool_]:
+        """Plans no other plan beats on time with no more GPUs of any type."""
+        return self._below(self.step_s) > self.step_s
+
+    def minimal(self, level: float) -> NDArray[np.int64]:
+        """Plans allowed at ``level`` whose GPU vector is minimal among the allowed: a plan
+        using more GPUs than an allowed one never helps generation, so a probe keeps only
+        these (a few dozen of the thousand splits at 256 GPUs)."""
+        allowed = self.step_s <= level
+        present = np.where(allowed, 0.0, np.inf)
+        return np.flatnonzero(allowed & (self._below(present) > 0))
 
 
 @final
@@ -93,11 +119,11 @@ class _Probe:
 
 
 def _probe(
-    inst: Instance, until: NDArray[np.float64], level: float, *, relax: bool = False
+    inst: Instance, frontier: _Frontier, level: float, *, relax: bool = False
 ) -> _Probe | None:
     """The best rate with the plans and pairs allowed at step ``level`` (None: none);
     ``relax``: of the LP relaxation (an upper bound on the rate)."""
-    train = np.flatnonzero((inst.train_s <= level) & (until > level))
+    train = frontier.minimal(level)
     if not len(train):
         return None
     pairs = np.argwhere((inst.tail + inst.fixed_s <= level) & np.isfinite(inst.seconds))
@@ -112,7 +138,7 @@ def _probe(
     ci: list[NDArray[np.int64]] = []
     val: list[NDArray[np.float64]] = []
 
-    def add(r: NDArray[np.int64], c: NDArray[np.int64], v: NDArray[np.float64]) -> None:
+    def add(r: NDArray[np.int64], c: NDArray[np.int64], v: ArrayLike) -> None:
         ri.append(np.asarray(r, dtype=np.int64))
         ci.append(np.asarray(c, dtype=np.int64))
         val.append(np.asarray(v, dtype=np.float64))
@@ -183,9 +209,9 @@ def _probe(
 
 def solve(inst: Instance) -> Solution:
     """The minimum step of ``inst`` (see the module docstring)."""
-    until = minimal_until(inst.train_gpus, inst.train_s)
+    frontier = _Frontier(inst.train_gpus, inst.train_s)
     finite = np.isfinite(inst.tail) & np.isfinite(inst.seconds)
-    useful = inst.train_s[until > inst.train_s]
+    useful = inst.train_s[frontier.useful()]
     levels = np.unique(np.concatenate([useful, inst.tail[finite] + inst.fixed_s]))
     nxt = np.append(levels[1:], math.inf)
     probes = 0
@@ -193,7 +219,7 @@ def solve(inst: Instance) -> Solution:
     def done(i: int, relax: bool) -> _Probe | None:
         nonlocal probes
         probes += 1
-        got = _probe(inst, until, float(levels[i]), relax=relax)
+        got = _probe(inst, frontier, float(levels[i]), relax=relax)
         return got if got is not None and 1.0 / got.rate + inst.fixed_s <= nxt[i] else None
 
     # the relaxation's rate is an upper bound, so its first done interval is a lower bound

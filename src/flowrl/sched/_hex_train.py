@@ -13,6 +13,7 @@ plan.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import final
@@ -63,17 +64,9 @@ def split_counts(pool: GpuPool) -> list[int]:
     return sorted({*range(0, pool.count + 1, node), pool.count})
 
 
-def _options(pool: GpuPool, dp: int, only: int | None, layers: int) -> list[tuple[int, int, int]]:
-    """``(gpus, tp, stages)`` one pool can give a plan of data-parallel degree ``dp``
-    (``only``: with exactly that many GPUs)."""
-    out = [(0, 0, 0)] if not only else []
-    for g in split_counts(pool) if only is None else [only]:
-        if g == 0 or g % dp:
-            continue
-        for tp in TP_DEGREES:
-            if tp <= pool.hw.gpus_per_node and (g // dp) % tp == 0 and g // dp // tp <= layers:
-                out.append((g, tp, g // dp // tp))
-    return out
+def _combine(op: np.ufunc, per_type: list[NDArray[np.float64]]) -> NDArray[np.float64]:
+    """Per-type option arrays ``(G_t, tp)`` combined by ``op``, one axis pair per type."""
+    return functools.reduce(lambda acc, new: op(acc[..., None, None], new), per_type)
 
 
 def training_candidates(
@@ -82,65 +75,95 @@ def training_candidates(
     only: tuple[int, ...] | None = None,
 ) -> TrainCandidates:
     """Every split's fastest training plan (splits with no plan that fits are absent);
-    ``only``: just the split of exactly those GPUs per pool."""
+    ``only``: just the split of exactly those GPUs per pool.
+
+    With ``P = sum_t F_t * g_t / dp`` (training FLOP/s: it does not depend on the TP
+    degrees), layers in proportion to stage compute make every term a per-type quantity over
+    ``P``: compute ``tokens * flops / P``, type ``t``'s TP all-reduces ``4 L tp F_t c_t(tp) /
+    P``, its share of the DP all-reduce ``4 (dp-1)/dp * params * F_t / bw_t / P``, and its
+    memory fits when ``P >= params * F_t * (4 + 12/dp) / hbm_t``. So each type's options are
+    computed once per ``dp`` and combined across types by broadcasting (sums for stages and
+    ``P``, maxima for the rest), one axis pair (GPUs, TP) per type; the fastest TP choice per
+    GPU vector is a minimum over the TP axes.
+    """
     model = workload.model
     tokens = workload.rollouts * (workload.prompt_tokens + workload.mean_length)
     mbt = workload.microbatch_tokens
     msg = mbt * model.hidden * model.dtype_bytes
-    rows: list[tuple[NDArray[np.int64], ...]] = []
-    steps: list[NDArray[np.float64]] = []
+    tps = np.array(TP_DEGREES, dtype=np.float64)
+    grids = [
+        np.array(split_counts(p) if only is None else [only[t]], dtype=np.int64)
+        for t, p in enumerate(pools)
+    ]
+    shape = tuple(len(g) for g in grids)
+    best = np.full(shape, np.inf)
+    best_dp = np.zeros(shape, dtype=np.int64)
+    best_tp = np.zeros(shape, dtype=np.int64)  # TP choices, base len(TP_DEGREES), type 0 first
     for dp in range(1, max(p.count for p in pools) + 1):
-        opts = [
-            np.array(
-                _options(p, dp, None if only is None else only[t], model.layers), dtype=np.int64
+        picks = [np.flatnonzero(g % dp == 0) for g in grids]
+        if any(len(k) == 0 for k in picks) or not any(
+            np.any(grids[t][k] > 0) for t, k in enumerate(picks)
+        ):
+            continue
+        parts: list[tuple[NDArray[np.float64], ...]] = []
+        for t, pool in enumerate(pools):
+            hw = pool.hw
+            g = grids[t][picks[t]].astype(np.float64)[:, None]
+            f = hw.flops * workload.train_eta
+            used = g > 0
+            per_rank = g / dp
+            stages = per_rank / tps
+            ok = np.where(
+                used,
+                (per_rank % tps == 0) & (tps <= hw.gpus_per_node) & (stages <= model.layers),
+                tps == tps[0],  # an unused type: one option
             )
-            for t, p in enumerate(pools)
-        ]
-        if any(len(o) == 0 for o in opts) or all(len(o) == 1 and not o[0, 0] for o in opts):
-            continue
-        idx = np.stack(np.meshgrid(*[np.arange(len(o)) for o in opts], indexing="ij"), -1)
-        idx = idx.reshape(-1, len(pools))
-        g, tp, st = (
-            np.stack([opts[t][idx[:, t], j] for t in range(len(pools))], 1) for j in range(3)
+            coll = hw.coll_a0 + 2 * (tps - 1) / tps * msg / hw.link_bw
+            bw = np.where(tps * dp <= hw.gpus_per_node, hw.link_bw, hw.net_bw)
+            mem = model.params * f * (4 + 12 / dp) / (hw.hbm_bytes * hw.hbm_usable)
+            parts.append(
+                (
+                    np.where(used, stages, 0.0),  # pipeline stages
+                    f * g / dp + np.zeros_like(stages),  # training FLOP/s
+                    np.where(used & (tps > 1), 4 * model.layers * tps * f * coll, 0.0),
+                    np.where(used, f / bw, 0.0),  # DP all-reduce time x P / share
+                    np.where(used, mem, 0.0),  # the P that fits the memory
+                    ok.astype(np.float64),
+                )
+            )
+        n, p_sum = _combine(np.add, [q[0] for q in parts]), _combine(np.add, [q[1] for q in parts])
+        alpha, sigma, need, valid = (
+            _combine(np.minimum if j == 5 else np.maximum, [q[j] for q in parts])
+            for j in range(2, 6)
         )
-        n_stages = st.sum(1)
-        ok = (n_stages > 0) & (n_stages <= model.layers)
-        g, tp, st, n_stages = g[ok], tp[ok], st[ok], n_stages[ok]
-        if not len(g):
-            continue
-        flops = np.array([p.hw.flops for p in pools]) * workload.train_eta
-        power = tp * flops  # one stage's FLOP/s per type (0 where unused)
-        share = power / (power * st).sum(1, keepdims=True)  # layer fraction on one stage
-        used = st > 0
-        params = model.params * share
-        tpd = np.maximum(tp, 1)
-        mem = params * (4.0 + 12.0 / dp) / tpd
-        hbm = np.array([p.hw.hbm_bytes * p.hw.hbm_usable for p in pools])
-        fits = np.all(~used | (mem <= hbm), axis=1)
-        compute = mbt * workload.flops_per_token * share / np.where(used, power, 1.0)
-        a0 = np.array([p.hw.coll_a0 for p in pools])
-        link = np.array([p.hw.link_bw for p in pools])
-        comm = np.where(
-            tp > 1, 4 * model.layers * share * (a0 + 2 * (tpd - 1) / tpd * msg / link), 0.0
-        )
-        slow = np.where(used, compute + comm, 0.0).max(1)
-        sync = np.zeros(len(g))
-        if dp > 1:
-            node = np.array([p.hw.gpus_per_node for p in pools])
-            bw = np.where(tpd * dp <= node, link, np.array([p.hw.net_bw for p in pools]))
-            sync = np.where(used, 2 * (dp - 1) / dp * params * 2 / tpd / bw, 0.0).max(1)
+        fits = (valid > 0) & (n > 0) & (n <= model.layers) & (p_sum >= need)
         mb = math.ceil(tokens / dp / mbt)
-        step = (mb + n_stages - 1) * slow + sync
-        rows.append((g[fits], tp[fits], st[fits], np.full(int(fits.sum()), dp)))
-        steps.append(step[fits])
-    if not rows:
-        none = np.zeros((0, len(pools)), dtype=np.int64)
-        return TrainCandidates(none, np.zeros(0), np.zeros(0, dtype=np.int64), none, none)
-    g, tp, st, dps = (np.concatenate([r[j] for r in rows]) for j in range(4))
-    step = np.concatenate(steps)
-    # the fastest plan per GPU vector: sort by (vector, step), keep each vector's first
-    order = np.lexsort((step, *g.T[::-1]))
-    g, tp, st, dps, step = g[order], tp[order], st[order], dps[order], step[order]
-    first = np.ones(len(g), dtype=bool)
-    first[1:] = np.any(g[1:] != g[:-1], axis=1)
-    return TrainCandidates(g[first], step[first], dps[first], tp[first], st[first])
+        safe = np.where(fits, p_sum, 1.0)
+        step = (mb + n - 1) * (mbt * workload.flops_per_token + alpha) / safe
+        step = np.where(fits, step + 4 * (dp - 1) / dp * model.params * sigma / safe, np.inf)
+        axes = len(pools)
+        step = step.transpose([*range(0, 2 * axes, 2), *range(1, 2 * axes, 2)])
+        step = step.reshape(*[len(k) for k in picks], -1)
+        choice = step.argmin(-1)
+        fastest = np.take_along_axis(step, choice[..., None], -1)[..., 0]
+        at = np.ix_(*picks)
+        better = fastest < best[at]
+        best[at] = np.where(better, fastest, best[at])
+        best_dp[at] = np.where(better, dp, best_dp[at])
+        best_tp[at] = np.where(better, choice, best_tp[at])
+    found = np.argwhere(np.isfinite(best))
+    gpus = np.stack([grids[t][found[:, t]] for t in range(len(pools))], 1).reshape(-1, len(pools))
+    keep = gpus.sum(1) > 0
+    found, gpus = found[keep], gpus[keep]
+    idx = tuple(found.T)
+    digits = np.stack(
+        [
+            best_tp[idx] // len(TP_DEGREES) ** (len(pools) - 1 - t) % len(TP_DEGREES)
+            for t in range(len(pools))
+        ],
+        1,
+    ).reshape(-1, len(pools))
+    dps = best_dp[idx]
+    tp = np.where(gpus > 0, np.array(TP_DEGREES)[digits], 0)
+    stages = np.where(gpus > 0, gpus // np.maximum(dps[:, None] * tp, 1), 0)
+    return TrainCandidates(gpus, best[idx], dps, tp, stages)

@@ -28,7 +28,7 @@ from flowrl.sched.hex_alloc import (
 )
 
 pytest.importorskip("highspy")
-from hex_oracle import reference, true_makespan  # noqa: E402
+from hex_oracle import reference, true_makespan
 
 H800 = HardwareSpec()
 H20 = HardwareSpec(hbm_bytes=96e9, hbm_bw=4.0e12, flops=148e12)

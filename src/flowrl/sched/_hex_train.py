@@ -165,5 +165,5 @@ def training_candidates(
     ).reshape(-1, len(pools))
     dps = best_dp[idx]
     tp = np.where(gpus > 0, np.array(TP_DEGREES)[digits], 0)
-    stages = np.where(gpus > 0, gpus // np.maximum(dps[:, None] * tp, 1), 0)
+    stages = (gpus // np.maximum(dps[:, None] * tp, 1)).astype(np.int64)  # 0 where unused
     return TrainCandidates(gpus, best[idx], dps, tp, stages)

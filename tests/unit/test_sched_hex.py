@@ -220,6 +220,8 @@ def test_bad_input_is_refused() -> None:
         solve_rollout(_pools2(8, 8), (1,), _workload())
     with pytest.raises(ConfigError, match="has 8 GPUs"):
         solve_rollout(_pools2(8, 8), (9, 0), _workload())
+    with pytest.raises(ConfigError, match="max_stages"):
+        allocate(_pools2(8, 8), _workload(), max_stages=0)
     with pytest.raises(ConfigError, match="method"):
         allocate(_pools2(8, 8), _workload(), method="anneal")  # type: ignore[arg-type]
     small = HardwareSpec(hbm_bytes=8e9)  # TP8 holds the weights, nothing holds Adam states

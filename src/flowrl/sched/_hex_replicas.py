@@ -32,6 +32,7 @@ from typing import final
 import msgspec
 import numpy as np
 
+from flowrl.errors import ConfigError
 from flowrl.sched._hex_spec import GpuPool, HexWorkload, LengthClass, length_classes
 from flowrl.sched.costmodel import ModelSpec, ParallelMode, step_time
 
@@ -148,6 +149,8 @@ def replica_configs(
 ) -> list[ReplicaConfig]:
     """Every undominated replica of up to ``max_stages`` in-node TP stages that holds the model
     and at least one length class."""
+    if max_stages < 1:
+        raise ConfigError(f"a replica needs max_stages >= 1 pipeline stages, got {max_stages}")
     classes = length_classes(workload)
     kinds = [
         (p, tp)

@@ -93,7 +93,7 @@ class HexPlan:
     tokens_per_s: float
     cost_per_hour: float
     tokens_per_dollar: float
-    evaluated: int  # MILPs solved
+    evaluated: int  # LPs and MILPs solved
 
 
 def _check_pools(pools: Pools, counts: tuple[int, ...]) -> None:
@@ -224,10 +224,11 @@ def _bisect_search(
         k = int(band[np.argmax(metric[band])])
         if k not in seen:
             try:
-                seen[k] = solve(np.array([k]))
-                evaluated += seen[k].probes  # type: ignore[union-attr]
-            except ConfigError:
-                seen[k] = None
+                found = solve(np.array([k]))
+            except ConfigError:  # the split leaves generation nothing that fits
+                found = None
+            seen[k] = found
+            evaluated += found.probes if found else 0
         sol = seen[k]
         if sol is None:
             r = gamma

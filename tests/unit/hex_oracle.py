@@ -40,7 +40,7 @@ class Reference:
     splits: int
 
 
-def _configs(pools: list[GpuPool], wl: HexWorkload, max_stages: int) -> list:
+def all_configs(pools: list[GpuPool], wl: HexWorkload, max_stages: int) -> list:
     kinds = [
         (p, tp)
         for p, pool in enumerate(pools)
@@ -138,7 +138,7 @@ def reference(
     rel: float = 1e-5,
 ) -> Reference:
     """The optimum step, bracketed to ``rel``."""
-    configs = _configs(pools, wl, max_stages)
+    configs = all_configs(pools, wl, max_stages)
     splits = _splits(pools, wl)
     demand = [c.rollouts for c in length_classes(wl)]
     counts = [p.count for p in pools]

@@ -28,7 +28,7 @@ from flowrl.sched.hex_alloc import (
 )
 
 pytest.importorskip("highspy")
-from hex_oracle import reference, true_makespan
+from hex_oracle import all_configs, reference, true_makespan
 
 H800 = HardwareSpec()
 H20 = HardwareSpec(hbm_bytes=96e9, hbm_bw=4.0e12, flops=148e12)
@@ -183,8 +183,8 @@ def test_pipelined_cross_type_replicas_hold_what_no_single_node_holds() -> None:
     small_a = HardwareSpec(hbm_bytes=16e9, hbm_bw=0.9e12, flops=120e12)
     small_b = HardwareSpec(hbm_bytes=12e9, hbm_bw=0.6e12, flops=60e12)
     pools = [
-        GpuPool(name="a", hw=small_a, count=8, price_per_hour=1.0),
-        GpuPool(name="b", hw=small_b, count=8, price_per_hour=1.0),
+        GpuPool(name="a", hw=small_a, count=16, price_per_hour=1.0),
+        GpuPool(name="b", hw=small_b, count=16, price_per_hour=1.0),
     ]
     wl = HexWorkload(model=big, rollouts=64, prompt_tokens=128, response_lengths=(256.0, 512.0))
     assert replica_configs(pools, wl, max_stages=1) == []
@@ -192,8 +192,15 @@ def test_pipelined_cross_type_replicas_hold_what_no_single_node_holds() -> None:
     assert configs and all(len(c.stages) == 2 for c in configs)
     cross = [c for c in configs if c.gpus[0] and c.gpus[1]]
     assert cross and sum(cross[0].layers) == big.layers
-    plan = solve_rollout(pools, (8, 8), wl)
-    assert plan.makespan == pytest.approx(true_makespan(plan.configs, plan.replicas, wl), rel=1e-6)
+    plan = solve_rollout(pools, (16, 16), wl)
+    # brute force over the counts of every two-stage replica, each evaluated exactly
+    every = tuple(all_configs(pools, wl, 2))
+    best = np.inf
+    for y in itertools.product(*[range(3)] * len(every)):
+        used = sum(np.array(c.gpus) * n for c, n in zip(every, y, strict=True))
+        if any(y) and np.all(used <= 16):
+            best = min(best, true_makespan(every, y, wl))
+    assert plan.makespan == pytest.approx(best, rel=1e-6)
 
 
 def test_training_search_uses_exactly_the_gpus_and_fits_memory() -> None:

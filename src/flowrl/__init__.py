@@ -31,6 +31,7 @@ if typing.TYPE_CHECKING:
     )
     from flowrl._launch.processes import connect, launch_hub
     from flowrl._launch.ray_hub import launch_ray_hub
+    from flowrl._observers.prometheus import MetricsServer, serve_metrics
     from flowrl._observers.staleness import StalenessMetrics, StalenessStep
     from flowrl._observers.timeline import Timeline
     from flowrl._observers.trace import ChromeTrace
@@ -81,6 +82,7 @@ __all__ = [
     "JournalConfig",
     "Loader",
     "LoaderStats",
+    "MetricsServer",
     "Observer",
     "Partial",
     "Pipeline",
@@ -114,6 +116,7 @@ __all__ = [
     "connect",
     "launch_hub",
     "launch_ray_hub",
+    "serve_metrics",
     "stage",
 ]
 
@@ -138,6 +141,7 @@ _HOMES: dict[str, str] = {
     "HubStats": "flowrl._config",
     "JournalConfig": "flowrl._config",
     "Loader": "flowrl._pipeline.loader",
+    "MetricsServer": "flowrl._observers.prometheus",
     "LoaderStats": "flowrl._pipeline.loader",
     "Observer": "flowrl.hooks",
     "Partial": "flowrl._client.base",
@@ -171,6 +175,7 @@ _HOMES: dict[str, str] = {
     "connect": "flowrl._launch.processes",
     "launch_hub": "flowrl._launch.processes",
     "launch_ray_hub": "flowrl._launch.ray_hub",
+    "serve_metrics": "flowrl._observers.prometheus",
     "stage": "flowrl._pipeline.stage",
 }
 

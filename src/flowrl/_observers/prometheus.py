@@ -18,6 +18,7 @@ embedded ``Hub`` and for a ``RemoteHub`` connected to a launched one alike.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -166,16 +167,35 @@ class _Collector:
         stats = self.hub.statistics()
         g = GaugeMetricFamily
         per_task = [
-            (g("flowrl_task_ready_samples", "samples ready for the task", labels=["task"]), "ready"),
-            (g("flowrl_task_leased_samples", "samples the task holds leases on", labels=["task"]), "leased"),
-            (g("flowrl_task_consumed_samples", "live samples the task has acked", labels=["task"]), "consumed"),
+            (
+                g("flowrl_task_ready_samples", "samples ready for the task", labels=["task"]),
+                "ready",
+            ),
+            (
+                g(
+                    "flowrl_task_leased_samples",
+                    "samples the task holds leases on",
+                    labels=["task"],
+                ),
+                "leased",
+            ),
+            (
+                g(
+                    "flowrl_task_consumed_samples",
+                    "live samples the task has acked",
+                    labels=["task"],
+                ),
+                "consumed",
+            ),
         ]
         for family, field in per_task:
             for task, t in sorted(stats.tasks.items()):
                 family.add_metric([task], getattr(t, field))
             yield family
         yield g("flowrl_hub_live_samples", "samples put or being put", value=stats.live)
-        yield g("flowrl_hub_capacity_samples", "samples the hub holds at most", value=stats.capacity)
+        yield g(
+            "flowrl_hub_capacity_samples", "samples the hub holds at most", value=stats.capacity
+        )
         yield g("flowrl_hub_leases", "open leases", value=stats.leases)
         yield g("flowrl_policy_version", "the newest published policy version", value=stats.version)
         unit_bytes = g("flowrl_unit_bytes", "bytes held by a storage unit", labels=["unit"])
@@ -186,13 +206,19 @@ class _Collector:
         yield unit_bytes
         yield unit_samples
         if self.journal is not None:
-            yield g("flowrl_journal_bytes", "bytes in the journal folder", value=_folder_bytes(self.journal))
+            yield g(
+                "flowrl_journal_bytes",
+                "bytes in the journal folder",
+                value=_folder_bytes(self.journal),
+            )
         yield from self._event_families(CounterMetricFamily, HistogramMetricFamily)
         if self.loaders:
             wait = CounterMetricFamily(
                 "flowrl_loader_wait_seconds", "seconds a Loader waited for a batch", labels=["task"]
             )
-            batches = CounterMetricFamily("flowrl_loader_batches", "batches a Loader handed out", labels=["task"])
+            batches = CounterMetricFamily(
+                "flowrl_loader_batches", "batches a Loader handed out", labels=["task"]
+            )
             for loader in self.loaders:
                 s = loader.statistics()
                 wait.add_metric([loader.task], s.wait_s)
@@ -216,7 +242,9 @@ class _Collector:
                 "released": ("flowrl_released_samples", "samples given back unconsumed"),
                 "expired": ("flowrl_lease_expired_samples", "samples whose lease expired"),
             }
-            settled = {how: counter(name, text, labels=["task"]) for how, (name, text) in names.items()}
+            settled = {
+                how: counter(name, text, labels=["task"]) for how, (name, text) in names.items()
+            }
             for (task, how), n in sorted(c.settled.items()):
                 settled[how].add_metric([task], n)
             busy = counter(
@@ -232,7 +260,9 @@ class _Collector:
             for task, counts in sorted(c.staleness.items()):
                 bounds = [str(b) for b in STALENESS_BUCKETS] + ["+Inf"]
                 cumulative = [sum(counts[: k + 1]) for k in range(len(counts))]
-                staleness.add_metric([task], list(zip(bounds, cumulative, strict=True)), c.staleness_sum[task])
+                staleness.add_metric(
+                    [task], list(zip(bounds, cumulative, strict=True)), c.staleness_sum[task]
+                )
         yield put
         yield put_bytes
         yield claimed
@@ -245,10 +275,8 @@ def _folder_bytes(folder: Path) -> int:
     total = 0
     for root, _, files in os.walk(folder):
         for name in files:
-            try:
+            with contextlib.suppress(FileNotFoundError):  # compaction replaced it meanwhile
                 total += os.stat(os.path.join(root, name)).st_size
-            except FileNotFoundError:  # compaction replaced it meanwhile
-                pass
     return total
 
 
@@ -256,7 +284,9 @@ def _folder_bytes(folder: Path) -> int:
 class MetricsServer:
     """A running ``/metrics`` endpoint (see :func:`serve_metrics`); ``close()`` stops it."""
 
-    def __init__(self, server: Any, thread: threading.Thread, subscription: Any, registry: Any) -> None:
+    def __init__(
+        self, server: Any, thread: threading.Thread, subscription: Any, registry: Any
+    ) -> None:
         self._server, self._thread, self._subscription = server, thread, subscription
         self.registry = registry  # add your own metrics here
         host, port = server.server_address[:2]

@@ -138,3 +138,6 @@ class HubStats(msgspec.Struct, frozen=True, kw_only=True):
     # indices reserved by remote producers for their next small puts: they hold capacity
     # but are in neither ``live`` nor ``reserved``
     reserved_ahead: int = 0
+    # re-sent idempotent puts (a producer's seq the hub held) dropped since the controller
+    # started
+    duplicate_puts: int = 0

@@ -14,6 +14,7 @@ inside a stage are wrapped in :class:`StageError`, chained with ``from``.
     ├── UnknownIndexError           a sample index that does not exist (or was evicted)
     ├── UnknownTaskError            a task that was never registered
     ├── LeaseError                  acking/releasing a lease that is unknown or expired
+    ├── DuplicatePut                a producer's put (id, seq) that the hub already holds
     ├── WouldBlock                  a *_nowait call found nothing to do right now
     │   ├── NothingReady            claim_nowait: no claimable samples
     │   └── HubFull                 put_nowait: capacity is exhausted
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 __all__ = [
     "ConfigError",
+    "DuplicatePut",
     "EndOfStream",
     "FlowRLError",
     "HubClosed",
@@ -89,6 +91,23 @@ class UnknownTaskError(FlowRLError, KeyError):
 
 class LeaseError(FlowRLError):
     """A lease that is unknown, already settled or expired."""
+
+
+class DuplicatePut(FlowRLError):
+    """A put whose ``(producer, seq)`` the hub already committed: ``indices`` are the
+    samples that put made. ``put`` answers such a re-sent put with them instead of
+    raising; this type carries that answer across processes."""
+
+    def __init__(self, message: str, *, indices: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.indices = indices
+
+    def __reduce__(self) -> tuple[object, ...]:  # keep the indices across processes
+        return (_rebuild_duplicate_put, (str(self), self.indices))
+
+
+def _rebuild_duplicate_put(message: str, indices: tuple[int, ...]) -> DuplicatePut:
+    return DuplicatePut(message, indices=indices)
 
 
 class WouldBlock(FlowRLError):

@@ -62,6 +62,7 @@ class Put(_EventBase, frozen=True, tag="put"):
     groups: tuple[int, ...] = ()
     nbytes: tuple[int, ...] = ()
     versions: tuple[int, ...] = ()
+    producer_seq: int = -1  # the put's number among the producer's (-1: not idempotent)
 
 
 class Claimed(_EventBase, frozen=True, tag="claim"):

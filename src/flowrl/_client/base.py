@@ -41,7 +41,14 @@ from flowrl._schema.encode import Encoded, numeric_array
 from flowrl._schema.ragged import RaggedArray
 from flowrl._schema.schema import Schema
 from flowrl._store.partial import VERSIONS
-from flowrl.errors import ConfigError, LeaseError, SchemaError, TransportError, UnknownIndexError
+from flowrl.errors import (
+    ConfigError,
+    DuplicatePut,
+    LeaseError,
+    SchemaError,
+    TransportError,
+    UnknownIndexError,
+)
 from flowrl.events import Event
 from flowrl.hooks import Observer
 
@@ -110,6 +117,7 @@ class HubClient:
         version: Any = None,
         tokens: Any = None,
         producer: str = "",
+        seq: int | None = None,
         timeout: float | None = None,
         ack: BatchMeta | None = None,
     ) -> np.ndarray:
@@ -126,9 +134,16 @@ class HubClient:
         ``ack``: the claim these samples came from; they are acked in the same step as the
         columns become visible, so a worker that dies never leaves them written but not
         consumed (they would be delivered, and processed, again). One round trip fewer.
+
+        ``producer`` names who puts (events carry it). With ``seq`` as well, the put is
+        idempotent: ``seq`` numbers it among that producer's puts (0, 1, 2, ... in the
+        order they are made), and a put re-sent with a ``(producer, seq)`` the hub already
+        holds lands once: it returns the first put's indices and changes nothing. A
+        producer that restarts under the same name can re-send every put it never saw
+        answered (docs/durability.md, "Idempotent producers").
         """
         return self._put(
-            data, indices, partition, groups, version, tokens, producer, timeout, ack, wait=True
+            data, indices, partition, groups, version, tokens, producer, seq, timeout, ack, True
         ).result()
 
     def put_async(
@@ -141,6 +156,7 @@ class HubClient:
         version: Any = None,
         tokens: Any = None,
         producer: str = "",
+        seq: int | None = None,
         timeout: float | None = None,
         ack: BatchMeta | None = None,
     ) -> PutFuture:
@@ -157,7 +173,7 @@ class HubClient:
         """
         self._data.raise_failed_put()
         return self._put(
-            data, indices, partition, groups, version, tokens, producer, timeout, ack, wait=False
+            data, indices, partition, groups, version, tokens, producer, seq, timeout, ack, False
         )
 
     def flush(self, timeout: float | None = None) -> None:
@@ -180,6 +196,7 @@ class HubClient:
         version: Any,
         tokens: Any,
         producer: str,
+        seq: Any,
         timeout: float | None,
         ack: BatchMeta | None,
         wait: bool,
@@ -190,6 +207,7 @@ class HubClient:
             raise ConfigError(f"partition must be a str, got {partition!r} in {where}")
         if not isinstance(producer, str):
             raise ConfigError(f"producer must be a str, got {producer!r} in put()")
+        seq = _sequence_number(seq, producer, where)
         _check_seconds(timeout, "put() timeout", allow_zero=True)
         target = _as_indices(indices, where) if indices is not None else None
         acked = None if ack is None else _ackable(ack, target, where)
@@ -212,11 +230,33 @@ class HubClient:
             producer=producer,
             ack=acked,
             put_id=0 if target is None else _new_put_id(),
+            seq=seq,
         )
+        try:
+            return self._send_put(indices, target, encoded, new_columns, n, commit, timeout, wait)
+        except DuplicatePut as dup:  # a re-sent idempotent put: answered as the first was
+            return PutFuture.completed(np.array(dup.indices, dtype=np.int64))
+
+    def _send_put(
+        self,
+        indices: Any,
+        target: np.ndarray | None,
+        encoded: dict[str, Encoded],
+        new_columns: Sequence[Column],
+        n: int,
+        commit: Commit,
+        timeout: float | None,
+        wait: bool,
+    ) -> PutFuture:
+        """Store a validated put's bytes and commit it (``commit``: its commit, less the
+        indices of a new put, reserved here)."""
         types = {c.name: c for c in new_columns}
         types.update((k, self.schema[k]) for k in encoded if k not in types)
         if target is None:
             return self._put_new(n, encoded, types, new_columns, commit, timeout, wait)
+        # (a re-sent idempotent put's claim was acked by its first landing: the commit
+        # checks the lease after the duplicate, so that put's answer comes back)
+        acked = commit.ack if commit.seq is None else None
         units = self._units_for_update(indices, target, tuple(encoded), acked)
         parts = _split_by_unit(units)
         try:
@@ -294,7 +334,12 @@ class HubClient:
             # Pooled indices may be gone when the put arrives (the stream ended, or the
             # controller restarted): then it is made again, as put() does.
             def again() -> np.ndarray:
-                return self._put_new(idx.size, encoded, types, (), commit, timeout, True).indices
+                try:
+                    return self._put_new(
+                        idx.size, encoded, types, (), commit, timeout, True
+                    ).indices
+                except DuplicatePut as dup:  # the first try landed after all
+                    return np.array(dup.indices, dtype=np.int64)
 
         try:
             commit = msgspec.structs.replace(commit, indices=idx)
@@ -595,6 +640,23 @@ def _check_version(version: Any, where: str) -> None:
         raise ConfigError(
             f"a policy version must be an int in [0, 2**63), got {version!r} in {where}"
         )
+
+
+def _sequence_number(seq: Any, producer: str, where: str) -> int | None:
+    """A put's ``seq``: None, or an int >= 0 (numpy's too) of a named producer."""
+    if seq is None:
+        return None
+    if not isinstance(seq, int | np.integer) or isinstance(seq, bool) or seq < 0:
+        raise ConfigError(
+            f"{where}: seq expects an int >= 0 (the put's number among its producer's puts) "
+            f"or None, got {seq!r}"
+        )
+    if not producer:
+        raise ConfigError(
+            f"put(seq={seq}) needs producer=, a name the producer keeps across restarts "
+            "(e.g. 'rollout-3'): sequence numbers count the puts of one producer"
+        )
+    return int(seq)
 
 
 def _check_seconds(value: Any, what: str, *, allow_zero: bool) -> None:

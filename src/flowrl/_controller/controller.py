@@ -8,6 +8,7 @@ each in its own module, none of which imports this one:
 * ``leases`` (``Leases``): live leases, their deadlines, release and expiry;
 * ``rounds`` (``Rounds``): balanced data-parallel batches whose parts wait for their rank;
 * ``reservations`` (``Reservations``): indices reserved for puts not committed yet;
+* ``producers`` (``Producers``): each producer's recent puts, for idempotent puts;
 * ``waiters`` (``Waiters``): the lock, the conditions waiting calls sleep on, whom to wake;
 * ``flowrl._controller.replay``: rebuilding the state from a journal (:meth:`recover`).
 
@@ -34,6 +35,7 @@ from flowrl._controller import replay
 from flowrl._controller.eventlog import EventLog
 from flowrl._controller.leases import Lease, Leases, check_ackable
 from flowrl._controller.meta import BatchMeta
+from flowrl._controller.producers import Producers
 from flowrl._controller.reservations import RESERVATION_MIN_S, Reservations
 from flowrl._controller.rounds import Rounds
 from flowrl._controller.samplers import BalancedSampler, CandidateView, FifoSampler, Sampler
@@ -84,6 +86,7 @@ class Controller:
         self.leases = Leases(self.tasks, capacity, self._emit)
         self.rounds = Rounds(self.leases)
         self.reservations = Reservations(self.table)
+        self.producers = Producers()
         self.version = 0
         self.ended = False
         self.closed = False
@@ -248,7 +251,13 @@ class Controller:
         ``ack``: a claim holding these samples, acked in the same step, so they are never
         written without being consumed (a worker that dies between a put and its ack would
         have them delivered, and processed, again). ``put_id`` is the caller's business.
+
+        ``seq``: a put of ``producer`` committed before is refused with ``DuplicatePut``
+        (first: a re-sent put that acked its claim learns of its first landing, not of
+        the lease it consumed then).
         """
+        if cmd.seq is not None:
+            self.producers.check(cmd.producer, cmd.seq)
         indices, cells, new = cmd.indices, cmd.cells, cmd.new
         groups, tokens, version, ack = cmd.groups, cmd.tokens, cmd.policy_version(), cmd.ack
         # (the lease first: a straggler learns that its lease expired, whatever else
@@ -309,7 +318,10 @@ class Controller:
             nbytes=tuple(np.concatenate([c.nbytes for c in cells.values()]).tolist())
             if cells
             else (),
+            producer_seq=-1 if cmd.seq is None else cmd.seq,
         )
+        if cmd.seq is not None:
+            self.producers.record(cmd.producer, cmd.seq, indices)
         if lease is not None:
             # (ackable: distinct indices of the lease; as many as it holds: all of them)
             whole = indices.size == lease.indices.size
@@ -612,6 +624,7 @@ class Controller:
             ended=self.ended,
             events=self.log.seq,
             units=[],
+            duplicate_puts=self.producers.duplicates,
         )
 
     def _emit(self, cls: type, **fields: object) -> None:

@@ -154,5 +154,6 @@ def _apply_put(ctl: Replayable, event: Put) -> None:
             versions=np.array(event.versions, dtype=np.int64) if event.versions else None,
             tokens=np.array(event.tokens, dtype=np.int64),
             producer=event.producer,
+            seq=None if event.producer_seq < 0 else event.producer_seq,
         )
     )

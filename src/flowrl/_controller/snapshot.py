@@ -5,7 +5,8 @@ committed samples' cells, each task's status and ready queue (in order), the lea
 their deadlines, balanced rounds, versions, stream end, counters — and :func:`restore`
 puts it into a fresh controller, after which the events journaled since are replayed as
 usual. Only committed samples are kept, slot by slot: its size follows the live state,
-not the run's length. Reservations are not state a journal keeps (a recovered controller
+not the run's length (and each producer's window of recent puts, which is bounded).
+Reservations are not state a journal keeps (a recovered controller
 never had them), so they are left out here too.
 
 Taken under the controller's lock between two operations (never from inside one: an
@@ -19,6 +20,7 @@ import numpy as np
 
 from flowrl._controller.controller import Controller
 from flowrl._controller.leases import Lease
+from flowrl._controller.producers import ProducerRecord
 from flowrl._controller.tasks import TaskState
 from flowrl._schema.columns import Column
 from flowrl.errors import JournalError
@@ -75,6 +77,7 @@ class Snapshot(msgspec.Struct, frozen=True):
     next_lease: int
     watermark: int
     format: int = FORMAT
+    producers: list[ProducerRecord] = []  # recent puts of idempotent producers
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -121,6 +124,7 @@ def snapshot_of(ctl: Controller) -> bytes:
         partitions=dict(ctl.partitions),
         next_lease=ctl.leases.next_id,
         watermark=ctl.watermark,
+        producers=ctl.producers.to_records(),
     )
     return _encoder.encode(snap)
 
@@ -174,6 +178,7 @@ def restore(ctl: Controller, data: bytes, where: str) -> int:
     ctl.partitions = dict(snap.partitions)
     ctl.leases.next_id = snap.next_lease
     ctl.watermark = snap.watermark
+    ctl.producers.restore(snap.producers)
     ctl.log.seq = snap.seq
     return snap.seq
 

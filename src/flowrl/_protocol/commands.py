@@ -119,7 +119,9 @@ class Commit(Command, frozen=True, tag="commit", eq=False):
     ``version`` (one for the put) or ``versions`` (one per sample), not both; neither:
     new samples get the hub's current version, updated ones keep theirs. ``ack``: a claim
     holding these samples, acked in the same step. ``put_id``: a put to existing samples
-    whose bytes its units staged; they file them once the commit succeeds.
+    whose bytes its units staged; they file them once the commit succeeds. ``seq``: the
+    put's sequence number among ``producer``'s puts, which makes it idempotent (a commit
+    of a ``(producer, seq)`` committed before is refused with ``DuplicatePut``).
     """
 
     indices: Int64s
@@ -133,6 +135,7 @@ class Commit(Command, frozen=True, tag="commit", eq=False):
     producer: str = ""
     ack: LeaseRef | None = None
     put_id: NonNeg = 0
+    seq: NonNeg | None = None
 
     def policy_version(self) -> int | np.ndarray | None:
         """The version the put gives its samples: one, one per sample, or None."""

@@ -21,7 +21,7 @@ import numpy as np
 
 from flowrl._client.future import PutFuture
 from flowrl._transport.session import NoAnswer, Session
-from flowrl.errors import FlowRLError, Timeout, UnknownIndexError
+from flowrl.errors import DuplicatePut, FlowRLError, Timeout, UnknownIndexError
 
 __all__ = ["PUTS_IN_FLIGHT", "PutsInFlight"]
 
@@ -166,6 +166,8 @@ class PutsInFlight:
                 with contextlib.suppress(FlowRLError):
                     self._discard(sent.unit, fut.indices, columns)
                     self._abort(fut.indices)
+            if isinstance(fut._error, DuplicatePut):  # a re-sent idempotent put: the first
+                fut._redone(np.array(fut._error.indices, dtype=np.int64))  # one's answer
             again, sent.again = sent.again, None
             if again is not None and isinstance(fut._unobserved_error, UnknownIndexError):
                 try:

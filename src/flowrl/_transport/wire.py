@@ -244,6 +244,7 @@ class Done(_Msg, frozen=True, tag="done"):
 class Error(_Msg, frozen=True, tag="error"):
     type: str
     message: str
+    indices: list[int] | None = None  # a DuplicatePut's: the first put's samples
 
 
 class Welcome(_Msg, frozen=True, tag="welcome"):
@@ -477,6 +478,8 @@ def decode_reply(frame: Any) -> Any:
 
 
 def error_of(exc: BaseException) -> Error:
+    if isinstance(exc, errors.DuplicatePut):
+        return Error(type="DuplicatePut", message=str(exc), indices=list(exc.indices))
     if isinstance(exc, errors.FlowRLError):
         return Error(type=type(exc).__name__, message=str(exc))
     return Error(type="FlowRLError", message=f"internal error: {type(exc).__name__}: {exc}")
@@ -487,6 +490,8 @@ def exception_of(err: Error) -> errors.FlowRLError:
     cls = getattr(errors, err.type, None)
     if not (isinstance(cls, type) and issubclass(cls, errors.FlowRLError)):
         cls = errors.TransportError
+    if cls is errors.DuplicatePut:
+        return errors.DuplicatePut(err.message, indices=tuple(err.indices or ()))
     return cls(err.message)
 
 

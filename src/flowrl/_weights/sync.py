@@ -23,6 +23,9 @@ engine (``RolloutEngine.update_weights``), so the stream never stops. Two transp
   pages are already mapped.
 - the Ray object store on a cluster (:mod:`flowrl._weights.object_store`).
 
+The channel's files are private to the user and a restarted publisher removes what a
+killed one left behind (:mod:`flowrl._weights.shm_files`).
+
 Torn-read safety (shared memory): an arena is ``flock``-ed exclusively while a version
 is written into it and shared while a subscriber reads it. The publisher writes only
 into an arena that is not the newest and that it can lock at once (it adds an arena, up
@@ -48,6 +51,7 @@ from typing import TYPE_CHECKING, Protocol, final
 
 import msgspec
 
+from flowrl._weights.shm_files import ChannelFiles, open_private
 from flowrl.errors import ConfigError, TransportError
 
 if TYPE_CHECKING:  # torch is imported lazily: hub servers import flowrl without it
@@ -69,7 +73,6 @@ __all__ = [
 ]
 
 _FOLDER = "/dev/shm"
-_PREFIX = "flowrl-weights-"
 _ALIGN = 64
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map every page at once, not one fault each
 _LOCK_RETRY_S = 0.001
@@ -437,12 +440,51 @@ def _check_name(name: str) -> None:
         )
 
 
-def _header_path(name: str, folder: str) -> str:
-    return os.path.join(folder, f"{_PREFIX}{name}.header")
-
-
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(WeightHeader)
+
+
+def _read_header(files: ChannelFiles) -> WeightHeader | None:
+    """The channel's header (None: nothing published); a header that is not this user's,
+    is not one, or names a file outside the channel raises :class:`TransportError`."""
+    fd = open_private(files.header, os.O_RDONLY, what="header")
+    with os.fdopen(fd, "rb") as f:
+        data = f.read()
+    try:
+        header = _DECODER.decode(data)
+    except msgspec.DecodeError as exc:
+        raise TransportError(
+            f"weight channel header {files.header!r} is malformed ({exc}); remove it"
+        ) from None
+    if not files.is_arena(header.segment):
+        raise TransportError(
+            f"weight channel header {files.header!r} names {header.segment!r}, expected an "
+            f"arena of channel {files.name!r} ({files.base}.<token>-<n>.arena); remove it"
+        )
+    return header
+
+
+def _check_entries(header: WeightHeader, size: int, path: str) -> None:
+    """Every tensor the header lists lies inside the arena, in a dtype torch knows."""
+    import torch
+
+    for e in header.tensors:
+        dtype = getattr(torch, e.dtype, None)
+        count = 1
+        for d in e.shape:
+            count *= d
+        if (
+            not isinstance(dtype, torch.dtype)
+            or min(e.shape, default=0) < 0
+            or e.offset < 0
+            or e.nbytes != count * dtype.itemsize
+            or e.offset + e.nbytes > size
+        ):
+            raise TransportError(
+                f"weight channel header names tensor {e.name!r} as {e.dtype} {e.shape} at "
+                f"[{e.offset}, +{e.nbytes}), which does not fit the {size}-byte arena "
+                f"{path!r}; the header is malformed: remove it"
+            )
 
 
 @final
@@ -458,7 +500,7 @@ class _Arena:
         self.path = path
         writer = size is not None
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL if writer else os.O_RDONLY
-        self.fd = os.open(path, flags, 0o600)
+        self.fd = open_private(path, flags, what="arena")
         try:
             if size is not None:
                 os.posix_fallocate(self.fd, 0, size)  # ENOSPC now, not SIGBUS on a write
@@ -526,7 +568,7 @@ class WeightPublisher(BaseWeightPublisher):
             raise ConfigError(f"WeightPublisher needs the shared-memory folder {folder!r}")
         super().__init__(dtype=dtype)
         self.name = name
-        self._folder = folder
+        self._files = ChannelFiles(name, folder)
         self._max_arenas = max_arenas
         self._wait_s = wait_s
         self._token = secrets.token_hex(4)
@@ -534,6 +576,28 @@ class WeightPublisher(BaseWeightPublisher):
         self._arenas: list[_Arena] = []
         self._newest: _Arena | None = None
         self._preparing: threading.Thread | None = None
+        self._lock_fd = self._files.lock_publisher()
+        try:
+            self._inherited = self._reclaim()
+        except BaseException:
+            self._files.unlock_publisher(self._lock_fd)
+            raise
+
+    def _reclaim(self) -> str | None:
+        """Remove what a dead publisher of the channel left, but the arena of its newest
+        version (returned), which subscribers read until this one publishes."""
+        try:
+            header = _read_header(self._files)
+        except FileNotFoundError:
+            header = None
+        except TransportError:
+            if os.stat(self._files.header, follow_symlinks=False).st_uid != os.geteuid():
+                raise  # another user's: it cannot be replaced, so nothing can be published
+            os.unlink(self._files.header)  # ours but unreadable: a version nobody can use
+            header = None
+        keep = None if header is None else header.segment
+        self._files.sweep(keep)
+        return keep
 
     @property
     def arenas(self) -> int:
@@ -547,12 +611,13 @@ class WeightPublisher(BaseWeightPublisher):
         try:
             _copy_in(arena.flat, tensors, entries)
             header = WeightHeader(version, arena.path, tuple(entries))
-            path = _header_path(self.name, self._folder)
-            tmp = f"{path}.{self._token}.tmp"
-            with open(tmp, "wb") as f:
+            tmp = self._files.tmp_header(self._token)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+            with os.fdopen(open_private(tmp, flags, what="header"), "wb") as f:
                 f.write(_ENCODER.encode(header))
-            os.replace(tmp, path)  # atomic: a subscriber reads the old header or the new one
+            os.replace(tmp, self._files.header)  # atomic: subscribers read old or new
             self._newest = arena
+            self._drop_inherited()
         finally:
             arena.unlock()
         if len(self._arenas) < 2:
@@ -585,8 +650,7 @@ class WeightPublisher(BaseWeightPublisher):
 
     def _new_arena(self, size: int) -> _Arena:
         self._count += 1
-        path = os.path.join(self._folder, f"{_PREFIX}{self.name}-{self._token}-{self._count}")
-        arena = _Arena(path, size=size)
+        arena = _Arena(self._files.arena(self._token, self._count), size=size)
         self._arenas.append(arena)
         return arena
 
@@ -599,14 +663,25 @@ class WeightPublisher(BaseWeightPublisher):
             self._preparing.join()
             self._preparing = None
 
+    def _drop_inherited(self) -> None:
+        if self._inherited is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._inherited)
+            self._inherited = None
+
     def _close(self) -> None:
         self._join_preparing()
+        if self._lock_fd < 0:
+            return  # closed already
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(_header_path(self.name, self._folder))
+            os.unlink(self._files.header)
+        self._drop_inherited()
         for arena in self._arenas:
             arena.close(unlink=True)
         self._arenas.clear()
         self._newest = None
+        self._files.unlock_publisher(self._lock_fd)
+        self._lock_fd = -1
 
 
 @final
@@ -631,7 +706,7 @@ class WeightSubscriber(BaseWeightSubscriber):
         _check_name(name)
         super().__init__()
         self.name = name
-        self._path = _header_path(name, folder)
+        self._files = ChannelFiles(name, folder)
         self._wait_s = wait_s
         self._arenas: dict[str, _Arena] = {}
 
@@ -645,6 +720,11 @@ class WeightSubscriber(BaseWeightSubscriber):
             if arena is not None and arena.try_lock(exclusive=False):
                 again = self._header()
                 if again is not None and again.segment == header.segment:
+                    try:
+                        _check_entries(again, arena.size, arena.path)
+                    except TransportError:
+                        arena.unlock()
+                        raise
                     return _ShmSnapshot(again, arena)  # complete, and kept so until release
                 arena.unlock()
             time.sleep(_LOCK_RETRY_S)  # the header moved on meanwhile: read it again
@@ -655,8 +735,7 @@ class WeightSubscriber(BaseWeightSubscriber):
 
     def _header(self) -> WeightHeader | None:
         try:
-            with open(self._path, "rb") as f:
-                return _DECODER.decode(f.read())
+            return _read_header(self._files)
         except FileNotFoundError:
             return None  # nothing published yet, or the publisher closed
 

@@ -68,6 +68,8 @@ def test_other_help_pages_still_work(capsys) -> None:
         (["--lr", "inf"], "--lr inf: expected a finite number"),
         (["--kl-coef", "nan"], "--kl-coef nan: expected a finite number"),
         (["--engine", "PATH"], "argument --engine: invalid choice: 'PATH'"),
+        (["--metrics-port", "70000"], "--metrics-port 70000: expected a TCP port in [1, 65535]"),
+        (["--logger", "console,tb"], "--logger 'console,tb': unknown logger backend(s) ['tb']"),
     ],
 )
 def test_a_bad_configuration_is_refused_before_anything_runs(capsys, argv, says) -> None:

@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 import flowrl
-from flowrl import ChromeTrace, Loader, Timeline, WeightStore
+from flowrl import ChromeTrace, Loader, Timeline, WeightStore, serve_metrics
 from flowrl.errors import ConfigError
 from flowrl.recipes.checkpoint import (
     latest_checkpoint,
@@ -186,6 +186,10 @@ def _train(
         groups=cfg.group_size,
         timeout=cfg.stall_timeout,
     )
+    metrics = None
+    if cfg.metrics_port:
+        metrics = serve_metrics(hub, port=cfg.metrics_port, loaders=[loader])
+        log.info("Prometheus metrics: %s", metrics.url)
     tracking = _tracking(cfg, run_dir, trainer.metrics)
     t_rl = time.time()
     run_ = pipe.start(hub, loaders=[loader], max_samples=(cfg.steps - start) * batch_size)
@@ -238,6 +242,8 @@ def _train(
     finally:
         backend.close()
         trainer.update.close()
+        if metrics is not None:
+            metrics.close()
     t_end = time.time()
     timeline.save_png(str(run_dir / "timeline.png"), title="flowrl GRPO: stage activity")
     trace.save(run_dir / "trace.json")

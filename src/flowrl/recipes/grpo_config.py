@@ -63,6 +63,7 @@ _NEEDS = {
     "llama": ("transformers", "pip install 'flowrl[hf]'"),
     "tensorboard": ("tensorboard", "pip install 'flowrl[tensorboard]'"),
     "wandb": ("wandb", "pip install 'flowrl[wandb]'"),
+    "prometheus": ("prometheus_client", "pip install 'flowrl[prometheus]'"),
 }
 
 
@@ -123,6 +124,13 @@ class GRPOConfig(msgspec.Struct, frozen=True, kw_only=True):
             "flowrl.tracking.register_backend"
         ),
     ] = "console,jsonl"
+    metrics_port: Annotated[
+        int,
+        Meta(
+            description="serve the hub's Prometheus metrics on http://127.0.0.1:PORT/metrics "
+            "(0: off)"
+        ),
+    ] = 0
     engine: Annotated[
         str,
         Meta(
@@ -171,6 +179,7 @@ RESUMABLE_FIELDS = frozenset(
         "out",
         "progress",
         "logger",
+        "metrics_port",
     }
 )
 
@@ -230,6 +239,7 @@ def _check_values(cfg: GRPOConfig) -> None:
         "hub_capacity": 1,
         "log_every": 0,
         "checkpoint_every": 0,
+        "metrics_port": 0,
     }
     for field, low in at_least.items():
         if getattr(cfg, field) < low:
@@ -267,6 +277,8 @@ def _check_values(cfg: GRPOConfig) -> None:
         raise ConfigError(f"{flag('logger')} {cfg.logger!r}: {exc}") from None
     if not cfg.tis_cap >= 0:
         raise _refuse("tis_cap", cfg.tis_cap, "a number >= 0", "0 turns the correction off")
+    if cfg.metrics_port > 65535:
+        raise _refuse("metrics_port", cfg.metrics_port, "a TCP port in [1, 65535], or 0 (off)")
     if not 0 <= cfg.zero_stage <= 3:
         raise _refuse("zero_stage", cfg.zero_stage, "an int in [0, 3]")
     for field, choices in (("engine", ENGINES), ("trainer", TRAINERS), ("model", MODELS)):
@@ -304,11 +316,16 @@ def _check_engines(cfg: GRPOConfig) -> None:
             f"a multiple of {LLAMA_HEAD_DIM} with {flag('model')} llama",
             f"its attention heads are {LLAMA_HEAD_DIM} wide",
         )
-    chosen = [(f, getattr(cfg, f)) for f in ("engine", "trainer", "model")]
-    chosen += [("logger", name) for name in parse_backends(cfg.logger)]
-    for field, value in chosen:
-        if value in _NEEDS and importlib.util.find_spec(_NEEDS[value][0]) is None:
-            module, install = _NEEDS[value]
+    # (flag, its value, what it needs installed)
+    chosen: list[tuple[str, Any, str]] = [
+        (f, getattr(cfg, f), getattr(cfg, f)) for f in ("engine", "trainer", "model")
+    ]
+    chosen += [("logger", name, name) for name in parse_backends(cfg.logger)]
+    if cfg.metrics_port:
+        chosen.append(("metrics_port", cfg.metrics_port, "prometheus"))
+    for field, value, need in chosen:
+        if need in _NEEDS and importlib.util.find_spec(_NEEDS[need][0]) is None:
+            module, install = _NEEDS[need]
             raise ConfigError(
                 f"{flag(field)} {value} needs {module}, which is not installed here: {install}"
             )

@@ -27,23 +27,11 @@ from pathlib import Path
 from typing import Any, Protocol, final
 
 from flowrl._config import HubStats
+from flowrl._observers.counts import STALENESS_BUCKETS, EventCounts
 from flowrl.errors import ConfigError
-from flowrl.events import (
-    Acked,
-    Claimed,
-    Event,
-    Evicted,
-    LeaseExpired,
-    Put,
-    Released,
-    VersionPublished,
-)
-from flowrl.hooks import Observer
+from flowrl.events import Event
 
 __all__ = ["MetricsServer", "serve_metrics"]
-
-# policy versions behind the newest, at ack
-STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
 
 
 class _Hub(Protocol):
@@ -57,101 +45,13 @@ class _Loader(Protocol):
     def statistics(self) -> Any: ...
 
 
-class _EventCounts(Observer):
-    """What the event stream adds up to; read under the lock by the collector."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.put: dict[str, int] = {}
-        self.put_bytes: dict[str, int] = {}
-        self.claimed: dict[str, int] = {}
-        self.settled: dict[tuple[str, str], int] = {}  # (task, acked|released|expired)
-        self.staleness: dict[str, list[int]] = {}  # task -> per-bucket counts (+inf last)
-        self.staleness_sum: dict[str, int] = {}
-        self._versions: dict[int, int] = {}  # live sample -> its policy version
-        self._version = 0
-        self._open: dict[str, int] = {}  # leases open per task
-        self._busy: dict[str, float] = {}
-        self._since: dict[str, float] = {}
-        self._leases: dict[int, str] = {}
-
-    def __call__(self, event: Event) -> None:
-        with self.lock:
-            super().__call__(event)
-
-    def on_put(self, event: Put) -> None:
-        n = len(event.indices)
-        for k, column in enumerate(event.columns):
-            self.put[column] = self.put.get(column, 0) + n
-            nbytes = sum(event.nbytes[k * n : (k + 1) * n])
-            self.put_bytes[column] = self.put_bytes.get(column, 0) + nbytes
-        if event.versions:
-            self._versions.update(zip(event.indices, event.versions, strict=True))
-        elif event.version >= 0:
-            self._versions.update(dict.fromkeys(event.indices, event.version))
-
-    def on_claim(self, event: Claimed) -> None:
-        self.claimed[event.task] = self.claimed.get(event.task, 0) + len(event.indices)
-        self._leases[event.lease] = event.task
-        self._lease_opens(event.task, event.t, +1)
-
-    def on_ack(self, event: Acked) -> None:
-        self._settle(event.task, "acked", event)
-        buckets = self.staleness.setdefault(event.task, [0] * (len(STALENESS_BUCKETS) + 1))
-        for i in event.indices:
-            lag = max(0, self._version - self._versions.get(i, self._version))
-            self.staleness_sum[event.task] = self.staleness_sum.get(event.task, 0) + lag
-            buckets[_bucket(lag)] += 1
-
-    def on_release(self, event: Released) -> None:
-        self._settle(event.task, "released", event)
-
-    def on_lease_expired(self, event: LeaseExpired) -> None:
-        self._settle(event.task, "expired", event)
-
-    def on_evict(self, event: Evicted) -> None:
-        for i in event.indices:
-            self._versions.pop(i, None)
-
-    def on_version(self, event: VersionPublished) -> None:
-        self._version = max(self._version, event.version)
-
-    def busy_seconds(self, now: float) -> dict[str, float]:
-        """Per task, seconds with at least one lease open, up to ``now``."""
-        busy = dict(self._busy)
-        for task, opened in self._open.items():
-            if opened:
-                busy[task] = busy.get(task, 0.0) + max(0.0, now - self._since[task])
-        return busy
-
-    def _settle(self, task: str, how: str, event: Acked | Released | LeaseExpired) -> None:
-        key = (task, how)
-        self.settled[key] = self.settled.get(key, 0) + len(event.indices)
-        if self._leases.pop(event.lease, None) is not None:
-            self._lease_opens(task, event.t, -1)
-
-    def _lease_opens(self, task: str, t: float, delta: int) -> None:
-        opened = self._open.get(task, 0)
-        if opened:  # the task was busy up to now
-            self._busy[task] = self._busy.get(task, 0.0) + max(0.0, t - self._since[task])
-        self._open[task] = opened + delta
-        self._since[task] = t
-
-
-def _bucket(lag: int) -> int:
-    for k, bound in enumerate(STALENESS_BUCKETS):
-        if lag <= bound:
-            return k
-    return len(STALENESS_BUCKETS)
-
-
 class _Collector:
     """prometheus_client's custom-collector interface: fresh families at every scrape."""
 
     def __init__(
         self,
         hub: _Hub,
-        counts: _EventCounts,
+        counts: EventCounts,
         loaders: Sequence[_Loader],
         journal: Path | None,
     ) -> None:
@@ -328,7 +228,7 @@ def serve_metrics(
         ) from exc
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise ConfigError(f"serve_metrics(port={port!r}): expected an int in [0, 65535]")
-    counts = _EventCounts()
+    counts = EventCounts()
     subscription = hub.subscribe(counts)
     registry = CollectorRegistry()
     registry.register(_Collector(hub, counts, loaders, None if journal is None else Path(journal)))

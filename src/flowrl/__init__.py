@@ -31,6 +31,7 @@ if typing.TYPE_CHECKING:
     )
     from flowrl._launch.processes import connect, launch_hub
     from flowrl._launch.ray_hub import launch_ray_hub
+    from flowrl._observers.dashboard import Dashboard, serve_dashboard
     from flowrl._observers.prometheus import MetricsServer, serve_metrics
     from flowrl._observers.staleness import StalenessMetrics, StalenessStep
     from flowrl._observers.timeline import Timeline
@@ -72,6 +73,7 @@ __all__ = [
     "CandidateView",
     "ChromeTrace",
     "Column",
+    "Dashboard",
     "Executor",
     "FifoSampler",
     "FlowRLError",
@@ -116,6 +118,7 @@ __all__ = [
     "connect",
     "launch_hub",
     "launch_ray_hub",
+    "serve_dashboard",
     "serve_metrics",
     "stage",
 ]
@@ -132,6 +135,7 @@ _HOMES: dict[str, str] = {
     "CandidateView": "flowrl._controller.samplers",
     "ChromeTrace": "flowrl._observers.trace",
     "Column": "flowrl._schema.columns",
+    "Dashboard": "flowrl._observers.dashboard",
     "Executor": "flowrl._pipeline.executors.base",
     "FifoSampler": "flowrl._controller.samplers",
     "FlowRLError": "flowrl.errors",
@@ -175,6 +179,7 @@ _HOMES: dict[str, str] = {
     "connect": "flowrl._launch.processes",
     "launch_hub": "flowrl._launch.processes",
     "launch_ray_hub": "flowrl._launch.ray_hub",
+    "serve_dashboard": "flowrl._observers.dashboard",
     "serve_metrics": "flowrl._observers.prometheus",
     "stage": "flowrl._pipeline.stage",
 }

@@ -9,7 +9,10 @@ which columns each live sample has ready. ``serve_metrics`` and the dashboard re
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any, Protocol
 
+from flowrl._config import HubStats
 from flowrl.events import (
     Acked,
     Claimed,
@@ -23,10 +26,25 @@ from flowrl.events import (
 )
 from flowrl.hooks import Observer
 
-__all__ = ["STALENESS_BUCKETS", "EventCounts"]
+__all__ = ["STALENESS_BUCKETS", "EventCounts", "HubLike", "LoaderLike"]
 
 # policy versions behind the newest, at ack
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
+
+
+class HubLike(Protocol):
+    """What the exporters need of a hub: an embedded ``Hub`` or a ``RemoteHub``."""
+
+    def statistics(self) -> HubStats: ...
+    def subscribe(self, observer: Callable[[Event], Any], *, strict: bool = False) -> Any: ...
+
+
+class LoaderLike(Protocol):
+    """What the exporters read of a ``Loader``."""
+
+    task: str
+
+    def statistics(self) -> Any: ...
 
 
 class EventCounts(Observer):

@@ -22,27 +22,14 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol, final
+from typing import Any, final
 
-from flowrl._config import HubStats
-from flowrl._observers.counts import STALENESS_BUCKETS, EventCounts
+from flowrl._observers.counts import STALENESS_BUCKETS, EventCounts, HubLike, LoaderLike
 from flowrl.errors import ConfigError
-from flowrl.events import Event
 
 __all__ = ["MetricsServer", "serve_metrics"]
-
-
-class _Hub(Protocol):
-    def statistics(self) -> HubStats: ...
-    def subscribe(self, observer: Callable[[Event], Any], *, strict: bool = False) -> Any: ...
-
-
-class _Loader(Protocol):
-    task: str
-
-    def statistics(self) -> Any: ...
 
 
 class _Collector:
@@ -50,9 +37,9 @@ class _Collector:
 
     def __init__(
         self,
-        hub: _Hub,
+        hub: HubLike,
         counts: EventCounts,
-        loaders: Sequence[_Loader],
+        loaders: Sequence[LoaderLike],
         journal: Path | None,
     ) -> None:
         self.hub, self.counts, self.loaders, self.journal = hub, counts, loaders, journal
@@ -209,11 +196,11 @@ class MetricsServer:
 
 
 def serve_metrics(
-    hub: _Hub,
+    hub: HubLike,
     *,
     port: int = 0,
     addr: str = "127.0.0.1",
-    loaders: Sequence[_Loader] = (),
+    loaders: Sequence[LoaderLike] = (),
     journal: str | os.PathLike[str] | None = None,
 ) -> MetricsServer:
     """Serve ``hub``'s metrics on ``http://addr:port/metrics`` (port 0: a free one; read

@@ -1,10 +1,12 @@
-"""The ``flowrl`` command line: ``flowrl run NAME`` runs a recipe, ``flowrl sim`` the simulator."""
+"""The ``flowrl`` command line: ``flowrl run NAME`` runs a recipe, ``flowrl sim`` the
+simulator, ``flowrl dashboard --hub ADDRESS`` serves a live page of a running hub."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+import threading
 
 RECIPES = {"grpo": "flowrl.recipes.grpo_cli"}  # modules with main(argv); light to import
 
@@ -19,13 +21,52 @@ def main(argv: list[str] | None = None) -> int:
         from flowrl.sim.cli import main as sim_main
 
         return sim_main(argv[1:])
+    if argv[:1] == ["dashboard"]:
+        return dashboard(argv[1:])
     parser = argparse.ArgumentParser(prog="flowrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a recipe (the main job: flowrl run grpo)")
     run.add_argument("recipe", choices=sorted(RECIPES), help="the recipe's name")
     sub.add_parser("sim", help="simulate a disaggregated RL cluster (flowrl sim --help)")
+    sub.add_parser("dashboard", help="a live page of a running hub (flowrl dashboard --help)")
     parser.parse_args(argv)  # only errors and help get here
     return 2
+
+
+def dashboard(argv: list[str], *, stop: threading.Event | None = None) -> int:
+    """``flowrl dashboard``: serve until Ctrl-C (or until ``stop`` is set, in tests)."""
+    p = argparse.ArgumentParser(
+        prog="flowrl dashboard",
+        description="Serve a live page of a running hub (launch_hub / launch_ray_hub) on "
+        "this machine and print its URL; Ctrl-C stops it.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--hub", required=True, metavar="ADDRESS", help="the hub's .address")
+    p.add_argument("--port", type=int, default=8365, help="the page's port (0: any free one)")
+    p.add_argument("--addr", default="127.0.0.1", help="the interface to listen on")
+    p.add_argument("--interval", type=float, default=0.5, help="seconds between updates")
+    args = p.parse_args(argv)
+    from flowrl import connect, serve_dashboard
+    from flowrl.errors import FlowRLError
+
+    try:
+        hub = connect(args.hub)
+    except FlowRLError as exc:
+        p.error(str(exc))
+    try:
+        page = serve_dashboard(hub, port=args.port, addr=args.addr, interval=args.interval)
+    except FlowRLError as exc:
+        hub.close()
+        p.error(str(exc))
+    print(f"flowrl dashboard: {page.url} (Ctrl-C stops it)", flush=True)
+    try:
+        (stop or threading.Event()).wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        page.close()
+        hub.close()
+    return 0
 
 
 if __name__ == "__main__":

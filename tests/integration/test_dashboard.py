@@ -130,3 +130,37 @@ def test_bad_arguments_are_refused() -> None:
             flowrl.serve_dashboard(hub, interval=5)
         with pytest.raises(ConfigError, match="expected an int in"):
             flowrl.serve_dashboard(hub, port=-1)
+
+
+def test_flowrl_dashboard_serves_a_launched_hub(capsys: pytest.CaptureFixture[str]) -> None:
+    from flowrl.__main__ import dashboard
+
+    hub = flowrl.launch_hub([Column.scalar("x", "int64")], tasks={"t": ["x"]})
+    stop = threading.Event()
+    try:
+        hub.put({"x": np.arange(6)})
+        hub.ack(hub.claim("t", 4, timeout=5))
+        done: list[int] = []
+        thread = threading.Thread(
+            target=lambda: done.append(dashboard(["--hub", hub.address, "--port", "0"], stop=stop))
+        )
+        thread.start()
+        out = ""
+
+        def printed() -> bool:
+            nonlocal out
+            out += capsys.readouterr().out
+            return "flowrl dashboard: http://" in out
+
+        _wait(printed, "its URL")
+        url = out.split("flowrl dashboard: ", 1)[1].split()[0]
+        state = json.loads(urllib.request.urlopen(url + "state", timeout=10).read())
+        assert state["tasks"]["t"]["ready"] == 2 and state["hub"]["live"] == 2
+        page = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert "<title>flowrl hub</title>" in page
+        assert "://" not in page  # nothing fetched from elsewhere: works with no internet
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+        hub.close()
+    assert done == [0]

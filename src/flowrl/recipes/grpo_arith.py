@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 import flowrl
-from flowrl import ChromeTrace, Loader, Timeline, WeightStore, serve_metrics
+from flowrl import ChromeTrace, Loader, Timeline, WeightStore, serve_dashboard, serve_metrics
 from flowrl.errors import ConfigError
 from flowrl.recipes.checkpoint import (
     latest_checkpoint,
@@ -186,11 +186,14 @@ def _train(
         groups=cfg.group_size,
         timeout=cfg.stall_timeout,
     )
-    metrics = None
+    metrics = page = None
     if cfg.metrics_port:
         metrics = serve_metrics(hub, port=cfg.metrics_port, loaders=[loader])
         log.info("Prometheus metrics: %s", metrics.url)
-    tracking = _tracking(cfg, run_dir, trainer.metrics)
+    if cfg.dashboard:
+        page = serve_dashboard(hub, port=cfg.dashboard, loaders=[loader])
+        log.info("live page of the hub: %s", page.url)
+    tracking = _tracking(cfg, run_dir, trainer.metrics, page)
     t_rl = time.time()
     run_ = pipe.start(hub, loaders=[loader], max_samples=(cfg.steps - start) * batch_size)
     steps_bar = bar(cfg.steps, "grpo", enabled=cfg.progress)
@@ -242,8 +245,9 @@ def _train(
     finally:
         backend.close()
         trainer.update.close()
-        if metrics is not None:
-            metrics.close()
+        for server in (metrics, page):
+            if server is not None:
+                server.close()
     t_end = time.time()
     timeline.save_png(str(run_dir / "timeline.png"), title="flowrl GRPO: stage activity")
     trace.save(run_dir / "trace.json")
@@ -343,10 +347,13 @@ def _open_run(cfg: GRPOConfig, resume: str | Path | None) -> tuple[Path, dict[st
     return run_dir, state
 
 
-def _tracking(cfg: GRPOConfig, run_dir: Path, metrics: list[dict[str, Any]]) -> Tracking:
-    """The run's metrics sinks (``--logger``); a resumed run's steps so far are kept in
-    ``metrics.jsonl``, and the console line is the recipe's own, every ``--log-every``."""
-    sinks: list[str | Tracker] = []
+def _tracking(
+    cfg: GRPOConfig, run_dir: Path, metrics: list[dict[str, Any]], page: Tracker | None
+) -> Tracking:
+    """The run's metrics sinks (``--logger``, and the live page's curves); a resumed run's
+    steps so far are kept in ``metrics.jsonl``, and the console line is the recipe's own,
+    every ``--log-every``."""
+    sinks: list[str | Tracker] = [] if page is None else [page]
     for name in parse_backends(cfg.logger):
         if name == "console":
             sinks.append(

@@ -64,6 +64,7 @@ _NEEDS = {
     "tensorboard": ("tensorboard", "pip install 'flowrl[tensorboard]'"),
     "wandb": ("wandb", "pip install 'flowrl[wandb]'"),
     "prometheus": ("prometheus_client", "pip install 'flowrl[prometheus]'"),
+    "dashboard": ("aiohttp", "pip install 'flowrl[dashboard]'"),
 }
 
 
@@ -131,6 +132,13 @@ class GRPOConfig(msgspec.Struct, frozen=True, kw_only=True):
             "(0: off)"
         ),
     ] = 0
+    dashboard: Annotated[
+        int,
+        Meta(
+            description="serve a live page of the hub on http://127.0.0.1:PORT/ while the job "
+            "runs (0: off)"
+        ),
+    ] = 0
     engine: Annotated[
         str,
         Meta(
@@ -180,6 +188,7 @@ RESUMABLE_FIELDS = frozenset(
         "progress",
         "logger",
         "metrics_port",
+        "dashboard",
     }
 )
 
@@ -240,6 +249,7 @@ def _check_values(cfg: GRPOConfig) -> None:
         "log_every": 0,
         "checkpoint_every": 0,
         "metrics_port": 0,
+        "dashboard": 0,
     }
     for field, low in at_least.items():
         if getattr(cfg, field) < low:
@@ -277,8 +287,9 @@ def _check_values(cfg: GRPOConfig) -> None:
         raise ConfigError(f"{flag('logger')} {cfg.logger!r}: {exc}") from None
     if not cfg.tis_cap >= 0:
         raise _refuse("tis_cap", cfg.tis_cap, "a number >= 0", "0 turns the correction off")
-    if cfg.metrics_port > 65535:
-        raise _refuse("metrics_port", cfg.metrics_port, "a TCP port in [1, 65535], or 0 (off)")
+    for field in ("metrics_port", "dashboard"):
+        if getattr(cfg, field) > 65535:
+            raise _refuse(field, getattr(cfg, field), "a TCP port in [1, 65535], or 0 (off)")
     if not 0 <= cfg.zero_stage <= 3:
         raise _refuse("zero_stage", cfg.zero_stage, "an int in [0, 3]")
     for field, choices in (("engine", ENGINES), ("trainer", TRAINERS), ("model", MODELS)):
@@ -323,6 +334,8 @@ def _check_engines(cfg: GRPOConfig) -> None:
     chosen += [("logger", name, name) for name in parse_backends(cfg.logger)]
     if cfg.metrics_port:
         chosen.append(("metrics_port", cfg.metrics_port, "prometheus"))
+    if cfg.dashboard:
+        chosen.append(("dashboard", cfg.dashboard, "dashboard"))
     for field, value, need in chosen:
         if need in _NEEDS and importlib.util.find_spec(_NEEDS[need][0]) is None:
             module, install = _NEEDS[need]

@@ -1,9 +1,9 @@
 """What watching a hub costs: throughput with a live page or a Prometheus scraper attached.
 
 What it measures: ``benchmarks/hub_throughput.py``'s put + consume loop (a producer puts
---samples samples in batches of --batch, --passes times per round, each an int64 and a float32 sequence of --seq-len
-plus a float32 reward; then a consumer claims, reads every column into numpy and acks
-micro-batches of --batch) on a fresh hub per round, in three modes:
+--samples samples in batches of --batch, each an int64 and a float32 sequence of
+--seq-len plus a float32 reward; then a consumer claims, reads every column into numpy and
+acks micro-batches of --batch; --passes times) on a fresh hub per round, in three modes:
 
 * ``none``: nothing attached;
 * ``metrics``: ``flowrl.serve_metrics`` with a scraper reading ``/metrics`` every second;

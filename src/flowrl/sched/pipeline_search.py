@@ -36,13 +36,13 @@ deterministic for a seed.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 from collections.abc import Callable, Sequence
 
-import msgspec
-
 from flowrl.errors import ConfigError
+from flowrl.sched.pipeline_improve import justify, swap_fits, tabu_search
 from flowrl.sched.pipeline_schedule import (
     FusedProblem,
     FusedSchedule,
@@ -51,24 +51,35 @@ from flowrl.sched.pipeline_schedule import (
     layout,
     lower_bound,
     order_of,
+    one_f_one_b_streams,
     peaks,
-    serial_1f1b,
+    serial_order,
     simulate,
     timed,
 )
 
-__all__ = ["anneal_schedule", "greedy_schedule", "search_schedule"]
+__all__ = ["anneal_schedule", "concurrent_1f1b", "greedy_schedule", "search_schedule"]
 
 Priority = Callable[[int], tuple[float, ...]]
-MEMORY_STEPS = (1.0, 1.25, 1.5)
+EXTRA = (0, 2, 4)  # warm-up forwards added to 1F1B in the stream starts
 
 
 def _list_schedule(
-    problem: FusedProblem, lay: Layout, priority: Priority, cap: Sequence[int] | None = None
+    problem: FusedProblem,
+    lay: Layout,
+    priority: Priority,
+    cap: Sequence[int] | None = None,
+    streams: Sequence[Sequence[int]] | None = None,
 ) -> Order | None:
     """Non-delay list scheduling: a free stage starts its ready op of least ``priority``
     whose activation fits the memory limit (and, with ``cap``, keeps its model's in-flight
-    micro-batches on that stage within ``cap[op]``). None when memory deadlocks."""
+    micro-batches on that stage within ``cap[op]``; with ``streams``, is the next op of its
+    stream). None when memory deadlocks."""
+    stream_of, rank = [0] * lay.n, [0] * lay.n
+    for i, ops in enumerate(streams or ()):
+        for r, op in enumerate(ops):
+            stream_of[op], rank[op] = i, r
+    head = [0] * len(streams or ())
     n_st = problem.gpu_stages
     limit = math.inf if problem.memory_limit is None else problem.memory_limit + 1e-9
     ready: list[list[int]] = [[] for _ in range(n_st)]
@@ -89,6 +100,8 @@ def _list_schedule(
             best, best_key = -1, None
             for op in ready[g]:
                 k = lay.key[op][0]
+                if streams is not None and head[stream_of[op]] != rank[op]:
+                    continue
                 if lay.mem[op] > 0 and (
                     level[g] + lay.mem[op] > limit
                     or (cap is not None and inflight.get((g, k), 0) >= cap[op])
@@ -100,6 +113,8 @@ def _list_schedule(
             if best < 0:
                 continue
             ready[g].remove(best)
+            if streams is not None:
+                head[stream_of[best]] += 1
             level[g] += lay.mem[best]
             k = lay.key[best][0]
             inflight[(g, k)] = inflight.get((g, k), 0) + (1 if lay.key[best][4] == 0 else -1)
@@ -136,11 +151,18 @@ def greedy_schedule(problem: FusedProblem) -> FusedSchedule:
         return (-size[k], -phase, mb)
 
     order = _list_schedule(problem, lay, rule)
-    if order is None:  # memory deadlock: one micro-batch at a time always fits
-        order = _list_schedule(problem, lay, rule, cap=[1] * lay.n)
-    if order is None:
-        raise ConfigError("no list schedule fits the memory limit")  # pragma: no cover
+    if order is None:  # memory deadlock: one micro-batch at a time per model, then globally
+        order = _list_schedule(problem, lay, rule, cap=[1] * lay.n) or _one_at_a_time(lay)
     return timed(problem, order, method="greedy")
+
+
+def _one_at_a_time(lay: Layout) -> Order:
+    """One micro-batch at a time through its whole pipeline and back: deadlock-free, and no
+    stage ever holds more than one activation (``FusedProblem`` checks that one fits)."""
+    order: Order = [[] for _ in range(max(lay.gpu) + 1)]
+    for op in sorted(range(lay.n), key=lambda i: (*lay.key[i][:3], lay.key[i][4], -lay.tail[i])):
+        order[lay.gpu[op]].append(op)
+    return order
 
 
 def _inflight_caps(problem: FusedProblem, lay: Layout, share: float | None) -> list[int]:
@@ -194,10 +216,9 @@ def _cap_sets(problem: FusedProblem, lay: Layout) -> list[tuple[str, list[int] |
     return caps
 
 
-def _portfolio(
-    problem: FusedProblem, lay: Layout, caps: list[tuple[str, list[int] | None]]
-) -> list[tuple[str, Order]]:
-    """Start orders from each list-scheduling rule under each cap (those that fit memory)."""
+def _rules(problem: FusedProblem, lay: Layout) -> list[tuple[str, Priority]]:
+    """The list-scheduling priorities: the paper's greedy; critical path (the longest chain
+    left after the op first, HEFT's upward rank); backward first, then critical path."""
     size = [_size(problem, k) for k in range(len(problem.models))]
 
     def paper(op: int) -> tuple[float, ...]:
@@ -212,9 +233,15 @@ def _portfolio(
         _k, _p, mb, _s, phase = lay.key[op]
         return (-phase, -(lay.tail[op] + lay.dur[op]), mb)
 
-    rules = (("greedy", paper), ("critical-path", critical), ("backward-first", backward_critical))
+    return [("greedy", paper), ("critical-path", critical), ("backward-first", backward_critical)]
+
+
+def _portfolio(
+    problem: FusedProblem, lay: Layout, caps: list[tuple[str, list[int] | None]]
+) -> list[tuple[str, Order]]:
+    """Start orders from each list-scheduling rule under each cap (those that fit memory)."""
     out = []
-    for rule_name, rule in rules:
+    for rule_name, rule in _rules(problem, lay):
         for cap_name, cap in caps:
             order = _list_schedule(problem, lay, rule, cap)
             if order is not None:
@@ -222,53 +249,39 @@ def _portfolio(
     return out
 
 
-def _dependent(lay: Layout, a: int, b: int) -> bool:
-    """``a`` and ``b`` are the F and B of one micro-batch on one stage (a swap deadlocks)."""
-    return lay.key[a][:4] == lay.key[b][:4]
+def _stream_starts(problem: FusedProblem, lay: Layout) -> list[tuple[str, Order]]:
+    """Start orders that keep every model's own 1F1B order on each stage (its warm-up 0, 2
+    or 4 forwards longer; the first model's and the others' chosen apart), the stages
+    interleaving the models by each rule; and the serial orders (the models one after the
+    other in each order, each in 1F1B) — so a search from these is never worse than they."""
+    out = []
+    for extra in sorted({(a,) + (b,) * (len(problem.models) - 1) for a in EXTRA for b in EXTRA}):
+        streams = one_f_one_b_streams(problem, extra)
+        for rule_name, rule in _rules(problem, lay):
+            order = _list_schedule(problem, lay, rule, streams=streams)
+            if order is not None:
+                out.append((f"1f1b-streams+{'/'.join(map(str, extra))}/{rule_name}", order))
+    limit = _limit(problem)
+    for models in itertools.islice(itertools.permutations(range(len(problem.models))), 6):
+        order = serial_order(problem, models)
+        if max(peaks(lay, order)) <= limit + 1e-9:
+            out.append(("serial-" + "-".join(map(str, models)), order))
+    return out
 
 
-def _swap_fits(lay: Layout, seq: list[int], j: int, limit: float) -> bool:
-    """Memory stays within ``limit`` after swapping positions ``j, j+1`` of ``seq``."""
-    a, b = seq[j], seq[j + 1]
-    if limit == math.inf or lay.mem[b] <= lay.mem[a]:
-        return True  # the new prefix at j is no higher than the old one at j+1
-    return sum(lay.mem[op] for op in seq[:j]) + lay.mem[b] <= limit + 1e-9
-
-
-def _anneal(
-    lay: Layout, order: Order, limit: float, *, iterations: int, alpha: float, rng: random.Random
-) -> Order:
-    """Algorithm 1 with Algorithms 2 (adjacent swap on a random stage, retried until valid)
-    and 3 (makespan) over op orders; ``iterations`` counts neighbours evaluated."""
-    cur = [list(s) for s in order]
-    finish = simulate(lay, cur)
-    if finish is None:
-        raise ConfigError("the start schedule deadlocks")
-    e_cur = max(finish)
-    best, e_best = [list(s) for s in cur], e_cur
-    temp = e_cur
-    for _ in range(iterations):
-        if temp <= 1e-9 * e_best:
-            break
-        g = rng.randrange(len(cur))
-        seq = cur[g]
-        j = rng.randrange(len(seq) - 1)
-        if _dependent(lay, seq[j], seq[j + 1]) or not _swap_fits(lay, seq, j, limit):
-            continue
-        seq[j], seq[j + 1] = seq[j + 1], seq[j]
-        nf = simulate(lay, cur)
-        if nf is None:  # deadlock: not a valid neighbour
-            seq[j], seq[j + 1] = seq[j + 1], seq[j]
-            continue
-        e_new = max(nf)
-        if e_new < e_best:
-            best, e_best = [list(s) for s in cur], e_new
-        if e_new <= e_cur or math.exp((e_cur - e_new) / temp) > rng.random():
-            e_cur = e_new
-            temp *= alpha
-        else:
-            seq[j], seq[j + 1] = seq[j + 1], seq[j]
-    return best
+def concurrent_1f1b(problem: FusedProblem) -> FusedSchedule:
+    """Every model keeps its own 1F1B order on each stage, the stages run them side by side
+    (the paper's greedy picks between ready ops: larger model first, then backward).
+    ``ConfigError`` when that deadlocks on the memory limit."""
+    lay = layout(problem)
+    rule = _rules(problem, lay)[0][1]
+    order = _list_schedule(problem, lay, rule, streams=one_f_one_b_streams(problem))
+    if order is None:
+        raise ConfigError(
+            f"concurrent 1F1B does not fit memory_limit={problem.memory_limit}; "
+            "serial_1f1b needs the least memory"
+        )
+    return timed(problem, order, method="concurrent-1f1b")
 
 
 def _memory_phase(lay: Layout, order: Order, *, iterations: int, rng: random.Random) -> Order:
@@ -319,21 +332,93 @@ def _limit(problem: FusedProblem) -> float:
     return math.inf if problem.memory_limit is None else problem.memory_limit
 
 
+def _dependent(lay: Layout, a: int, b: int) -> bool:
+    """``a`` and ``b`` are the F and B of one micro-batch on one stage (a swap deadlocks)."""
+    return lay.key[a][:4] == lay.key[b][:4]
+
+
+def _same_stream(lay: Layout, a: int, b: int) -> bool:
+    """Both forwards (or both backwards) of one pipeline: swapping them only renumbers
+    micro-batches (FlexFusion's schedule tokens are equal, it never swaps them)."""
+    ka, kb = lay.key[a], lay.key[b]
+    return ka[:2] == kb[:2] and ka[4] == kb[4]
+
+
+def _neighbour(
+    lay: Layout, cur: Order, limit: float, rng: random.Random, tries: int = 64
+) -> tuple[list[int], int, list[float]] | None:
+    """Algorithm 2: swap two adjacent ops of a random stage, retried until the schedule is
+    valid (distinct streams, no deadlock, memory within ``limit``); the swapped sequence,
+    position and new finish times, or None after ``tries`` invalid draws."""
+    for _ in range(tries):
+        seq = cur[rng.randrange(len(cur))]
+        j = rng.randrange(len(seq) - 1)
+        a, b = seq[j], seq[j + 1]
+        if _same_stream(lay, a, b) or _dependent(lay, a, b) or not swap_fits(lay, seq, j, limit):
+            continue
+        seq[j], seq[j + 1] = b, a
+        finish = simulate(lay, cur)
+        if finish is not None:
+            return seq, j, finish
+        seq[j], seq[j + 1] = a, b
+    return None
+
+
+def _anneal(
+    lay: Layout,
+    order: Order,
+    limit: float,
+    *,
+    iterations: int,
+    temperature: float,
+    rng: random.Random,
+) -> Order:
+    """Algorithm 1 over op orders, as FlexFusion runs it: the temperature cools
+    geometrically every iteration, from ``temperature`` to a thousandth of the shortest op
+    over ``iterations``; energy = (makespan, sum of finish times) — the sum breaks the
+    makespan's ties so that equal-makespan moves toward earlier ops count as better; a worse
+    neighbour is accepted with probability ``exp(-makespan increase / T)``."""
+    cur = [list(s) for s in order]
+    finish = simulate(lay, cur)
+    if finish is None:
+        raise ConfigError("the start schedule deadlocks")
+    e_cur = (max(finish), sum(finish))
+    best, e_best = [list(s) for s in cur], e_cur
+    temp = temperature
+    alpha = (1e-3 * min(lay.dur) / temperature) ** (1 / max(iterations, 1))
+    for _ in range(iterations):
+        temp *= alpha
+        moved = _neighbour(lay, cur, limit, rng)
+        if moved is None:
+            continue
+        seq, j, new_finish = moved
+        e_new = (max(new_finish), sum(new_finish))
+        if e_new < e_best:
+            best, e_best = [list(s) for s in cur], e_new
+        if e_new < e_cur or rng.random() < math.exp((e_cur[0] - e_new[0]) / temp):
+            e_cur = e_new
+        else:
+            seq[j], seq[j + 1] = seq[j + 1], seq[j]
+    return best
+
+
 def anneal_schedule(
     problem: FusedProblem,
     start: FusedSchedule | None = None,
     *,
     iterations: int = 2000,
-    alpha: float = 0.995,
+    temperature: float | None = None,
     memory_iterations: int = 0,
     seed: int = 0,
 ) -> FusedSchedule:
-    """The paper's simulated annealing (Algorithms 1-3) from ``start`` (default: greedy),
-    then ``memory_iterations`` of its memory phase. Budgets count evaluated neighbours."""
-    if iterations < 0 or memory_iterations < 0 or not 0 < alpha < 1:
+    """The paper's simulated annealing (Algorithms 1-3) from ``start`` (default: greedy) for
+    ``iterations`` neighbours, starting at ``temperature`` (default: the longest op, the
+    scale of FlexFusion's starting temperatures), then ``memory_iterations`` of its memory
+    phase. Never longer than ``start``."""
+    if iterations < 0 or memory_iterations < 0 or (temperature is not None and temperature <= 0):
         raise ConfigError(
-            f"anneal_schedule needs iterations >= 0, memory_iterations >= 0 and 0 < alpha < 1, "
-            f"got {iterations}, {memory_iterations}, {alpha}"
+            f"anneal_schedule needs iterations >= 0, memory_iterations >= 0 and temperature "
+            f"> 0, got {iterations}, {memory_iterations}, {temperature}"
         )
     if start is not None and start.problem != problem:
         raise ConfigError("anneal_schedule's start schedule is for a different problem")
@@ -341,62 +426,41 @@ def anneal_schedule(
     begin = start if start is not None else greedy_schedule(problem)
     rng = random.Random(seed)
     order = _anneal(
-        lay, order_of(begin), _limit(problem), iterations=iterations, alpha=alpha, rng=rng
+        lay,
+        order_of(begin),
+        _limit(problem),
+        iterations=iterations,
+        temperature=temperature if temperature is not None else max(lay.dur),
+        rng=rng,
     )
     if memory_iterations:
         order = _memory_phase(lay, order, iterations=memory_iterations, rng=rng)
     return timed(problem, order, method="anneal")
 
 
-def _memory_descent(
-    problem: FusedProblem, best: Order, name: str, score: tuple[float, float]
-) -> tuple[Order, str]:
-    """Re-run the portfolio under tighter memory limits — serial 1F1B's peak x 1, 1.25,
-    1.5 — and keep the first schedule that is as short as ``best`` and lighter (the op
-    numbering does not depend on the limit, so the order is valid for ``problem``)."""
-    lay = layout(problem)
-    base = max(serial_1f1b(problem).peak_memory)
-    for factor in MEMORY_STEPS:
-        limit = factor * base
-        if limit >= score[1] - 1e-9:
-            break
-        tight = msgspec.structs.replace(problem, memory_limit=limit)
-        tight_lay = layout(tight)
-        for cand_name, order in _portfolio(tight, tight_lay, _cap_sets(tight, tight_lay)):
-            finish = simulate(lay, order)
-            if finish is not None and max(finish) <= score[0] * (1 + 1e-12):
-                return order, f"{cand_name}@{factor:g}x1f1b-memory"
-    return best, name
-
-
-def search_schedule(
-    problem: FusedProblem,
-    *,
-    samples: int = 32,
-    memory_iterations: int = 200,
-    seed: int = 0,
-) -> FusedSchedule:
-    """Ours: the rule portfolio, then ``samples`` randomised list schedules, stopping at the
-    lower bound, then the memory phase (see the module docstring)."""
-    if samples < 0 or memory_iterations < 0:
-        raise ConfigError(
-            f"search_schedule needs samples >= 0 and memory_iterations >= 0, "
-            f"got {samples}, {memory_iterations}"
-        )
-    lay = layout(problem)
-    bound = lower_bound(problem)
+def _candidates(
+    problem: FusedProblem, lay: Layout, samples: int, bound: float, rng: random.Random
+) -> list[tuple[tuple[float, float], str, Order]]:
+    """The portfolio, the 1F1B-stream and serial starts, then ``samples`` randomised
+    critical-path list schedules (random keys: each op's rank plus uniform noise of a random
+    width, under a random cap) while none reaches ``bound``; scored (makespan, peak)."""
     caps = _cap_sets(problem, lay)
-    best_name, score = "", (math.inf, math.inf)
-    best: Order | None = None
-    for name, order in _portfolio(problem, lay, caps):
-        finish = simulate(lay, order)
-        if finish is not None and (max(finish), max(peaks(lay, order))) < score:
-            best_name, best, score = name, order, (max(finish), max(peaks(lay, order)))
-    rng = random.Random(seed)
+    named = _portfolio(problem, lay, caps) + _stream_starts(problem, lay)
+    named.append(("one-at-a-time", _one_at_a_time(lay)))
     scale = max(lay.dur)
-    drawn = 0
-    while drawn < samples and score[0] > bound * (1 + 1e-9):
-        drawn += 1
+    out = []
+
+    def add(name: str, order: Order) -> float:
+        finish = simulate(lay, order)
+        span = math.inf if finish is None else max(finish)
+        if finish is not None:
+            out.append(((span, max(peaks(lay, order))), name, order))
+        return span
+
+    best = min((add(name, order) for name, order in named), default=math.inf)
+    for _ in range(samples):
+        if best <= bound * (1 + 1e-9):
+            break
         width = rng.choice((0.5, 1.0, 2.0, 4.0)) * scale
         noise = [rng.random() * width for _ in range(lay.n)]
         cap_name, cap = caps[rng.randrange(len(caps))]
@@ -404,14 +468,48 @@ def search_schedule(
         def noisy(op: int, noise: list[float] = noise) -> tuple[float, ...]:
             return (noise[op] - lay.tail[op] - lay.dur[op],)
 
-        drawn_order = _list_schedule(problem, lay, noisy, cap)
-        finish = None if drawn_order is None else simulate(lay, drawn_order)
-        if drawn_order is not None and finish is not None and max(finish) < score[0] - 1e-12:
-            best_name, best = f"randomised{cap_name}", drawn_order
-            score = (max(finish), max(peaks(lay, drawn_order)))
-    if best is None:
-        return greedy_schedule(problem)
-    best, best_name = _memory_descent(problem, best, best_name, score)
+        order = _list_schedule(problem, lay, noisy, cap)
+        if order is not None:
+            best = min(best, add(f"randomised{cap_name}", order))
+    return sorted(out, key=lambda c: c[0])
+
+
+def search_schedule(
+    problem: FusedProblem,
+    *,
+    samples: int = 32,
+    starts: int = 3,
+    iterations: int = 300,
+    memory_iterations: int = 200,
+    seed: int = 0,
+) -> FusedSchedule:
+    """Ours (see the module docstring): candidates, then justification + tabu search +
+    justification from the ``starts`` best distinct ones (``iterations`` tabu moves each),
+    stopping at the lower bound, then the memory phase."""
+    if samples < 0 or starts < 1 or iterations < 0 or memory_iterations < 0:
+        raise ConfigError(
+            "search_schedule needs samples >= 0, starts >= 1, iterations >= 0 and "
+            f"memory_iterations >= 0, got {samples}, {starts}, {iterations}, {memory_iterations}"
+        )
+    lay = layout(problem)
+    bound = lower_bound(problem)
+    limit = _limit(problem)
+    rng = random.Random(seed)
+    cands = _candidates(problem, lay, samples, bound, rng)
+    best_score, best_name, best = cands[0]
+    seen: set[tuple[float, float]] = set()
+    for score, name, order in cands:
+        if best_score[0] <= bound * (1 + 1e-9) or len(seen) == starts:
+            break
+        if score in seen:
+            continue
+        seen.add(score)
+        order = justify(lay, order, limit)
+        order = tabu_search(lay, order, limit, bound, iterations=iterations, rng=rng)
+        order = justify(lay, order, limit)
+        finish = simulate(lay, order)
+        if finish is not None and (max(finish), max(peaks(lay, order))) < best_score:
+            best_score, best_name, best = (max(finish), max(peaks(lay, order))), name, order
     if memory_iterations:
         best = _memory_phase(lay, best, iterations=memory_iterations, rng=rng)
     return timed(problem, best, method=f"search:{best_name}")

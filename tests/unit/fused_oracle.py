@@ -71,7 +71,7 @@ def violations(schedule: Any, tol: float = 1e-6) -> list[str]:
         by_gpu.setdefault(gpu, []).append((start, end, key))
     for gpu, spans in by_gpu.items():
         spans.sort()
-        for (s0, e0, a), (s1, _e1, b) in itertools.pairwise(spans):
+        for (_s0, e0, a), (s1, _e1, b) in itertools.pairwise(spans):
             if s1 < e0 - tol:
                 errors.append(f"GPU stage {gpu}: {a} and {b} overlap")
         # activation over time: +a at each F's start, -a at each B's end (ends first on ties)

@@ -27,6 +27,7 @@ once, deadlock-free and within ``limit`` whenever the given order was. Budgets a
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import random
 from collections.abc import Sequence
@@ -52,29 +53,33 @@ def _place(
     starts: list[list[float]] = [[] for _ in range(n_stages)]
     ends: list[list[float]] = [[] for _ in range(n_stages)]
     deltas: list[list[float]] = [[] for _ in range(n_stages)]
+    total = [0.0] * n_stages  # the level after each stage's last op
     finish = [-1.0] * lay.n
     for op in ops:
         g, d, p, a = lay.gpu[op], dep[op], lay.dur[op], mem[op]
         s, e, m = starts[g], ends[g], deltas[g]
         t = finish[d] if d >= 0 else 0.0
-        k = bisect.bisect_right(e, t)
-        peak_from: list[float] = []
-        if a > 0 and limit < math.inf:  # peak_from[j]: the highest level at or after slot j
-            level, levels = 0.0, [0.0]
-            for x in m:
-                level += x
-                levels.append(level)
-            peak_from = levels + [-math.inf]
-            for j in range(len(levels) - 1, -1, -1):
-                peak_from[j] = max(peak_from[j], peak_from[j + 1])
-        while k < len(s) and (s[k] - t < p - _EPS or (peak_from and peak_from[k] + a > limit + _EPS)):
+        k0 = k = bisect.bisect_right(e, t)
+        # high[j - k0]: the highest level from slot j on (all of which ``op`` would raise);
+        # ops are placed roughly in time order, so slots from k0 on are few
+        high: list[float] = []
+        if a > 0 and limit < math.inf:
+            level = total[g]
+            high = [level] * (len(s) - k0 + 1)
+            for j in range(len(s) - 1, k0 - 1, -1):
+                level -= m[j]
+                high[j - k0] = max(level, high[j - k0 + 1])
+        while k < len(s) and (
+            s[k] - t < p - _EPS or (high and high[k - k0] + a > limit + _EPS)
+        ):
             t = max(t, e[k])
             k += 1
-        if k == len(s) and peak_from and peak_from[k] + a > limit + _EPS:
+        if k == len(s) and high and high[k - k0] + a > limit + _EPS:
             return None
         s.insert(k, t)
         e.insert(k, t + p)
         m.insert(k, a)
+        total[g] += a
         finish[op] = t + p
     return finish
 
@@ -88,9 +93,10 @@ def _by_finish(lay: Layout, finish: Sequence[float]) -> Order:
 
 def justify(lay: Layout, order: Order, limit: float, *, rounds: int = 6) -> Order:
     """Forward-backward improvement of ``order`` (see the module docstring)."""
-    finish = longest_paths(order, lay.pred, lay.dur)
-    if finish is None:
+    first = longest_paths(order, lay.pred, lay.dur)
+    if first is None:
         return order
+    finish: list[float] = first
     best, best_span = order, max(finish)
     freed = [-x for x in lay.mem]  # run backwards, a backward takes what its forward frees
     for _ in range(rounds):
@@ -113,7 +119,7 @@ def _critical_path(
 ) -> list[int]:
     """One longest path, first op first; ties between the two predecessors drawn at random."""
     span = max(finish)
-    op = rng.choice([i for i, f in enumerate(finish) if f >= span - _EPS])
+    op = rng.choice([seq[-1] for seq in order if seq and finish[seq[-1]] >= span - _EPS])
     path = [op]
     while finish[op] - lay.dur[op] > _EPS:
         start = finish[op] - lay.dur[op]
@@ -129,7 +135,7 @@ def _critical_path(
 def _n5_moves(path: list[int], lay: Layout, where: list[int]) -> set[tuple[int, int]]:
     """First and last adjacent pair of each critical block (all of a lone block's ends)."""
     blocks: list[list[int]] = [[path[0]]]
-    for a, b in zip(path, path[1:], strict=False):
+    for a, b in itertools.pairwise(path):
         if lay.gpu[a] == lay.gpu[b] and where[b] == where[a] + 1:
             blocks[-1].append(b)
         else:
@@ -145,9 +151,7 @@ def _n5_moves(path: list[int], lay: Layout, where: list[int]) -> set[tuple[int, 
     return moves
 
 
-def _estimate(
-    lay: Layout, seq: list[int], j: int, finish: list[float], tail: list[float]
-) -> float:
+def _estimate(lay: Layout, seq: list[int], j: int, finish: list[float], tail: list[float]) -> float:
     """Taillard's estimate of the longest path through ``seq[j]``, ``seq[j+1]`` once swapped
     (``tail[x]``: the longest path from ``x``'s start to the end)."""
     u, v = seq[j], seq[j + 1]

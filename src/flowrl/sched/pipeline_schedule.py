@@ -251,14 +251,17 @@ def longest_paths(
     waiter = [-1] * n
     ptr = [0] * len(seqs)
     clock = [0.0] * len(seqs)
+    lengths = [len(seq) for seq in seqs]
     work = list(range(len(seqs)))
+    wake = work.append
     done = 0
     while work:
         g = work.pop()
         seq = seqs[g]
         p0 = p = ptr[g]
+        end = lengths[g]
         t = clock[g]
-        while p < len(seq):
+        while p < end:
             op = seq[p]
             d = dep[op]
             if d >= 0:
@@ -274,7 +277,7 @@ def longest_paths(
             finish[op] = t
             p += 1
             if waiter[op] >= 0:
-                work.append(waiter[op])
+                wake(waiter[op])
         done += p - p0
         ptr[g] = p
         clock[g] = t

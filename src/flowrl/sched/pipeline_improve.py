@@ -69,9 +69,7 @@ def _place(
             for j in range(len(s) - 1, k0 - 1, -1):
                 level -= m[j]
                 high[j - k0] = max(level, high[j - k0 + 1])
-        while k < len(s) and (
-            s[k] - t < p - _EPS or (high and high[k - k0] + a > limit + _EPS)
-        ):
+        while k < len(s) and (s[k] - t < p - _EPS or (high and high[k - k0] + a > limit + _EPS)):
             t = max(t, e[k])
             k += 1
         if k == len(s) and high and high[k - k0] + a > limit + _EPS:

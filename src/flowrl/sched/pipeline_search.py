@@ -3,33 +3,35 @@
 - :func:`greedy_schedule` — the paper's baseline: list scheduling that always runs a ready
   op when a GPU stage is free (memory permitting), preferring the larger model, then
   backward over forward, then the older micro-batch.
-- :func:`anneal_schedule` — the paper's Algorithm 1-3: simulated annealing over the op-order
-  matrix from the greedy schedule, neighbour = swap of two adjacent ops of a random stage
-  that keeps the schedule valid (no deadlock, memory), energy = makespan, initial temperature
-  = the start's makespan, ``T *= alpha`` per accepted move; then a second annealing on peak
-  memory that accepts only moves that do not lengthen the makespan.
-- :func:`search_schedule` — ours, for seconds on one core where the paper uses 768 cores.
-  Adjacent swaps face a plateau: from a list schedule or from serial 1F1B no single swap
-  shortens the makespan, so the paper's annealing needs very many neighbours (measured in
-  ``benchmarks/fused_schedules.py``). We search the space of *list schedules* instead, where
-  every point is valid by construction: (1) a portfolio of priority rules — the paper's
-  greedy; critical path (the longest chain left after the op first, HEFT's upward rank);
-  backward first then critical path — each under several caps on a model's in-flight
-  micro-batches per stage (none; 1F1B's warm-up ``min(P - s, M)``, x2, x3; under a memory
-  limit, the limit split between the models so that each runs in memory reserved for it and
-  cannot deadlock); (2) ``samples`` randomised critical-path schedules (random keys: each
-  op's rank plus uniform noise of a random width, under a random cap); (3) it stops as soon
-  as the makespan reaches :func:`~flowrl.sched.pipeline_schedule.lower_bound`, whose default
-  (Jackson) form is tighter than the paper's, so "optimal" is claimed more rarely and more
-  honestly; (4) a memory descent: the portfolio again under limits of 1, 1.25 and 1.5 times
-  serial 1F1B's peak, keeping the first schedule as short and lighter; (5) the paper's
-  memory phase. Budgets are counted, never timed: a result depends only on its inputs and
-  seed.
+- :func:`anneal_schedule` — the paper's Algorithms 1-3 as FlexFusion (its public code) runs
+  them: simulated annealing over the op-order matrix from the greedy schedule; neighbour =
+  swap of two adjacent ops of a random stage, redrawn until the schedule is valid (distinct
+  streams, no deadlock, memory); energy = makespan with the sum of finish times breaking
+  ties; a worse neighbour accepted with probability ``exp(-increase / T)``; ``T`` cools
+  geometrically every iteration; then a second annealing on peak memory that accepts only
+  moves that do not lengthen the makespan.
+- :func:`concurrent_1f1b` — a baseline: every model in its own 1F1B order, side by side.
+- :func:`search_schedule` — ours, for seconds on one core where FlexFusion uses 768 cores:
+  (1) candidates: list schedules under a portfolio of priority rules (the paper's greedy;
+  critical path, HEFT's upward rank; backward first) and caps on a model's in-flight
+  micro-batches per stage; *1F1B-stream* schedules, where every model keeps its own 1F1B
+  order (warm-up 0, 2 or 4 forwards longer) and the stages interleave the models; the
+  serial orders; one micro-batch at a time (always fits); ``samples`` randomised
+  critical-path list schedules; (2) every 1F1B-stream candidate and the best few others are
+  *justified* (:func:`~flowrl.sched.pipeline_improve.justify`): a stream schedule is slow as
+  built but light, and justification packs it, often to the bound; (3) from the ``starts``
+  best, a critical-path tabu search (:func:`~flowrl.sched.pipeline_improve.tabu_search`,
+  ``iterations`` moves each), then justification again; it stops as soon as the makespan
+  reaches :func:`~flowrl.sched.pipeline_schedule.lower_bound` (Jackson's, tighter than the
+  paper's, so "optimal" is claimed only when proven); (4) the paper's memory phase. Budgets
+  are counted, never timed: a result depends only on its inputs and seed.
 
 Invariants (asserted by tests): every schedule returned passes
-:func:`~flowrl.sched.pipeline_schedule.validate_schedule` (memory limit included); the
-annealing never returns a longer makespan than its start; the memory phase never lengthens
-the makespan; :func:`search_schedule` is no worse than :func:`greedy_schedule` and
+:func:`~flowrl.sched.pipeline_schedule.validate_schedule` (memory limit included) and an
+independent checker; the annealing never returns a longer makespan than its start; the
+memory phase never lengthens the makespan; :func:`search_schedule` is no worse than
+:func:`greedy_schedule`, than serial 1F1B and than :func:`concurrent_1f1b` whenever they fit
+the memory limit (they are among its candidates and nothing after lengthens), and
 deterministic for a seed.
 """
 
@@ -450,6 +452,8 @@ def _candidates(
     caps = _cap_sets(problem, lay)
     named = _portfolio(problem, lay, caps) + _stream_starts(problem, lay)
     named.append(("one-at-a-time", _one_at_a_time(lay)))
+    if not any(name == "greedy" for name, _order in named):  # it deadlocked uncapped
+        named.append(("greedy", order_of(greedy_schedule(problem))))
     scale = max(lay.dur)
     out = []
 

@@ -63,6 +63,7 @@ from flowrl.sched.pipeline_schedule import (
 __all__ = ["anneal_schedule", "concurrent_1f1b", "greedy_schedule", "search_schedule"]
 
 Priority = Callable[[int], tuple[float, ...]]
+Candidate = tuple[tuple[float, float], str, Order]  # (makespan, peak), name, op order
 EXTRA = (0, 2, 4)  # warm-up forwards added to 1F1B in the stream starts
 STREAMS = "1f1b-streams"
 
@@ -443,32 +444,31 @@ def anneal_schedule(
     return timed(problem, order, method="anneal")
 
 
-def _candidates(
-    problem: FusedProblem, lay: Layout, samples: int, bound: float, rng: random.Random
-) -> list[tuple[tuple[float, float], str, Order]]:
-    """The portfolio, the 1F1B-stream and serial starts, then ``samples`` randomised
-    critical-path list schedules (random keys: each op's rank plus uniform noise of a random
-    width, under a random cap) while none reaches ``bound``; scored (makespan, peak)."""
-    caps = _cap_sets(problem, lay)
-    named = _portfolio(problem, lay, caps) + _stream_starts(problem, lay)
+def _scored(lay: Layout, named: list[tuple[str, Order]]) -> list[Candidate]:
+    """The deadlock-free ``named`` orders with their (makespan, peak), best first."""
+    out = [(_score_of(lay, order), name, order) for name, order in named]
+    return sorted((c for c in out if c[0][0] < math.inf), key=lambda c: c[0])
+
+
+def _candidates(problem: FusedProblem, lay: Layout) -> list[Candidate]:
+    """The portfolio, the 1F1B-stream and serial starts, one micro-batch at a time (always
+    fits) and the greedy, scored (makespan, peak), best first."""
+    named = _portfolio(problem, lay, _cap_sets(problem, lay)) + _stream_starts(problem, lay)
     named.append(("one-at-a-time", _one_at_a_time(lay)))
     if not any(name == "greedy" for name, _order in named):  # it deadlocked uncapped
         named.append(("greedy", order_of(greedy_schedule(problem))))
-    scale = max(lay.dur)
-    out = []
+    return _scored(lay, named)
 
-    def add(name: str, order: Order) -> float:
-        finish = simulate(lay, order)
-        span = math.inf if finish is None else max(finish)
-        if finish is not None:
-            out.append(((span, max(peaks(lay, order))), name, order))
-        return span
 
-    best = min((add(name, order) for name, order in named), default=math.inf)
+def _randomised(
+    problem: FusedProblem, lay: Layout, samples: int, rng: random.Random
+) -> list[Candidate]:
+    """``samples`` randomised critical-path list schedules (random keys: each op's rank plus
+    uniform noise of a random width, under a random cap), scored, best first."""
+    caps = _cap_sets(problem, lay)
+    named = []
     for _ in range(samples):
-        if best <= bound * (1 + 1e-9):
-            break
-        width = rng.choice((0.5, 1.0, 2.0, 4.0)) * scale
+        width = rng.choice((0.5, 1.0, 2.0, 4.0)) * max(lay.dur)
         noise = [rng.random() * width for _ in range(lay.n)]
         cap_name, cap = caps[rng.randrange(len(caps))]
 
@@ -477,8 +477,19 @@ def _candidates(
 
         order = _list_schedule(problem, lay, noisy, cap)
         if order is not None:
-            best = min(best, add(f"randomised{cap_name}", order))
-    return sorted(out, key=lambda c: c[0])
+            named.append((f"randomised{cap_name}", order))
+    return _scored(lay, named)
+
+
+def _justified(lay: Layout, cands: list[Candidate], limit: float, bound: float) -> list[Candidate]:
+    """Each candidate justified and rescored, until one reaches ``bound``."""
+    out = []
+    for _score, name, order in cands:
+        order = justify(lay, order, limit)
+        out.append((_score_of(lay, order), name + "+justify", order))
+        if out[-1][0][0] <= bound * (1 + 1e-9):
+            break
+    return out
 
 
 def _score_of(lay: Layout, order: Order) -> tuple[float, float]:
@@ -508,19 +519,24 @@ def search_schedule(
     bound = lower_bound(problem)
     limit = _limit(problem)
     rng = random.Random(seed)
-    cands = _candidates(problem, lay, samples, bound, rng)
-    # justify the best few and every 1F1B-stream start: a stream start is slow as built but
-    # light, and the room it leaves lets justification pack it (often to the bound)
-    justified = []
-    for i, (_score, name, order) in enumerate(cands):
-        if i < starts or name.startswith(STREAMS):
-            order = justify(lay, order, limit)
-            justified.append((_score_of(lay, order), name + "+justify", order))
+    cands = _candidates(problem, lay)
+
+    def at_bound(score: tuple[float, float]) -> bool:
+        return score[0] <= bound * (1 + 1e-9)
+
+    # justify every 1F1B-stream start, then the best few of the rest: a stream start is
+    # slow as built but light, and the room it leaves lets justification pack it, often to
+    # the bound; randomised list schedules only if none got there
+    pool = [c for c in cands if c[1].startswith(STREAMS)]
+    pool += [c for c in cands if not c[1].startswith(STREAMS)][:starts]
+    justified = _justified(lay, pool, limit, bound)
+    if not any(at_bound(c[0]) for c in justified):
+        justified += _justified(lay, _randomised(problem, lay, samples, rng)[:starts], limit, bound)
     justified.sort(key=lambda c: c[0])
     best_score, best_name, best = min(cands[0], justified[0], key=lambda c: c[0])
     seen: set[tuple[float, float]] = set()
     for score, name, order in justified:
-        if best_score[0] <= bound * (1 + 1e-9) or len(seen) == starts:
+        if at_bound(best_score) or len(seen) == starts:
             break
         if score in seen:
             continue

@@ -290,8 +290,9 @@ def concurrent_1f1b(problem: FusedProblem) -> FusedSchedule:
 
 def _memory_phase(lay: Layout, order: Order, *, iterations: int, rng: random.Random) -> Order:
     """The paper's second annealing: energy = peak memory (max, then sum over stages), moves
-    accepted only if the makespan does not grow. Moves swap an ``F`` with the ``B`` right
-    after it (the only adjacent swaps that can lower a peak)."""
+    accepted only if the makespan does not grow, the temperature cooling every move. Moves
+    swap an ``F`` with the ``B`` right after it (the only adjacent swaps that can lower a
+    peak)."""
     finish = simulate(lay, order)
     if finish is None:
         raise ConfigError("the start schedule deadlocks")
@@ -324,9 +325,9 @@ def _memory_phase(lay: Layout, order: Order, *, iterations: int, rng: random.Ran
         if e_new < e_best:
             best, e_best = [list(s) for s in cur], e_new
         delta = (e_cur[0] - e_new[0]) + (e_cur[1] - e_new[1]) / len(cur)
+        temp *= 0.99
         if delta >= 0 or math.exp(delta / temp) > rng.random():
             e_cur = e_new
-            temp *= 0.99
         else:
             seq[j], seq[j + 1] = seq[j + 1], seq[j]
     return best

@@ -4,6 +4,7 @@ schedule produced, the lower bounds, the 1F1B closed forms, the JSON file, bad i
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import msgspec
@@ -15,6 +16,7 @@ from flowrl.sched import (
     FusedSchedule,
     PipelineModel,
     anneal_schedule,
+    concurrent_1f1b,
     greedy_schedule,
     lower_bound,
     one_f_one_b,
@@ -23,6 +25,7 @@ from flowrl.sched import (
     timed,
     validate_schedule,
 )
+from flowrl.sched.pipeline_improve import justify, tabu_search
 from flowrl.sched.pipeline_schedule import layout, order_of, simulate
 
 
@@ -233,3 +236,49 @@ def test_bad_problems_are_rejected(kwargs: dict[str, object], match: str) -> Non
         PipelineModel(name="x", stages=2, microbatches=0, forward_s=1, backward_s=1)
     with pytest.raises(ConfigError, match="method"):
         lower_bound(_problem(), method="tight")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "p,iterations", [(_problem((4, 4), 8), 2000), (_problem((4, 2), 8, limit=4.0), 500)]
+)
+def test_annealing_improves_on_its_greedy_start(p: FusedProblem, iterations: int) -> None:
+    """The annealing used to accept every move at a temperature of the whole makespan and
+    never improved on its greedy start; it now cools every iteration."""
+    greedy = greedy_schedule(p)
+    annealed = anneal_schedule(p, greedy, iterations=iterations, seed=0)
+    validate_schedule(annealed)
+    assert annealed.makespan < greedy.makespan
+    assert anneal_schedule(p, greedy, iterations=iterations, seed=0) == annealed
+
+
+def test_justify_and_tabu_never_lengthen_and_keep_memory() -> None:
+    p = _problem((4, 2), 8, limit=4.0)
+    lay = layout(p)
+    bound = lower_bound(p)
+    for start in (greedy_schedule(p), serial_1f1b(p)):
+        order = order_of(start)
+        span = max(simulate(lay, order) or [math.inf])
+        for improved in (
+            justify(lay, order, 4.0),
+            tabu_search(lay, order, 4.0, bound, iterations=100, rng=random.Random(0)),
+        ):
+            s = timed(p, improved)
+            validate_schedule(s)
+            assert s.makespan <= span + 1e-9
+
+
+def test_concurrent_1f1b_refuses_a_limit_it_deadlocks_under() -> None:
+    roomy = concurrent_1f1b(_problem((4, 4), 4, limit=8.0))
+    validate_schedule(roomy)
+    assert roomy.makespan < serial_1f1b(_problem((4, 4), 4)).makespan
+    with pytest.raises(ConfigError, match="memory_limit"):
+        concurrent_1f1b(_problem((4, 4), 4, limit=1.0))
+
+
+def test_one_activation_of_memory_still_gets_a_schedule() -> None:
+    """With room for one micro-batch per stage every list schedule deadlocks; the search
+    (and the greedy) used to raise, they now fall back to one micro-batch at a time."""
+    p = _problem((4, 4), 4, limit=1.0)
+    for s in (greedy_schedule(p), search_schedule(p, samples=2, iterations=20)):
+        validate_schedule(s)
+        assert max(s.peak_memory) <= 1.0

@@ -11,6 +11,7 @@ Nothing here imports Ray, zmq or the hub: a real pipeline and the simulator
 - :mod:`~flowrl.sched.pipeline_schedule` — fused bidirectional pipeline schedules (RLHFuse
   intra-stage fusion): problem, lower bounds, 1F1B baselines, validation, JSON file;
 - :mod:`~flowrl.sched.pipeline_search` — greedy, the paper's annealing, our search;
+- :mod:`~flowrl.sched.pipeline_improve` — justification and tabu search of a fused schedule;
 - :mod:`~flowrl.sched.hex_alloc` — heterogeneous GPU allocation (AReaL-Hex): rollout MILP,
   training-parallelism search, train/rollout split;
 - :mod:`~flowrl.sched.fabric` — RFabric: optical-core topologies per traffic phase and the
@@ -89,7 +90,12 @@ from flowrl.sched.pipeline_schedule import (
     timed,
     validate_schedule,
 )
-from flowrl.sched.pipeline_search import anneal_schedule, greedy_schedule, search_schedule
+from flowrl.sched.pipeline_search import (
+    anneal_schedule,
+    concurrent_1f1b,
+    greedy_schedule,
+    search_schedule,
+)
 from flowrl.sched.planner import Plan, PlannerConfig, candidate_modes, plan, realize
 from flowrl.sched.problem import Evaluation, PlanProblem, build_problem, evaluate, feasible
 from flowrl.sched.snapshot import ClusterSnapshot, ReplicaView, RequestView
@@ -140,6 +146,7 @@ __all__ = [
     "build_problem",
     "candidate_modes",
     "choose_threshold",
+    "concurrent_1f1b",
     "congestion_scores",
     "consolidation_size",
     "evaluate",

@@ -17,12 +17,15 @@ ComputeEnergy): an op starts when the previous op on its GPU stage and its data 
 ``F``) have both finished. A stage holds ``activation`` for each micro-batch whose ``F`` ran
 and whose ``B`` has not; its peak over the order must stay within ``memory_limit``.
 
-- :func:`lower_bound` — the paper's bound (per GPU stage, the earliest arrival of its first
-  op + all its work + the shortest remaining chain after its last op, maximised over stages)
-  or, by default, a tighter one: each stage as a preemptive one-machine problem with every
-  op's own head and tail, solved exactly by Jackson's rule. Neither is always reachable.
+- :func:`lower_bound` — the paper's bound (each model's own critical path, and per GPU
+  stage the earliest arrival of its first op + all its work + the shortest remaining chain
+  after its last op, maximised over stages) or, by default, a tighter one: each stage as a
+  preemptive one-machine problem with every op's own head and tail, solved exactly by
+  Jackson's rule. Neither is always reachable.
 - :func:`one_f_one_b` / :func:`serial_1f1b` — each model alone with 1F1B, and the models one
-  after the other (the paper's baseline, and its memory lower bound).
+  after the other (the paper's baseline, and its memory lower bound);
+  :func:`one_f_one_b_streams` / :func:`serial_order` — the op orders they are built from.
+- :func:`longest_paths` — the times of an op order (the search's inner loop).
 - :func:`timed` — times, peaks and makespan of an order (``ConfigError`` on a deadlock).
 - :func:`validate_schedule` — checks a :class:`FusedSchedule` independently of how it was
   made: every op exactly once on its GPU stage, durations, data dependencies, one op at a
@@ -54,9 +57,12 @@ __all__ = [
     "FusedSchedule",
     "PipelineModel",
     "ScheduledOp",
+    "longest_paths",
     "lower_bound",
     "one_f_one_b",
+    "one_f_one_b_streams",
     "serial_1f1b",
+    "serial_order",
     "timed",
     "validate_schedule",
 ]
@@ -230,43 +236,60 @@ def layout(problem: FusedProblem) -> Layout:
 Order = list[list[int]]
 
 
+def longest_paths(
+    seqs: Sequence[Sequence[int]],
+    dep: Sequence[int],
+    dur: Sequence[float],
+    release: Sequence[float] | None = None,
+) -> list[float] | None:
+    """Finish time of every op when each sequence runs its ops in order and an op also waits
+    for ``dep[op]`` (-1: nothing) — the longest path through the schedule's graph, in
+    O(ops): a sequence runs until its next op waits on an unfinished one, and resumes when
+    that one finishes. None when some op is never reached (a cycle: a deadlock)."""
+    n = len(dep)
+    finish = [-1.0] * n
+    waiter = [-1] * n
+    ptr = [0] * len(seqs)
+    clock = [0.0] * len(seqs)
+    lengths = [len(seq) for seq in seqs]
+    work = list(range(len(seqs)))
+    wake = work.append
+    done = 0
+    while work:
+        g = work.pop()
+        seq = seqs[g]
+        p0 = p = ptr[g]
+        end = lengths[g]
+        t = clock[g]
+        while p < end:
+            op = seq[p]
+            d = dep[op]
+            if d >= 0:
+                fd = finish[d]
+                if fd < 0.0:
+                    waiter[d] = g
+                    break
+                if fd > t:
+                    t = fd
+            if release is not None and release[op] > t:
+                t = release[op]
+            t += dur[op]
+            finish[op] = t
+            p += 1
+            if waiter[op] >= 0:
+                wake(waiter[op])
+        done += p - p0
+        ptr[g] = p
+        clock[g] = t
+    return finish if done == n else None
+
+
 def simulate(
     lay: Layout, order: Sequence[Sequence[int]], release: Sequence[float] | None = None
 ) -> list[float] | None:
     """Finish time of every op under ``order`` (None on a deadlock): the paper's
-    ComputeEnergy, iteratively (each stage runs its order as far as its data allows)."""
-    finish = [-1.0] * lay.n
-    pred, dur = lay.pred, lay.dur
-    ptr = [0] * len(order)
-    clock = [0.0] * len(order)
-    left = lay.n
-    while left:
-        moved = False
-        for g, seq in enumerate(order):
-            p0 = p = ptr[g]
-            t = clock[g]
-            while p < len(seq):
-                op = seq[p]
-                d = pred[op]
-                if d >= 0:
-                    fd = finish[d]
-                    if fd < 0.0:
-                        break
-                    if fd > t:
-                        t = fd
-                if release is not None and release[op] > t:
-                    t = release[op]
-                t += dur[op]
-                finish[op] = t
-                p += 1
-            if p > p0:
-                left -= p - p0
-                ptr[g] = p
-                clock[g] = t
-                moved = True
-        if not moved:
-            return None
-    return finish
+    ComputeEnergy (an op starts when the previous op on its stage and its input are done)."""
+    return longest_paths(order, lay.pred, lay.dur, release)
 
 
 def peaks(lay: Layout, order: Sequence[Sequence[int]]) -> list[float]:
@@ -353,14 +376,15 @@ def order_of(schedule: FusedSchedule) -> Order:
 def lower_bound(problem: FusedProblem, *, method: Literal["jackson", "paper"] = "jackson") -> float:
     """A makespan lower bound.
 
-    ``"paper"`` is RLHFuse's (§7.3): per GPU stage, the earliest arrival of any of its ops +
-    all its work + the shortest chain left after any op, maximised over stages.
+    ``"paper"`` is RLHFuse's (§7.3, as its public code computes it): the larger of each
+    model's own single-pipeline critical path ``(M + P - 1) * (f + b)`` and, per GPU stage,
+    the earliest arrival of any of its ops + all its work + the shortest chain left after
+    any op, maximised over stages.
     ``"jackson"`` (the default) relaxes each stage to one machine whose ops keep their own
     heads (the chain before each op) and tails (the chain after it) and may be preempted;
-    Jackson's preemptive schedule solves that relaxation exactly, so the bound is valid, never
-    below the paper's (which is the same relaxation with every head and tail replaced by the
-    stage's minimum), and at least each model's own 1F1B critical path
-    ``(M + P - 1) * (f + b)`` — which the paper's bound misses when one model dominates.
+    Jackson's preemptive schedule solves that relaxation exactly, so the bound is valid;
+    it is never below the paper's per-stage term (the same relaxation with every head and
+    tail replaced by the stage's minimum) and takes the models' critical paths too.
     """
     if method not in ("jackson", "paper"):
         raise ConfigError(f"lower_bound method must be 'jackson' or 'paper', got {method!r}")
@@ -372,12 +396,18 @@ def lower_bound(problem: FusedProblem, *, method: Literal["jackson", "paper"] = 
         if phase == 1:
             head = m.stages * m.forward_s + (m.stages - 1 - s) * m.backward_s
         per_stage[lay.gpu[i]].append((head, lay.dur[i], lay.tail[i]))
+    per_model = max(
+        (m.microbatches + m.stages - 1) * (m.forward_s + m.backward_s) for m in problem.models
+    )
     if method == "paper":
         return max(
-            min(j[0] for j in jobs) + sum(j[1] for j in jobs) + min(j[2] for j in jobs)
-            for jobs in per_stage
+            per_model,
+            *(
+                min(j[0] for j in jobs) + sum(j[1] for j in jobs) + min(j[2] for j in jobs)
+                for jobs in per_stage
+            ),
         )
-    return max(_jackson_preemptive(jobs) for jobs in per_stage)
+    return max(per_model, *(_jackson_preemptive(jobs) for jobs in per_stage))
 
 
 def _jackson_preemptive(jobs: list[tuple[float, float, float]]) -> float:
@@ -404,23 +434,39 @@ def _jackson_preemptive(jobs: list[tuple[float, float, float]]) -> float:
     return best
 
 
-def _1f1b_stage(m: PipelineModel, s: int) -> list[tuple[int, int]]:
-    """(microbatch, phase) order of 1F1B on local stage ``s``."""
-    warm = min(m.stages - 1 - s, m.microbatches)
+def _1f1b_stage(m: PipelineModel, s: int, extra: int = 0) -> list[tuple[int, int]]:
+    """(microbatch, phase) order of 1F1B on local stage ``s``, its warm-up lengthened by
+    ``extra`` forwards."""
+    warm = min(m.stages - 1 - s + extra, m.microbatches)
     seq = [(mb, 0) for mb in range(warm)]
     for i in range(m.microbatches - warm):
         seq += [(warm + i, 0), (i, 1)]
     return seq + [(mb, 1) for mb in range(m.microbatches - warm, m.microbatches)]
 
 
-def _1f1b_order(problem: FusedProblem, models: Sequence[int]) -> Order:
+def one_f_one_b_streams(
+    problem: FusedProblem, extra: Sequence[int] | None = None
+) -> list[list[int]]:
+    """Each (model, pipeline, stage)'s op ids in 1F1B order (``extra[k]`` more warm-up
+    forwards for model ``k``), in model order."""
     lay = layout(problem)
-    order: Order = [[] for _ in range(problem.gpu_stages)]
-    for k in models:
-        m = problem.models[k]
+    out = []
+    for k, m in enumerate(problem.models):
+        more = 0 if extra is None else extra[k]
         for p in range(problem.pipelines(k)):
             for s in range(m.stages):
-                ops = [lay.index[(k, p, mb, s, ph)] for mb, ph in _1f1b_stage(m, s)]
+                out.append([lay.index[(k, p, mb, s, ph)] for mb, ph in _1f1b_stage(m, s, more)])
+    return out
+
+
+def serial_order(problem: FusedProblem, models: Sequence[int]) -> Order:
+    """Each GPU stage runs ``models`` one after the other, each in 1F1B order."""
+    lay = layout(problem)
+    streams = one_f_one_b_streams(problem)
+    order: Order = [[] for _ in range(problem.gpu_stages)]
+    for k in models:
+        for ops in streams:
+            if lay.key[ops[0]][0] == k:
                 order[lay.gpu[ops[0]]].extend(ops)
     return order
 
@@ -428,7 +474,7 @@ def _1f1b_order(problem: FusedProblem, models: Sequence[int]) -> Order:
 def one_f_one_b(problem: FusedProblem, model: int) -> FusedSchedule:
     """``models[model]`` alone with 1F1B (a problem holding just that model)."""
     solo = msgspec.structs.replace(problem, models=(problem.models[model],))
-    return timed(solo, _1f1b_order(solo, [0]), method="1f1b")
+    return timed(solo, serial_order(solo, [0]), method="1f1b")
 
 
 def serial_1f1b(problem: FusedProblem) -> FusedSchedule:
@@ -443,7 +489,7 @@ def serial_1f1b(problem: FusedProblem) -> FusedSchedule:
         offset += one_f_one_b(problem, k).makespan
     return timed(
         problem,
-        _1f1b_order(problem, range(len(problem.models))),
+        serial_order(problem, range(len(problem.models))),
         method="serial-1f1b",
         release=release,
     )

@@ -1,9 +1,11 @@
-"""slime's rollout served from a flowrl hub (runs without slime: a mirror of its Sample).
+"""slime's rollout served from a flowrl hub (runs without slime: a copy of its Sample).
 
 In a slime job, put the ``generate_rollout`` this builds at module level and pass
 ``--rollout-function-path this_module.generate_rollout``; use slime's own
 ``slime.utils.types.Sample`` as ``sample_type``. Here a thread stands in for the hub's
-rollout and reward stages (answer = the prompt reversed, reward = its length).
+rollout and reward stages (answer = the prompt reversed, reward = its length; the MoE
+routing and top-p replay fields are filled as sglang's meta_info would fill them), and
+every field comes back: tensors as tensors.
 
     python examples/slime_rollout.py
 """
@@ -11,43 +13,21 @@ rollout and reward stages (answer = the prompt reversed, reward = its length).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
-from enum import Enum
 from types import SimpleNamespace
-from typing import Any
 
-import numpy as np
+import torch
 
 import flowrl
 from flowrl.integrations.slime import (
     PROMPT_COLUMNS,
+    RESULT_FIELDS,
     HubDataSource,
     put_prompts,
     rollout_function,
     sample_columns,
+    sample_data,
 )
-
-
-@dataclass
-class Sample:  # the fields of slime.utils.types.Sample that a rollout touches
-    group_index: int | None = None
-    index: int | None = None
-    prompt: Any = ""
-    tokens: list[int] = field(default_factory=list)
-    response: str = ""
-    response_length: int = 0
-    label: str | None = None
-    reward: Any = None
-    loss_mask: list[int] | None = None
-    weight_versions: list[str] = field(default_factory=list)
-    rollout_log_probs: list[float] | None = None
-
-    class Status(Enum):
-        PENDING = "pending"
-        COMPLETED = "completed"
-
-    status: Status = Status.PENDING
-    metadata: dict = field(default_factory=dict)
+from flowrl.testing.slime import Sample  # in a slime job: from slime.utils.types import Sample
 
 
 def generate_and_score(hub: flowrl.Hub, stop: threading.Event) -> None:
@@ -58,33 +38,34 @@ def generate_and_score(hub: flowrl.Hub, stop: threading.Event) -> None:
         except flowrl.errors.Timeout:
             continue
         batch = hub.get(meta, ["tokens", "prompt"])
-        responses = [p[::-1] for p in batch["prompt"]]
-        n = len(meta)
-        hub.put(
-            {
-                "tokens": [
-                    np.append(t, [ord(c) for c in r])
-                    for t, r in zip(batch.ragged("tokens"), responses, strict=True)
-                ],
-                "response": responses,
-                "response_length": np.array([len(r) for r in responses]),
-                "reward": [float(len(r)) for r in responses],
-                "loss_mask": [[1] * len(r) for r in responses],
-                "rollout_log_probs": [[-1.0] * len(r) for r in responses],
-                "weight_versions": [[str(hub.version)]] * n,
-                "status": ["completed"] * n,
-            },
-            indices=meta,
-        )
-        hub.ack(meta)
+        samples = []
+        for prompt, tokens in zip(batch["prompt"], batch.ragged("tokens"), strict=True):
+            response = prompt[::-1]
+            n = len(response)
+            samples.append(
+                Sample(
+                    tokens=[*tokens.tolist(), *map(ord, response)],
+                    response=response,
+                    response_length=n,
+                    reward=float(n),
+                    loss_mask=[1] * n,
+                    rollout_log_probs=[-1.0] * n,
+                    rollout_top_p_token_ids=torch.arange(n, dtype=torch.int32),
+                    rollout_top_p_token_offsets=torch.arange(n + 1, dtype=torch.int32),
+                    # (tokens - 1, layers, top-k) expert ids, as slime decodes them
+                    rollout_routed_experts=torch.zeros(
+                        len(tokens) + n - 1, 2, 2, dtype=torch.int32
+                    ),
+                    weight_versions=[str(hub.version)],
+                    status=Sample.Status.COMPLETED,
+                )
+            )
+        hub.put(sample_data(samples, ("tokens", *RESULT_FIELDS)), indices=meta, ack=meta)
 
 
 def main() -> int:
     prompts = flowrl.Hub(list(PROMPT_COLUMNS))
-    put_prompts(
-        prompts,
-        [SimpleNamespace(prompt=f"question {i}", label=str(i), metadata={}) for i in range(8)],
-    )
+    put_prompts(prompts, [Sample(prompt=f"question {i}", label=str(i)) for i in range(8)])
     data_source = HubDataSource(prompts, sample_type=Sample, n_samples_per_prompt=4)
 
     hub = flowrl.Hub(sample_columns())
@@ -102,7 +83,11 @@ def main() -> int:
             groups = generate_rollout(args, rollout_id, data_source)
             served += len(groups)
             rewards = [[s.reward for s in g] for g in groups]
-            print(f"rollout {rollout_id}: {len(groups)} groups, rewards {rewards}")
+            experts = groups[0][0].rollout_routed_experts
+            print(
+                f"rollout {rollout_id}: {len(groups)} groups, rewards {rewards}, routed "
+                f"experts {experts.dtype} {tuple(experts.shape)}"
+            )
     finally:
         stop.set()
         worker.join()

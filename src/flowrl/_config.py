@@ -25,16 +25,17 @@ class JournalConfig(msgspec.Struct, frozen=True, kw_only=True):
     every event (survives power loss, much slower).
     ``persist_data``: storage units also append their Arrow chunks to Arrow IPC files under
     ``path``, so sample bytes survive a restart too (without it only metadata does).
-    ``compact_bytes``: once the event log holds this many bytes (and at least twice the
-    last snapshot's), the controller's state is written as a snapshot and the log starts
-    afresh: recovery time and disk use follow the live state, not the run's length.
+    ``compact_bytes``: once the event log holds this many bytes (and an eighth of the last
+    snapshot's), the controller's state is written as a snapshot and the log starts
+    afresh: recovery time and disk use follow the live state, not the run's length. The
+    default, 256 KiB, keeps a restart under a second (replay runs at about 1 MiB/s).
     """
 
     path: str
     sync: Literal["write", "fsync"] = "write"
     fsync_interval: float = 1.0
     persist_data: bool = True
-    compact_bytes: int = 64 << 20
+    compact_bytes: int = 256 << 10
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:

@@ -43,7 +43,10 @@ def test_synchronous_run_is_reproducible_for_a_seed_with_or_without_appends(
     assert all(m["token_lag_mean"] == 0.0 for m in ma + mb)  # and so did every token
     folder = Path(a["run_dir"])
     assert json.loads((folder / "config.json").read_text())["append_every"] == 0
-    assert [p.name for p in (folder / "checkpoints").iterdir()] == ["step-000003.pt"]
+    assert sorted(p.name for p in (folder / "checkpoints").iterdir()) == [
+        "step-000003.pt",
+        "step-000003.pt.sha256",  # its checksum
+    ]
 
 
 def test_streaming_run_logs_and_bounds_staleness(tmp_path: Path, capsys) -> None:
@@ -119,8 +122,18 @@ def test_a_checkpointed_run_resumes_where_it_stopped(tmp_path: Path, capsys) -> 
     sync = {**TINY, "max_staleness": 0, "checkpoint_every": 2}
     whole = run(GRPOConfig(**{**sync, "steps": 4}, out=str(tmp_path / "whole")))
     first = run(GRPOConfig(**{**sync, "steps": 2}, out=str(tmp_path / "cut")))
+    # a crash while writing step 3's checkpoint tore it: the resume falls back to step 2
+    good = Path(first["run_dir"]) / "checkpoints" / "step-000002.pt"
+    torn = good.with_name("step-000003.pt")
+    torn.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    torn.with_name(torn.name + ".sha256").write_text(
+        good.with_name(good.name + ".sha256").read_text()
+    )
     assert main(["--resume", first["run_dir"], "--steps=4", "--no-progress"]) == 0
-    resumed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out, err = capsys.readouterr()
+    resumed = json.loads(out.strip().splitlines()[-1])
+    assert f"skipping torn checkpoint {torn}" in err and "Traceback" not in err
+    torn.unlink()
 
     assert resumed["run_dir"] == first["run_dir"] and resumed["resumed_from"] == 2
     assert resumed["steps"] == 4 and resumed["stage_samples"]["Rollout"] >= 2 * 8

@@ -47,7 +47,10 @@ from flowrl.events import (
 
 COLS = [Column.ragged("ids", "int64"), Column.scalar("reward", "float32")]
 TWO_TASKS = {"train": ["ids", "reward"], "score": ["ids"]}
-GUARD = 2.0  # seconds a blocking call may wait before the test fails instead of hanging
+#: Seconds a blocking call may wait before the test fails instead of hanging: a hang guard,
+#: not a timing. Every wait ends on what it waits for (a put, an ack, an expiry, a close),
+#: so a passing test never waits it out, however loaded the machine.
+GUARD = 60.0
 
 
 def ids(n: int, start: int = 0) -> list[np.ndarray]:

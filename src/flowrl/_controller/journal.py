@@ -9,13 +9,13 @@ detected on reading by its length or its decoding, and cut off.
 ``journal.json`` beside it records the table's shape; a hub refuses to recover a journal
 written with another capacity or number of storage units.
 
-Compaction. Once the log holds ``JournalConfig.compact_bytes`` (and twice the last
-snapshot), :meth:`Journal.compact` writes the controller's state to ``snapshot.msgpack``
-(``flowrl._controller.snapshot``; written aside, fsynced, renamed over the old one) and
-then replaces the log by an empty one the same way. Recovery restores the snapshot and
-replays the events after it; a crash between the two renames leaves a log whose events
-the snapshot already holds, and they are skipped by their ``seq``. The controller's owner
-calls ``compact`` between two operations (``compaction_due`` says when).
+Compaction. Once the log holds ``JournalConfig.compact_bytes`` (and an eighth of the last
+snapshot: ``_SNAPSHOT_SHARE``), :meth:`Journal.compact` writes the controller's state to
+``snapshot.msgpack`` (``flowrl._controller.snapshot``; written aside, fsynced, renamed over
+the old one) and then replaces the log by an empty one the same way. Recovery restores
+the snapshot and replays the events after it; a crash between the two renames leaves a
+log whose events the snapshot already holds, and they are skipped by their ``seq``. The
+controller's owner calls ``compact`` between two operations (``compaction_due`` says when).
 
 One process at a time owns a journal folder: a ``FolderLock`` (``flowrl._folder_lock``)
 holds an exclusive ``flock`` on its ``lock`` file from before recovery until the journal
@@ -55,6 +55,11 @@ _LEN = struct.Struct("<I")
 EVENTS_FILE = "events.log"
 HEADER_FILE = "journal.json"
 SNAPSHOT_FILE = "snapshot.msgpack"
+#: Replaying a byte of log costs 50-100x restoring a byte of snapshot (benchmarks/journal.py
+#: ``restart``), so the log may grow to only this fraction of the snapshot before the next
+#: one: a restart stays short even for a big live state, while each snapshot's cost is
+#: spread over the operations that wrote the log (a few percent of the controller's time).
+_SNAPSHOT_SHARE = 8
 
 
 class JournalHeader(msgspec.Struct, frozen=True):
@@ -99,7 +104,9 @@ class Journal:
 
     @property
     def compaction_due(self) -> bool:
-        return self._logged >= max(self.config.compact_bytes, 2 * self._snapshot_bytes)
+        return self._logged >= max(
+            self.config.compact_bytes, self._snapshot_bytes // _SNAPSHOT_SHARE
+        )
 
     def compact(self, controller: Controller) -> None:
         """Replace the log by a snapshot of ``controller`` (under its lock, between two

@@ -1,25 +1,12 @@
 """flowrl inside slime: ``Sample`` rows, a hub-backed ``DataSource`` and a rollout function.
 
 slime is not on PyPI and is never imported: everything here is duck-typed on slime's
-``slime.utils.types.Sample`` dataclass (pass the class as ``sample_type``). A sample's
-fields map to hub columns; ``group_index`` is the hub group (GRPO group) and ``index``
-a column:
-
-=====================  ==========================  ==========================
-Sample field           hub column                  written by
-=====================  ==========================  ==========================
-index                  int64 scalar                the feeder
-prompt                 object (str or messages)    the feeder
-tokens                 ragged int64                feeder, then rollout stage
-label, metadata        object                      the feeder
-response               string                      rollout stage
-response_length        int64 scalar                rollout stage
-reward                 object (float, dict, None)  reward stage
-loss_mask,             object (list or None)       rollout stage
-rollout_log_probs
-weight_versions        object (list[str])          rollout stage
-status                 string (``Status`` value)   rollout stage
-=====================  ==========================  ==========================
+``slime.utils.types.Sample`` dataclass (pass the class as ``sample_type``). Every field but
+``group_index`` (the hub group) maps to hub columns, losslessly (``_slime_fields``):
+numeric sequences as ragged columns (with a ``<field>_layout`` column that brings back
+``None``, tensors and nested lists), numbers and strings as scalar and string columns, the
+rest as msgpack objects. :data:`FEED_FIELDS` are put when a group is fed,
+:data:`RESULT_FIELDS` by the hub's rollout and reward stages (:func:`sample_data`).
 
 * :class:`HubDataSource` — slime's ``DataSource`` (``get_samples``/``add_samples``/
   ``save``/``load``/``__len__``) over prompts put in a hub with :func:`put_prompts`.
@@ -32,6 +19,7 @@ status                 string (``Status`` value)   rollout stage
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,44 +32,70 @@ from flowrl._client.base import HubClient
 from flowrl._client.batch import Batch
 from flowrl._controller.samplers import GroupSampler
 from flowrl._schema.columns import Column
-from flowrl.errors import ConfigError, EndOfStream, Timeout
+from flowrl.errors import ConfigError, EndOfStream, SchemaError, Timeout
+from flowrl.integrations._slime_fields import (
+    FEED_FIELDS,
+    LAYOUT_SUFFIX,
+    RESULT_FIELDS,
+    SAMPLE_FIELDS,
+    TENSOR_FIELDS,
+    decode_field,
+    encode_field,
+    field_columns,
+    field_of_object,
+    object_of_field,
+)
 
 __all__ = [
     "FEED_FIELDS",
     "PROMPT_COLUMNS",
+    "PROMPT_FIELDS",
     "RESULT_FIELDS",
+    "SAMPLE_FIELDS",
     "HubDataSource",
+    "check_sample_type",
     "put_prompts",
     "put_samples",
     "rollout_function",
     "sample_columns",
+    "sample_data",
     "samples_from_batch",
 ]
 
-FEED_FIELDS = ("index", "prompt", "tokens", "label", "metadata")
-RESULT_FIELDS = (
-    "response",
-    "response_length",
-    "reward",
-    "loss_mask",
-    "rollout_log_probs",
-    "weight_versions",
-    "status",
-)
-_KINDS: dict[str, Callable[[str], Column]] = {
-    "index": lambda n: Column.scalar(n, "int64"),
-    "tokens": lambda n: Column.ragged(n, "int64"),
-    "response": Column.string,
-    "response_length": lambda n: Column.scalar(n, "int64"),
-    "status": Column.string,
-}
+#: The fields slime's dataset sets on a prompt ``Sample``: a prompt hub's columns.
+PROMPT_FIELDS = ("prompt", "label", "metadata", "multimodal_inputs")
 #: The columns of a prompt hub (:class:`HubDataSource`): one row per prompt.
-PROMPT_COLUMNS = (Column.object("prompt"), Column.object("label"), Column.object("metadata"))
+PROMPT_COLUMNS = tuple(Column.object(name) for name in PROMPT_FIELDS)
 
 
 def sample_columns() -> list[Column]:
-    """The hub columns of slime ``Sample`` rows (module docstring)."""
-    return [_KINDS.get(name, Column.object)(name) for name in (*FEED_FIELDS, *RESULT_FIELDS)]
+    """The hub columns of slime ``Sample`` rows: every field but ``group_index``."""
+    return [column for name in SAMPLE_FIELDS for column in field_columns(name)]
+
+
+def check_sample_type(sample_type: type) -> None:
+    """Refuse a ``Sample`` class with fields flowrl does not carry (a newer slime)."""
+    names = {f.name for f in dataclasses.fields(sample_type)} - {"group_index"}
+    unknown = sorted(names - set(SAMPLE_FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"{sample_type.__qualname__} has fields flowrl's slime bridge does not carry: "
+            f"{unknown}; they would come back reset. Upgrade flowrl, or drop the fields"
+        )
+
+
+def sample_data(samples: Sequence[Any], fields: Sequence[str] = RESULT_FIELDS) -> dict[str, Any]:
+    """``fields`` of ``samples`` as the data of their hub columns, for ``hub.put``.
+
+    A rollout stage writes its results with
+    ``hub.put(sample_data(samples), indices=meta)``."""
+    unknown = [name for name in fields if name not in SAMPLE_FIELDS]
+    if unknown:
+        raise ConfigError(f"sample_data(): {unknown} are not slime Sample fields kept in a hub")
+    data: dict[str, Any] = {}
+    for name in fields:
+        data.update(encode_field(name, [_field(s, name) for s in samples]))
+    return data
 
 
 def put_samples(
@@ -90,37 +104,34 @@ def put_samples(
     """Put groups of ``Sample`` objects (``fields`` of each); returns the hub indices.
 
     Every sample of a group must carry the same ``group_index`` (slime sets it)."""
-    rows = [s for group in groups for s in group]
     ids = np.array([_group_index(group) for group in groups for _ in group], dtype=np.int64)
-    data = {name: [_field(s, name) for s in rows] for name in fields}
-    if "tokens" in data:
-        data["tokens"] = [np.asarray(t, dtype=np.int64) for t in data["tokens"]]
-    if "status" in data:
-        data["status"] = [getattr(v, "value", v) for v in data["status"]]
-    return hub.put(data, groups=ids)
+    return hub.put(sample_data([s for group in groups for s in group], fields), groups=ids)
 
 
 def samples_from_batch(batch: Batch, sample_type: type) -> list[list[Any]]:
-    """The ``Sample`` objects of a batch, grouped by hub group in order of first appearance."""
-    status_type = getattr(sample_type, "Status", None)
-    names = {f.name for f in dataclasses.fields(sample_type)}
+    """The ``Sample`` objects of a batch, grouped by hub group in order of first appearance.
+
+    Fields whose columns are not in the batch keep ``sample_type``'s defaults."""
+    check_sample_type(sample_type)
+    fields = {f.name: f for f in dataclasses.fields(sample_type) if f.name in batch.columns}
+    for name in TENSOR_FIELDS.keys() & fields.keys():
+        if name + LAYOUT_SUFFIX not in batch.columns:
+            raise SchemaError(
+                f"samples_from_batch(): column {name!r} needs {name + LAYOUT_SUFFIX!r} in the "
+                "same batch (it says None, tensor or list); get both columns"
+            )
+    columns = {name: batch[name] for name in batch.columns}
     by_group: dict[int, list[Any]] = {}
-    columns = {name: batch[name] for name in batch.columns if name in names}
     for i, group in enumerate(batch.meta.groups.tolist()):
-        values = {name: _value(col, i) for name, col in columns.items()}
-        if "tokens" in values:
-            values["tokens"] = [int(t) for t in values["tokens"]]
-        if status_type is not None and isinstance(values.get("status"), str):
-            values["status"] = status_type(values["status"])
+        values = {name: decode_field(name, columns, i, f) for name, f in fields.items()}
         by_group.setdefault(group, []).append(sample_type(group_index=group, **values))
     return list(by_group.values())
 
 
 def put_prompts(hub: HubClient, prompts: Sequence[Any]) -> np.ndarray:
-    """Put dataset prompts (objects with ``prompt``, ``label``, ``metadata``) into a hub
-    declared with :data:`PROMPT_COLUMNS`, one row each, for a :class:`HubDataSource`."""
-    data = {c.name: [_field(p, c.name) for p in prompts] for c in PROMPT_COLUMNS}
-    return hub.put(data)
+    """Put dataset prompts (slime's prompt ``Sample`` objects: :data:`PROMPT_FIELDS`) into
+    a hub declared with :data:`PROMPT_COLUMNS`, one row each, for a :class:`HubDataSource`."""
+    return hub.put(sample_data(prompts, PROMPT_FIELDS))
 
 
 class HubDataSource:
@@ -128,8 +139,9 @@ class HubDataSource:
 
     ``get_samples(k)`` returns ``k`` groups of ``n_samples_per_prompt`` fresh ``Sample``
     objects: groups given back with ``add_samples`` (aborted partial rollouts) first, then
-    prompts claimed from the hub (each acked once handed out). ``save``/``load`` write the
-    counters and the given-back groups as msgpack under ``save_dir``.
+    prompts claimed from the hub (each acked once handed out), one deep copy of the prompt
+    per sample as slime's own data source makes. ``save``/``load`` write the counters and
+    the given-back groups (every field, losslessly) as msgpack under ``save_dir``.
     """
 
     def __init__(
@@ -147,8 +159,10 @@ class HubDataSource:
                 f"HubDataSource n_samples_per_prompt must be a positive int, got "
                 f"{n_samples_per_prompt!r}"
             )
+        check_sample_type(sample_type)
         self.hub = hub
         self.sample_type = sample_type
+        self._fields = {f.name: f for f in dataclasses.fields(sample_type)}
         self.n_samples_per_prompt = n_samples_per_prompt
         self.task = task
         self.save_dir = None if save_dir is None else Path(save_dir)
@@ -164,8 +178,9 @@ class HubDataSource:
         if want:
             meta = self.hub.claim(self.task, want, timeout=self.timeout)
             rows = self.hub.get(meta)
+            columns = {name: rows[name] for name in PROMPT_FIELDS}
             for i in range(len(rows)):
-                fields = {c.name: rows[c.name][i] for c in PROMPT_COLUMNS}
+                fields = {n: decode_field(n, columns, i, self._fields[n]) for n in PROMPT_FIELDS}
                 out.append(self._group(fields))
             self.hub.ack(meta)
         return out
@@ -186,7 +201,7 @@ class HubDataSource:
         state = {
             "sample_index": self.sample_index,
             "group_index": self.group_index,
-            "buffer": [[_as_dict(s) for s in g] for g in self.buffer],
+            "buffer": [[_record(s) for s in g] for g in self.buffer],
         }
         self.save_dir.mkdir(parents=True, exist_ok=True)
         path.write_bytes(msgspec.msgpack.encode(state))
@@ -200,10 +215,7 @@ class HubDataSource:
         state = msgspec.msgpack.decode(path.read_bytes())
         self.sample_index = state["sample_index"]
         self.group_index = state["group_index"]
-        status_type = getattr(self.sample_type, "Status", None)
-        self.buffer = [
-            [self.sample_type(**_with_status(d, status_type)) for d in g] for g in state["buffer"]
-        ]
+        self.buffer = [[self._from_record(d) for d in g] for g in state["buffer"]]
 
     def __len__(self) -> int:
         """Groups available now: given back plus prompts ready in the hub."""
@@ -213,11 +225,18 @@ class HubDataSource:
         group = []
         for _ in range(self.n_samples_per_prompt):
             group.append(
-                self.sample_type(group_index=self.group_index, index=self.sample_index, **fields)
+                self.sample_type(
+                    group_index=self.group_index, index=self.sample_index, **copy.deepcopy(fields)
+                )
             )
             self.sample_index += 1
         self.group_index += 1
         return group
+
+    def _from_record(self, record: dict[str, Any]) -> Any:
+        return self.sample_type(
+            **{name: field_of_object(v, self._fields[name]) for name, v in record.items()}
+        )
 
 
 def rollout_function(
@@ -237,8 +256,8 @@ def rollout_function(
     completed groups of ``args.n_samples_per_prompt`` — every :data:`RESULT_FIELDS`
     column written — oldest first. Unfinished groups stay for the next call.
     """
-    columns = [c.name for c in sample_columns()]
-    hub.register_task(task, columns)
+    check_sample_type(sample_type)
+    hub.register_task(task, [c.name for c in sample_columns()])
 
     def generate_rollout(
         args: Any, rollout_id: int, data_source: Any, evaluation: bool = False
@@ -302,23 +321,8 @@ def _field(obj: Any, name: str) -> Any:
         ) from None
 
 
-def _value(column: Any, i: int) -> Any:
-    value = column[i]
-    return value.item() if isinstance(value, np.generic) else value
-
-
-def _as_dict(sample: Any) -> dict[str, Any]:
-    out = {}
-    for f in dataclasses.fields(sample):
-        value = getattr(sample, f.name)
-        if isinstance(value, (int, float, str, bool, list, dict, type(None))):
-            out[f.name] = value
-        elif hasattr(value, "value"):  # Sample.Status
-            out[f.name] = value.value
-    return out
-
-
-def _with_status(d: dict[str, Any], status_type: Any) -> dict[str, Any]:
-    if status_type is not None and isinstance(d.get("status"), str):
-        d = {**d, "status": status_type(d["status"])}
-    return d
+def _record(sample: Any) -> dict[str, Any]:
+    """Every field of ``sample`` as msgpack-encodable data (:func:`object_of_field`)."""
+    return {
+        f.name: object_of_field(f.name, getattr(sample, f.name)) for f in dataclasses.fields(sample)
+    }

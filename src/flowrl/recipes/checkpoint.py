@@ -4,32 +4,38 @@ Every run writes into a folder of its own, ``OUT/<UTC timestamp>/`` (a suffix ``
 ``-2``, ... if two runs start in the same second); nothing of an earlier run is ever
 overwritten. ``--resume RUN`` continues the run in ``RUN`` from its latest checkpoint.
 
-A checkpoint is one ``torch.save`` file, ``RUN/checkpoints/step-NNNNNN.pt``, written to a
-temporary name and renamed (a crash mid-write leaves the previous one intact). It holds
-plain data only (tensors, numbers, strings, lists, dicts), so it loads with
-``weights_only=True`` (an update engine's state may add a few classes of its own, which
-:func:`load_checkpoint` is told to allow).
+A checkpoint is one ``torch.save`` file, ``RUN/checkpoints/step-NNNNNN.pt``, and its
+checksum beside it, ``step-NNNNNN.pt.sha256`` (JSON: ``sha256`` and ``bytes``). Each is
+written to a temporary name, fsynced, and renamed, the checksum first; then the folder is
+fsynced, so a crash or power loss leaves either the whole new checkpoint or the previous
+ones. :func:`load_latest_checkpoint` takes the newest checkpoint whose bytes match its
+checksum and skips a torn one with a warning (a checkpoint written before checksums existed
+counts as torn when ``torch.load`` fails on it). A checkpoint holds plain data only
+(tensors, numbers, strings, lists, dicts), so it loads with ``weights_only=True`` (an update
+engine's state may add a few classes of its own, which the loader is told to allow).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import msgspec
 import torch
 
 from flowrl.errors import ConfigError
+from flowrl.recipes.progress import log
 
 __all__ = [
     "CONFIG_FILE",
-    "latest_checkpoint",
-    "load_checkpoint",
+    "load_latest_checkpoint",
     "new_run_dir",
     "read_config",
     "save_checkpoint",
@@ -78,35 +84,92 @@ def read_config(run_dir: Path) -> dict[str, Any]:
 
 
 def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any]) -> Path:
-    """Write ``state`` as the checkpoint after ``step`` steps; returns its path."""
+    """Write ``state`` as the checkpoint after ``step`` steps, durably; returns its path."""
     folder = run_dir / _CHECKPOINTS
-    folder.mkdir(exist_ok=True)
+    if not folder.is_dir():
+        folder.mkdir()
+        _fsync_folder(run_dir)
     path = folder / f"step-{step:06d}.pt"
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    tmp = _write_synced(path, lambda f: torch.save(state, f))
+    checksum, sums = json.dumps(_checksum(tmp)).encode(), _checksum_path(path)
+    os.replace(_write_synced(sums, lambda f: f.write(checksum)), sums)
+    os.replace(tmp, path)  # after the checksum that vouches for it
+    _fsync_folder(folder)
     return path
 
 
-def latest_checkpoint(run_dir: Path) -> Path:
-    """The checkpoint with the most steps in ``run_dir``."""
+def load_latest_checkpoint(run_dir: Path, *, allowed: Sequence[type] = ()) -> dict[str, Any]:
+    """The newest intact checkpoint in ``run_dir``; a torn newer one is skipped with a
+    warning. ``allowed``: classes besides plain data a checkpoint may hold."""
     found = sorted(
-        (int(m[1]), p)
-        for p in (run_dir / _CHECKPOINTS).glob("step-*.pt")
-        if (m := _NAME.fullmatch(p.name))
+        (
+            (int(m[1]), p)
+            for p in (run_dir / _CHECKPOINTS).glob("step-*.pt")
+            if (m := _NAME.fullmatch(p.name))
+        ),
+        reverse=True,
     )
     if not found:
         raise ConfigError(
             f"--resume {run_dir}: no checkpoint in {run_dir / _CHECKPOINTS} (the run stopped "
             "before its first --checkpoint-every step); start a new run"
         )
-    return found[-1][1]
+    for _, path in found:
+        state, why = _load_intact(path, allowed)
+        if state is not None:
+            return state
+        log.warning("skipping torn checkpoint %s (%s); trying the one before", path, why)
+    raise ConfigError(
+        f"--resume {run_dir}: every checkpoint in {run_dir / _CHECKPOINTS} is torn (see the "
+        "warnings above); start a new run"
+    )
 
 
-def load_checkpoint(path: Path, *, allowed: Sequence[type] = ()) -> dict[str, Any]:
-    """The checkpoint in ``path``; ``allowed``: classes besides plain data it may hold."""
-    with torch.serialization.safe_globals(list(allowed)):
-        state = torch.load(path, weights_only=True)
+def _load_intact(path: Path, allowed: Sequence[type]) -> tuple[dict[str, Any] | None, str]:
+    """The checkpoint in ``path``, or None and why it is torn."""
+    try:
+        want = json.loads(_checksum_path(path).read_bytes())
+    except FileNotFoundError:
+        want = None  # written before checksums: torch.load is the only check
+    except ValueError:
+        return None, "its checksum file is unreadable"
+    if want is not None and _checksum(path) != want:
+        return None, "its bytes do not match its checksum"
+    try:
+        with torch.serialization.safe_globals(list(allowed)):
+            state = torch.load(path, weights_only=True)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as exc:
+        if want is not None:
+            raise  # intact bytes: a real error (a class not allowed), not a torn write
+        return None, f"torch.load failed: {exc}".splitlines()[0]
     if not isinstance(state, dict) or "step" not in state:
         raise ConfigError(f"{path} is not a checkpoint of this recipe")
-    return state
+    return state, ""
+
+
+def _checksum(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return {"sha256": digest, "bytes": path.stat().st_size}
+
+
+def _checksum_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _write_synced(path: Path, write: Callable[[IO[bytes]], object]) -> Path:
+    """``path``'s content written by ``write`` to a temporary file on disk; returns that."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
+
+
+def _fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

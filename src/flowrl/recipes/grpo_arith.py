@@ -58,8 +58,7 @@ import flowrl
 from flowrl import ChromeTrace, Loader, Timeline, WeightStore, serve_dashboard, serve_metrics
 from flowrl.errors import ConfigError
 from flowrl.recipes.checkpoint import (
-    latest_checkpoint,
-    load_checkpoint,
+    load_latest_checkpoint,
     new_run_dir,
     read_config,
     save_checkpoint,
@@ -337,7 +336,7 @@ def _open_run(cfg: GRPOConfig, resume: str | Path | None) -> tuple[Path, dict[st
         return run_dir, None
     run_dir = Path(resume)
     check_resumable(read_config(run_dir), cfg)
-    state = load_checkpoint(latest_checkpoint(run_dir), allowed=checkpoint_globals(cfg))
+    state = load_latest_checkpoint(run_dir, allowed=checkpoint_globals(cfg))
     if cfg.steps <= state["step"]:
         raise ConfigError(
             f"--steps {cfg.steps}: the run in {run_dir} has done {state['step']} steps "

@@ -35,6 +35,7 @@ from flowrl.recipes.progress import log
 
 __all__ = [
     "CONFIG_FILE",
+    "checkpoints",
     "load_latest_checkpoint",
     "new_run_dir",
     "read_config",
@@ -98,9 +99,8 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any]) -> Path:
     return path
 
 
-def load_latest_checkpoint(run_dir: Path, *, allowed: Sequence[type] = ()) -> dict[str, Any]:
-    """The newest intact checkpoint in ``run_dir``; a torn newer one is skipped with a
-    warning. ``allowed``: classes besides plain data a checkpoint may hold."""
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The checkpoint files in ``run_dir``, newest (most steps) first."""
     found = sorted(
         (
             (int(m[1]), p)
@@ -109,12 +109,19 @@ def load_latest_checkpoint(run_dir: Path, *, allowed: Sequence[type] = ()) -> di
         ),
         reverse=True,
     )
+    return [p for _, p in found]
+
+
+def load_latest_checkpoint(run_dir: Path, *, allowed: Sequence[type] = ()) -> dict[str, Any]:
+    """The newest intact checkpoint in ``run_dir``; a torn newer one is skipped with a
+    warning. ``allowed``: classes besides plain data a checkpoint may hold."""
+    found = checkpoints(run_dir)
     if not found:
         raise ConfigError(
             f"--resume {run_dir}: no checkpoint in {run_dir / _CHECKPOINTS} (the run stopped "
             "before its first --checkpoint-every step); start a new run"
         )
-    for _, path in found:
+    for path in found:
         state, why = _load_intact(path, allowed)
         if state is not None:
             return state

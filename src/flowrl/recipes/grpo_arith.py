@@ -58,6 +58,7 @@ import flowrl
 from flowrl import ChromeTrace, Loader, Timeline, WeightStore, serve_dashboard, serve_metrics
 from flowrl.errors import ConfigError
 from flowrl.recipes.checkpoint import (
+    checkpoints,
     load_latest_checkpoint,
     new_run_dir,
     read_config,
@@ -129,10 +130,8 @@ class Interrupted(KeyboardInterrupt):
                 self.steps_done = sum(1 for line in f if not line.startswith('{"summary"'))
         except FileNotFoundError:  # stopped in the warm-up
             self.steps_done = 0
-        try:
-            self.checkpoint: Path | None = latest_checkpoint(run_dir)
-        except ConfigError:
-            self.checkpoint = None
+        written = checkpoints(run_dir)  # each written whole (renamed into place)
+        self.checkpoint: Path | None = written[0] if written else None
         super().__init__(self.advice())
 
     def advice(self) -> str:

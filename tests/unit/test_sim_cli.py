@@ -74,3 +74,47 @@ def test_all_is_sorted_and_complete(mod) -> None:
     public = {n for n in vars(mod) if not n.startswith("_") and n not in {"annotations"}}
     submodules = {n for n in public if type(getattr(mod, n)).__name__ == "module"}
     assert set(mod.__all__) == public - submodules
+
+
+def test_without_highs_the_planner_schemes_are_refused_before_simulating(
+    capsys, monkeypatch
+) -> None:
+    """After the README's install (no 'sched' extra) `flowrl sim` simulated for minutes and
+    then failed; it now says so at once and names the schemes that run without HiGHS."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "highspy" else real(name, *a)
+    )
+    simulated = []
+    monkeypatch.setattr("flowrl.sim.cli.run_schemes", lambda *a, **k: simulated.append(a))
+    assert main(["--schemes", "static-throughput,planner+balancer"]) == 2
+    err = capsys.readouterr().err
+    assert "scheme(s) planner+balancer plan with HiGHS, which is not installed" in err
+    assert "--schemes static-throughput,static-latency,balancer-only" in err
+    assert simulated == []
+
+
+def test_help_shows_defaults_and_the_table_has_a_legend(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "(default: 64)" in capsys.readouterr().out
+    rc = main(
+        [
+            "--gpus",
+            "16",
+            "--requests",
+            "200",
+            "--steps",
+            "1",
+            "--max-len",
+            "2048",
+            "--schemes",
+            "static-throughput,static-latency",
+            "--tick",
+            "0.5",
+        ]
+    )
+    assert rc == 0
+    assert "vs best static: tok/s over the best static scheme's tok/s" in capsys.readouterr().out

@@ -197,3 +197,31 @@ def test_the_main_job_logs_to_tensorboard_and_jsonl_and_writes_a_trace(tmp_path:
     assert {"step 1", "step 2", "step 3", "wait for a batch", "Rollout", "trainer"} <= names
     with pytest.raises(ConfigError, match="--logger 'console,bogus': unknown logger backend"):
         GRPOConfig(logger="console,bogus")
+
+
+def test_a_loader_logs_each_batch_to_its_tracker(tmp_path: Path) -> None:
+    import numpy as np
+
+    import flowrl
+    from flowrl import Column
+
+    with flowrl.Hub(columns=[Column.ragged("ids", "int64")]) as hub:
+        loader = flowrl.Loader(
+            hub,
+            task="train",
+            columns=["ids"],
+            batch_size=2,
+            tracker=Tracking("jsonl", run_dir=tmp_path),
+        )
+        hub.put({"ids": [np.arange(n + 1) for n in range(4)]})
+        hub.end_stream()
+        assert sum(len(b) for b in loader) == 4
+        loader.tracker.finish()  # type: ignore[union-attr]
+        with pytest.raises(ConfigError, match=r"expected a flowrl\.tracking\.Tracker"):
+            flowrl.Loader(hub, task="t2", columns=["ids"], batch_size=1, tracker="jsonl")  # type: ignore[arg-type]
+    lines = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["loader/samples"], m["loader/tokens"]) for m in lines] == [
+        (1, 2, 3),
+        (2, 2, 7),
+    ]
+    assert all(m["loader/wait_s"] >= 0 and m["loader/version_max"] == 0 for m in lines)

@@ -45,6 +45,7 @@ from flowrl._controller.samplers import (
 )
 from flowrl._pipeline.constants import POLL_S
 from flowrl.errors import ConfigError, EndOfStream, LeaseError, StageError, Timeout
+from flowrl.tracking import Tracker
 
 __all__ = ["Loader", "LoaderStats"]
 
@@ -74,7 +75,10 @@ class Loader:
     only (with ``balance``, whole groups per global batch). ``max_staleness``: skip samples
     more than this many versions old. ``timeout``: seconds one ``next()`` may wait
     (:class:`~flowrl.errors.Timeout`). ``ack``: ``"next"`` or ``"checkpoint"`` (module
-    docstring).
+    docstring). ``tracker``: a :class:`~flowrl.tracking.Tracker` (e.g. a ``Tracking``)
+    that gets each batch's ``loader/samples``, ``loader/tokens``, ``loader/wait_s`` and
+    the oldest and newest policy version in it (``loader/version_min``, ``_max``), at
+    step = batches handed out.
     """
 
     def __init__(
@@ -92,8 +96,15 @@ class Loader:
         timeout: float | None = None,
         ack: Literal["next", "checkpoint"] = "next",
         lease_timeout: float | None = None,
+        tracker: Tracker | None = None,
     ) -> None:
         _check_options(task, batch_size, dp_rank, dp_size, groups, timeout, ack, lease_timeout)
+        if tracker is not None and not isinstance(tracker, Tracker):
+            raise ConfigError(
+                f"Loader(tracker={tracker!r}): expected a flowrl.tracking.Tracker "
+                "(e.g. Tracking('console,tensorboard', run_dir=...))"
+            )
+        self.tracker = tracker
         self.hub = hub
         self.task = task
         self.batch_size = batch_size
@@ -133,7 +144,8 @@ class Loader:
             while meta is None:
                 meta = self._drop_skipped(self._claim())
         finally:
-            self._wait_s += time.perf_counter() - t0
+            waited = time.perf_counter() - t0
+            self._wait_s += waited
         try:
             batch = self.hub.get(meta)
         except BaseException:
@@ -143,6 +155,8 @@ class Loader:
         self._batches += 1
         self._samples += len(meta)
         self._tokens += int(meta.tokens.sum())
+        if self.tracker is not None:
+            self.tracker.log(_batch_metrics(meta, waited), self._batches)
         return batch
 
     def _claim(self) -> BatchMeta:
@@ -352,3 +366,15 @@ def _check_options(
         not isinstance(lease_timeout, int | float) or not lease_timeout > 0
     ):
         raise ConfigError(f"Loader lease_timeout must be > 0 seconds, got {lease_timeout!r}")
+
+
+def _batch_metrics(meta: BatchMeta, waited: float) -> dict[str, float]:
+    metrics = {
+        "loader/samples": len(meta),
+        "loader/tokens": int(meta.tokens.sum()),
+        "loader/wait_s": waited,
+    }
+    if len(meta):
+        metrics["loader/version_min"] = int(meta.versions.min())
+        metrics["loader/version_max"] = int(meta.versions.max())
+    return metrics

@@ -8,6 +8,8 @@ routing and top-p replay fields are filled as sglang's meta_info would fill them
 every field comes back: tensors as tensors.
 
     python examples/slime_rollout.py
+
+Needs: the base install (slime itself is not needed). Takes: about 15 s.
 """
 
 from __future__ import annotations

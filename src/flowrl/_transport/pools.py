@@ -13,10 +13,16 @@ import weakref
 
 import numpy as np
 
-__all__ = ["RESERVE_AHEAD", "Pool", "Pools"]
+__all__ = ["RESERVE_AHEAD", "Pool", "Pools", "ahead_cap"]
 
 #: Indices a thread reserves ahead for its next small puts (capped at capacity / 64).
 RESERVE_AHEAD = 32
+
+
+def ahead_cap(capacity: int) -> int:
+    """The most indices a put may reserve ahead on a hub of ``capacity``: a pool never
+    holds more than 1/64 of it, so other producers barely notice it."""
+    return min(RESERVE_AHEAD, capacity // 64)
 
 
 class Pool:

@@ -407,3 +407,33 @@ def test_bad_client_settings_are_refused(
     with pytest.raises(ConfigError, match=setting):
         setattr(hub, setting, bad)
     assert getattr(hub, setting) == before
+
+
+# -- making a hub ------------------------------------------------------------------------
+MAKE_CASES = [
+    ("columns a str", dict(columns="ids"), ConfigError, "Column"),
+    ("tasks a list", dict(tasks=["train"]), ConfigError, "tasks must map"),
+    ("task name ''", dict(tasks={"": ["ids"]}), ConfigError, "task name"),
+    ("task columns a str", dict(tasks={"t": "ids"}), ConfigError, "list of column names"),
+    ("task of an unknown column", dict(tasks={"t": ["nope"]}), UnknownColumnError, "nope"),
+    ("config a dict", dict(config={}), ConfigError, "HubConfig"),
+]
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "says"),
+    [case[1:] for case in MAKE_CASES],
+    ids=[case[0] for case in MAKE_CASES],
+)
+def test_a_hub_made_with_bad_input_is_refused(
+    placement: str, bad: dict[str, Any], error: type[FlowRLError], says: str
+) -> None:
+    make = flowrl.Hub if placement == "inproc" else flowrl.launch_hub
+    args: dict[str, Any] = {"tasks": None, "config": CONFIG, **bad}
+    with pytest.raises(error, match=says):
+        make(args.pop("columns", COLUMNS), **args).close()
+
+
+def test_launch_hub_refuses_a_bad_startup_timeout() -> None:
+    with pytest.raises(ConfigError, match="startup_timeout"):
+        flowrl.launch_hub(COLUMNS, startup_timeout=-1)

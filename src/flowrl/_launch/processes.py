@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
 
+from flowrl._client.tasks import checked_tasks
 from flowrl._config import HubConfig
 from flowrl._controller.journal import lock_journal
 from flowrl._launch.specs import ControllerSpec, ServerSpec, UnitSpec
@@ -22,6 +23,7 @@ from flowrl._schema.columns import Column
 from flowrl._store.shm import SHM_PREFIX, shm_folder
 from flowrl._transport import wire
 from flowrl._transport.remote import RPC_TIMEOUT_S, RemoteHub
+from flowrl._validate import check_seconds
 from flowrl.errors import ConfigError, TransportError
 
 __all__ = ["as_restarted", "connect", "launch_hub"]
@@ -43,6 +45,9 @@ def launch_hub(
     hub. Closing that client shuts the servers down.
     """
     cols, config = checked_args(columns, config)
+    checked = checked_tasks(tasks, cols, config)
+    if check_seconds(startup_timeout, "launch_hub() startup_timeout", allow_zero=False) is None:
+        raise ConfigError("launch_hub() startup_timeout must be a number of seconds > 0, got None")
     if config.journal is not None:
         # Refuse a journal another process holds here, naming it (the controller process
         # would fail on it just the same, but its error stays in that process).
@@ -63,7 +68,7 @@ def launch_hub(
             units,
             controls,
             cols,
-            {t: list(c) for t, c in (tasks or {}).items()},
+            {t: list(c) for t, c in checked.items()},
             config,
         )
     )
@@ -109,7 +114,7 @@ def checked_args(
     columns: Iterable[Column], config: HubConfig | None
 ) -> tuple[list[Column], HubConfig]:
     """The columns and config of a hub to launch, checked (a default config if None)."""
-    config = config or HubConfig()
+    config = HubConfig() if config is None else config
     if not isinstance(config, HubConfig):
         raise ConfigError(f"config must be a HubConfig, got {type(config).__name__}")
     cols = list(columns)

@@ -43,8 +43,9 @@ class _Key:
 
 def on_thread_end(local: threading.local, callback: Callable[[], None]) -> None:
     """Call ``callback`` (once) when the thread calling this ends: its locals in
-    ``local`` are then collected. Call it once per thread and ``local``."""
-    key = local.end_key = _Key()
+    ``local`` are then collected, and with them a key kept there for this call."""
+    key = _Key()
+    setattr(local, f"end_key_{id(key)}", key)
     weakref.finalize(key, callback)
 
 

@@ -24,7 +24,7 @@ RPC_TIMEOUT_S = 5.0
 def test_put_async_fails_fast_once_the_controller_is_known_hung() -> None:
     """Against a SIGSTOPped controller, each put_async past the indices a thread reserved
     ahead used to wait a full rpc_timeout, one after another. Only the first does now;
-    the next ones wait SILENT_WAIT_S (and say the controller is silent), and once the
+    the next ones wait SILENT_WAIT_S (and say the controller is presumed gone), and once the
     controller is back, puts are served again."""
     hub = flowrl.launch_hub(COLS, tasks={"train": ["x"]}, config=HubConfig(capacity=4096))
     hub.rpc_timeout = RPC_TIMEOUT_S
@@ -45,7 +45,7 @@ def test_put_async_fails_fast_once_the_controller_is_known_hung() -> None:
         assert f"within {RPC_TIMEOUT_S:.1f}s" in str(first)
         for exc in later:
             assert f"within {SILENT_WAIT_S:.1f}s" in str(exc), str(exc)
-            assert "silent since" in str(exc)
+            assert "presumed gone" in str(exc)
         os.kill(pid, signal.SIGCONT)
         hub.put({"x": np.array([-1])})  # heard again: served as before
         hub.flush()  # (the puts on indices reserved ahead were answered once it woke)

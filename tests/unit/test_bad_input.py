@@ -172,6 +172,13 @@ CASES = [
         ConfigError,
         "capacity",
     ),
+    C(
+        "claim",
+        "min_n above capacity",
+        lambda h, s: h.claim("train", CAPACITY + 2, min_n=CAPACITY + 1, timeout=WAIT_S),
+        ConfigError,
+        "capacity",
+    ),
     C("claim", "n=2**63", lambda h, s: h.claim("train", 2**63, timeout=WAIT_S), ConfigError, "int"),
     C("claim", "min_n=0", lambda h, s: h.claim("train", 2, min_n=0), ConfigError, "min_n"),
     C("claim", "min_n>n", lambda h, s: h.claim("train", 2, min_n=3), ConfigError, "min_n"),
@@ -382,6 +389,8 @@ def test_numpy_integers_are_accepted_where_ints_are(make_hub: Any) -> None:
     assert hub.append(meta, "gen", [[5], [6]], version=np.int64(1)).tolist() == [1, 1]
     hub.ack(meta, indices=meta.indices[:1])
     hub.drop(meta)
+    rest = hub.claim("train", 10 * CAPACITY, min_n=np.int8(1), timeout=0)  # all that is ready
+    assert len(rest) == 2
 
 
 # -- a zmq client's own settings ---------------------------------------------------------

@@ -620,11 +620,14 @@ class Controller:
 
 def _check_claim_size(cmd: Claim, sampler: Sampler, fanout: int, capacity: int) -> None:
     """Refuse a claim no state of the hub can serve (it would wait its whole timeout)."""
-    if cmd.n * fanout > capacity:
+    want = cmd.n if cmd.min_n is None else cmd.min_n
+    if min(want, sampler.quota(cmd.n)) * fanout > capacity:
         per = f" for each of {fanout} dp ranks" if fanout > 1 else ""
+        at_least = "" if cmd.min_n is None else f" (min_n={cmd.min_n})"
         raise ConfigError(
-            f"claim() of n={cmd.n} samples{per} can never be filled: the hub holds at most "
-            f"{capacity} (HubConfig.capacity); claim fewer"
+            f"claim() of n={cmd.n}{at_least} samples{per} can never be filled: the hub holds "
+            f"at most {capacity} (HubConfig.capacity); claim fewer, or pass a min_n to take "
+            "what is ready"
         )
     if fanout == 1 and cmd.dp_rank:
         raise ConfigError(

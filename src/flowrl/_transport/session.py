@@ -92,7 +92,7 @@ class Session:
         where = "controller" if unit is None else f"storage unit {unit}"
         now = time.monotonic()
         since = self.silent.setdefault(unit, now)
-        gone = f" (silent since {now - since + wait:.1f}s)" if since < now else ""
+        gone = f" (presumed gone for {now - since:.1f}s)" if since < now else ""
         waiting = f" while {what} waited in it" if what else ""
         return self._no_answer(
             f"the hub's {where} did not answer within {wait:.1f}s{waiting}{gone}; is it running?"

@@ -264,7 +264,7 @@ class Session:
             got = self.recv_first(None, rids, heard + patience)
             if got is None:
                 if ping is not None:
-                    raise self.no_answer(None, time.monotonic() - heard, what)
+                    raise self.no_answer(None, patience, what)
                 ping = self.send(None, wire.Ping(rid=rid))
                 continue
             heard = time.monotonic()

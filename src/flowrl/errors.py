@@ -22,6 +22,7 @@ inside a stage are wrapped in :class:`StageError`, chained with ``from``.
     ├── EndOfStream                 the stream is closed and nothing more will be ready
     ├── HubClosed                   the hub was shut down
     ├── TransportError              a server could not be reached or answered garbage
+    │   └── ResourceExhausted       this process ran out of sockets, descriptors or memory
     ├── JournalError                a journal on disk is corrupt or incompatible
     ├── StageError                  user code in a stage raised (see ``__cause__``)
     └── PipelineError               a pipeline spec is invalid (missing producer, cycle)
@@ -41,6 +42,7 @@ __all__ = [
     "LengthMismatchError",
     "NothingReady",
     "PipelineError",
+    "ResourceExhausted",
     "SchemaError",
     "StageError",
     "Timeout",
@@ -136,6 +138,11 @@ class HubClosed(FlowRLError):
 
 class TransportError(FlowRLError, ConnectionError):
     """A hub server could not be reached or sent a malformed reply."""
+
+
+class ResourceExhausted(TransportError):
+    """This process ran out of a resource the hub's connections need (file descriptors,
+    sockets, memory)."""
 
 
 class StageError(FlowRLError):

@@ -638,8 +638,8 @@ def test_controller_survives_very_long_waits_and_leases(target: Target) -> None:
     hub.ack(target.lease)  # no other lease deadline nearer than the ones under test
     sock = target.dealer(hub.address)
     parked = [
-        commands.Claim(task="train", n=99, timeout=math.inf),  # first: alone, the nearest
-        commands.Claim(task="train", n=99, timeout=1e10),
+        commands.Claim(task="train", n=30, timeout=math.inf),  # first: alone, the nearest
+        commands.Claim(task="train", n=30, timeout=1e10),
         commands.Reserve(n=29, timeout=1e10),  # 28 free slots
     ]
     for k, msg in enumerate(parked):

@@ -410,10 +410,10 @@ def _random_run(seed: int, steps: int) -> tuple[Controller, list[bytes], list[tu
             elif op <= 4:
                 task = "ab"[int(rng.integers(2))]
                 sampler = BalancedSampler(dp_size=2) if rng.random() < 0.3 else FifoSampler()
+                rank = int(rng.integers(2))  # (a dp_rank needs a BalancedSampler)
+                rank = rank if isinstance(sampler, BalancedSampler) else 0
                 with contextlib.suppress(flowrl.errors.FlowRLError):
-                    meta = ctl.try_claim(
-                        Claim(task=task, n=2, dp_rank=int(rng.integers(2))), sampler
-                    )
+                    meta = ctl.try_claim(Claim(task=task, n=2, dp_rank=rank), sampler)
                     if meta is not None:
                         leases.append((task, meta.lease, meta.indices))
             elif op == 5 and leases:

@@ -41,6 +41,7 @@ from flowrl._schema.encode import Encoded, numeric_array
 from flowrl._schema.ragged import RaggedArray
 from flowrl._schema.schema import Schema
 from flowrl._store.partial import VERSIONS
+from flowrl._validate import check_seconds, int_in
 from flowrl.errors import (
     ConfigError,
     DuplicatePut,
@@ -180,6 +181,7 @@ class HubClient:
         """Wait until every :meth:`put_async` of this thread is answered; raises the first
         failure that no future reported (:class:`~flowrl.errors.Timeout` after ``timeout``
         seconds, the puts still pending)."""
+        timeout = check_seconds(timeout, "flush() timeout", allow_zero=True)
         self._data.flush(timeout)
 
     def put_nowait(self, data: Mapping[str, Any], **kwargs: Any) -> np.ndarray:
@@ -208,7 +210,9 @@ class HubClient:
         if not isinstance(producer, str):
             raise ConfigError(f"producer must be a str, got {producer!r} in put()")
         seq = _sequence_number(seq, producer, where)
-        _check_seconds(timeout, "put() timeout", allow_zero=True)
+        timeout = check_seconds(timeout, "put() timeout", allow_zero=True)
+        if isinstance(indices, BatchMeta):
+            self._check_handle(indices, where)
         target = _as_indices(indices, where) if indices is not None else None
         acked = None if ack is None else _ackable(ack, target, where)
         n_expected = None if target is None else int(target.size)
@@ -398,14 +402,12 @@ class HubClient:
         self._control.raise_policy_error()
         if not isinstance(task, str):
             raise ConfigError(f"claim() task must be a str, got {task!r}")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ConfigError(f"claim() n must be a positive int, got {n!r}")
-        if min_n is not None and (not isinstance(min_n, int) or not 1 <= min_n <= n):
-            raise ConfigError(f"claim() min_n must be an int in [1, n={n}], got {min_n!r}")
-        _check_seconds(timeout, "claim() timeout", allow_zero=True)
-        _check_seconds(lease_timeout, "claim() lease_timeout", allow_zero=False)
-        if not isinstance(dp_rank, int) or isinstance(dp_rank, bool) or dp_rank < 0:
-            raise ConfigError(f"claim() dp_rank must be an int >= 0, got {dp_rank!r}")
+        n = int_in(n, 1, "claim() n must be a positive int")
+        if min_n is not None:
+            min_n = int_in(min_n, 1, f"claim() min_n must be an int in [1, n={n}]", high=n)
+        timeout = check_seconds(timeout, "claim() timeout", allow_zero=True)
+        lease_timeout = check_seconds(lease_timeout, "claim() lease_timeout", allow_zero=False)
+        dp_rank = int_in(dp_rank, 0, "claim() dp_rank must be an int >= 0")
         if not isinstance(consumer, str):
             raise ConfigError(f"claim() consumer must be a str, got {consumer!r}")
         if sampler is not None and not isinstance(sampler, Sampler):
@@ -430,8 +432,7 @@ class HubClient:
 
     def get(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> Batch:
         """Read the columns of a claimed batch straight from the storage units."""
-        if not isinstance(meta, BatchMeta):
-            raise ConfigError(f"get() expects the BatchMeta a claim returned, got {meta!r}")
+        self._check_handle(meta, "get()")
         cols = meta.columns if columns is None else self.schema.check_names(columns, "get()")
         if len(meta) == 0:
             empty = {c: pa.array([], type=self.schema[c].arrow_type) for c in cols}
@@ -482,7 +483,7 @@ class HubClient:
         if not data:
             raise ConfigError("append() got no column to append to")
         cols = [self._ragged(name, "append()") for name in data]
-        _check_version(version, "append()")
+        version = _check_version(version, "append()")
         meta = self._locate(indices, "append()")
         encoded, _, _ = self.schema.encode_all(data, len(meta), "append()")
         lengths = {c.name: np.empty(len(meta), dtype=np.int64) for c in cols}
@@ -534,6 +535,7 @@ class HubClient:
 
     def _locate(self, indices: Any, where: str) -> BatchMeta:
         if isinstance(indices, BatchMeta):
+            self._check_handle(indices, where)
             return indices
         return self._control.meta(MetaOf(indices=_as_indices(indices, where), columns=()))
 
@@ -564,6 +566,25 @@ class HubClient:
         self._check_lease(meta, "release")
         self._control.release(Release(task=meta.task, lease=meta.lease))
 
+    def _check_handle(self, meta: Any, where: str) -> None:
+        """A BatchMeta whose storage units exist and match its samples (a handle built or
+        changed by hand could name others)."""
+        if not isinstance(meta, BatchMeta):
+            raise ConfigError(f"{where} expects the BatchMeta a claim returned, got {meta!r}")
+        units, n_units = meta.units, self._data.n_units
+        if units.shape != meta.indices.shape or units.dtype.kind not in "iu":
+            raise ConfigError(
+                f"{where}: a BatchMeta holds one int storage unit per sample; this one has "
+                f"units {units.dtype} of shape {units.shape} for {meta.indices.size} samples"
+            )
+        low, high = (int(units.min()), int(units.max())) if units.size else (0, 0)
+        if low < 0 or high >= n_units:
+            bad = low if low < 0 else high
+            raise UnknownIndexError(
+                f"{where}: storage unit {bad} does not exist (this hub has {n_units}); "
+                "is the BatchMeta from another hub?"
+            )
+
     def _check_lease(self, meta: Any, what: str) -> None:
         if not isinstance(meta, BatchMeta):
             raise ConfigError(f"{what}() expects the BatchMeta a claim returned, got {meta!r}")
@@ -573,7 +594,7 @@ class HubClient:
     # -- versions, stream end, events -------------------------------------------------------
     def publish_version(self, version: int) -> None:
         """Announce a new policy version (a ``VersionPublished`` event); never decreasing."""
-        _check_version(version, "publish_version()")
+        version = _check_version(version, "publish_version()")
         self._control.publish_version(PublishVersion(version=version))
 
     @property
@@ -598,6 +619,7 @@ class HubClient:
 
     def flush_events(self, timeout: float | None = 5.0) -> bool:
         """Wait until subscribers have received every event so far."""
+        timeout = check_seconds(timeout, "flush_events() timeout", allow_zero=True)
         return self._control.flush_events(timeout)
 
     def statistics(self) -> HubStats:
@@ -635,11 +657,9 @@ def _ackable(meta: Any, target: np.ndarray | None, where: str) -> LeaseRef:
     return LeaseRef(meta.task, meta.lease)
 
 
-def _check_version(version: Any, where: str) -> None:
-    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**63:
-        raise ConfigError(
-            f"a policy version must be an int in [0, 2**63), got {version!r} in {where}"
-        )
+def _check_version(version: Any, where: str) -> int:
+    """A policy version as an int (a Python or numpy integer in [0, 2**63))."""
+    return int_in(version, 0, f"a policy version must be an int in [0, 2**63) in {where}")
 
 
 def _sequence_number(seq: Any, producer: str, where: str) -> int | None:
@@ -657,18 +677,6 @@ def _sequence_number(seq: Any, producer: str, where: str) -> int | None:
             "(e.g. 'rollout-3'): sequence numbers count the puts of one producer"
         )
     return int(seq)
-
-
-def _check_seconds(value: Any, what: str, *, allow_zero: bool) -> None:
-    """None, or a finite-or-infinite non-negative number (NaN is rejected)."""
-    if value is None:
-        return
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if ok:
-        ok = value >= 0 if allow_zero else value > 0  # False for NaN
-    if not ok:
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{what} must be a number of seconds {bound} or None, got {value!r}")
 
 
 def _as_indices(indices: Any, where: str) -> np.ndarray:
@@ -689,8 +697,7 @@ def _versions(version: Any, n: int, where: str) -> int | np.ndarray | None:
     if version is None:
         return None
     if not isinstance(version, list | tuple | np.ndarray) and not hasattr(version, "detach"):
-        _check_version(version, where)  # one int (anything else is refused here)
-        return int(version)
+        return _check_version(version, where)  # one int (anything else is refused here)
     per_sample = _per_sample(version, n, "version", where)
     assert per_sample is not None
     return int(per_sample[0]) if (per_sample == per_sample[0]).all() else per_sample
@@ -701,8 +708,8 @@ def _per_sample(value: Any, n: int, name: str, where: str) -> np.ndarray | None:
     broadcast."""
     if value is None:
         return None
-    if isinstance(value, int) and not isinstance(value, bool):
-        value = [value] * n
+    if isinstance(value, int | np.integer) and not isinstance(value, bool):
+        value = [int(value)] * n
     try:
         arr = np.asarray(value.detach().cpu().numpy() if hasattr(value, "detach") else value)
     except ValueError:  # ragged nesting numpy cannot shape

@@ -14,6 +14,7 @@ import numpy as np
 
 from flowrl._client.base import HubClient, _split_by_unit
 from flowrl._client.local import LocalControl, LocalData
+from flowrl._client.tasks import checked_tasks
 from flowrl._config import HubConfig
 from flowrl._controller.controller import Controller
 from flowrl._controller.journal import attach_journal, lock_journal
@@ -40,10 +41,11 @@ class Hub(HubClient):
         tasks: Mapping[str, Sequence[str]] | None = None,
         config: HubConfig | None = None,
     ) -> None:
-        config = config or HubConfig()
+        config = HubConfig() if config is None else config
         if not isinstance(config, HubConfig):
             raise ConfigError(f"config must be a HubConfig, got {type(config).__name__}")
         columns = tuple(columns)
+        tasks = checked_tasks(tasks, columns, config)
         infer = config.infer_columns if config.infer_columns is not None else not columns
         self.config = config
         self.schema = Schema(columns, infer=infer)
@@ -71,7 +73,7 @@ class Hub(HubClient):
         self.controller.add_columns(self.schema.columns())
         self._control = LocalControl(self.controller, self.schema, self.units, self._journal)
         self._data = LocalData(self.units, self._control.check_open, self._control.commit)
-        for task, cols in (tasks or {}).items():
+        for task, cols in tasks.items():
             self.register_task(task, cols)
 
     def _evict(self, indices: np.ndarray, units: np.ndarray) -> None:

@@ -219,6 +219,7 @@ class LocalData(DataPort):
         commit: Callable[[Commit], None],
     ) -> None:
         self.units = units
+        self.n_units = len(units)
         self._check_open = check_open
         self._commit = commit
 

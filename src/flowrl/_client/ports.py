@@ -120,7 +120,9 @@ class ControlPort(abc.ABC):
 
 
 class DataPort(abc.ABC):
-    """Payload bytes to and from the storage units."""
+    """Payload bytes to and from the storage units (``n_units`` of them)."""
+
+    n_units: int
 
     @abc.abstractmethod
     def write(

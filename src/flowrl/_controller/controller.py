@@ -354,13 +354,12 @@ class Controller:
                     f"task {task!r} was registered with columns {list(state.columns)}; "
                     f"it cannot claim column {c!r}"
                 )
+        fanout = sampler.dp_size if isinstance(sampler, BalancedSampler) else 1
+        _check_claim_size(cmd, sampler, fanout, self.table.capacity)
         want = n if min_n is None else min_n
         ttl = self.lease_timeout if lease_timeout is None else lease_timeout
         self.expire()
-        fanout = sampler.dp_size if isinstance(sampler, BalancedSampler) else 1
         if isinstance(sampler, BalancedSampler):
-            if not 0 <= dp_rank < fanout:
-                raise ConfigError(f"dp_rank must be in [0, {fanout}), got {dp_rank}")
             lease = self.rounds.take(task, dp_rank, ttl)
             if lease is not None:
                 return self._meta(lease, cols)
@@ -630,6 +629,29 @@ class Controller:
     def _emit(self, cls: type, **fields: object) -> None:
         if not self.replaying:
             self.log.append(cls(seq=self.log.next_seq(), t=time.time(), **fields))
+
+
+def _check_claim_size(cmd: Claim, sampler: Sampler, fanout: int, capacity: int) -> None:
+    """Refuse a claim no state of the hub can serve (it would wait its whole timeout)."""
+    want = cmd.n if cmd.min_n is None else cmd.min_n
+    if min(want, sampler.quota(cmd.n)) * fanout > capacity:
+        per = f" for each of {fanout} dp ranks" if fanout > 1 else ""
+        at_least = "" if cmd.min_n is None else f" (min_n={cmd.min_n})"
+        raise ConfigError(
+            f"claim() of n={cmd.n}{at_least} samples{per} can never be filled: the hub holds "
+            f"at most {capacity} (HubConfig.capacity); claim fewer, or pass a min_n to take "
+            "what is ready"
+        )
+    if fanout == 1 and cmd.dp_rank:
+        raise ConfigError(
+            f"claim() dp_rank={cmd.dp_rank} needs a BalancedSampler(dp_size) to name one of "
+            f"its ranks; {sampler!r} deals every claim whatever is ready (leave dp_rank at 0)"
+        )
+    if not 0 <= cmd.dp_rank < fanout:
+        raise ConfigError(
+            f"claim() dp_rank must be in [0, dp_size={fanout}) of its {sampler!r}, "
+            f"got {cmd.dp_rank}"
+        )
 
 
 def _checked_positions(sampler: Sampler, selected: Any, most: int, candidates: int) -> np.ndarray:

@@ -15,12 +15,15 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
 
+from flowrl._client.tasks import checked_tasks
 from flowrl._config import HubConfig
+from flowrl._controller.journal import lock_journal
 from flowrl._launch.specs import ControllerSpec, ServerSpec, UnitSpec
 from flowrl._schema.columns import Column
 from flowrl._store.shm import SHM_PREFIX, shm_folder
 from flowrl._transport import wire
 from flowrl._transport.remote import RPC_TIMEOUT_S, RemoteHub
+from flowrl._validate import check_seconds
 from flowrl.errors import ConfigError, TransportError
 
 __all__ = ["as_restarted", "connect", "launch_hub"]
@@ -42,6 +45,13 @@ def launch_hub(
     hub. Closing that client shuts the servers down.
     """
     cols, config = checked_args(columns, config)
+    checked = checked_tasks(tasks, cols, config)
+    if check_seconds(startup_timeout, "launch_hub() startup_timeout", allow_zero=False) is None:
+        raise ConfigError("launch_hub() startup_timeout must be a number of seconds > 0, got None")
+    if config.journal is not None:
+        # Refuse a journal another process holds here, naming it (the controller process
+        # would fail on it just the same, but its error stays in that process).
+        lock_journal(config.journal).release()
     folder = tempfile.mkdtemp(prefix="flowrl-")
     addr = f"ipc://{folder}/controller"
     units = [f"ipc://{folder}/unit{u}" for u in range(config.n_units)]
@@ -58,16 +68,26 @@ def launch_hub(
             units,
             controls,
             cols,
-            {t: list(c) for t, c in (tasks or {}).items()},
+            {t: list(c) for t, c in checked.items()},
             config,
         )
     )
     servers = _Servers(specs)
     deadline = time.monotonic() + startup_timeout
     while not os.path.exists(f"{folder}/controller"):
-        if time.monotonic() > deadline or any(p.poll() is not None for p in servers.procs):
+        exits = [(s, p.poll()) for s, p in zip(specs, servers.procs, strict=True)]
+        dead = [(s, code) for s, code in exits if code is not None]
+        if time.monotonic() > deadline or dead:
             _stop(servers, folder, units)
-            raise TransportError("the hub's server processes failed to start")
+            why = (
+                f"none listened within {startup_timeout}s"
+                if not dead
+                else ", ".join(f"{_name(s)} exited with code {code}" for s, code in dead)
+            )
+            raise TransportError(
+                f"the hub's server processes failed to start ({why}); their errors are on "
+                "this process's stderr"
+            )
         time.sleep(0.002)
     try:
         client = RemoteHub(addr, rpc_timeout=startup_timeout)
@@ -94,7 +114,7 @@ def checked_args(
     columns: Iterable[Column], config: HubConfig | None
 ) -> tuple[list[Column], HubConfig]:
     """The columns and config of a hub to launch, checked (a default config if None)."""
-    config = config or HubConfig()
+    config = HubConfig() if config is None else config
     if not isinstance(config, HubConfig):
         raise ConfigError(f"config must be a HubConfig, got {type(config).__name__}")
     cols = list(columns)
@@ -186,7 +206,9 @@ def as_restarted(spec: ServerSpec) -> ServerSpec:
 def _stop(servers: _Servers, folder: str, addresses: list[str]) -> None:
     """Ask every server to shut down (acknowledged requests), then reap; kill stragglers."""
     servers.stop_supervising()
-    request_shutdown(addresses)
+    if not request_shutdown(addresses):
+        for p in servers.procs:  # (this process is out of sockets: signal them instead)
+            p.terminate()
     for p in servers.procs:
         try:
             p.wait(timeout=5)
@@ -198,27 +220,38 @@ def _stop(servers: _Servers, folder: str, addresses: list[str]) -> None:
         shutil.rmtree(arena, ignore_errors=True)  # a unit killed before it could
 
 
+def _name(spec: ServerSpec) -> str:
+    return "the controller" if isinstance(spec, ControllerSpec) else f"storage unit {spec.unit_id}"
+
+
 def _arena_name(folder: str, unit: str) -> str:
     """The shared-memory arena of storage unit ``unit`` of the hub in ``folder``."""
     return f"{os.path.basename(folder).removeprefix('flowrl-')}-unit{unit}"
 
 
-def request_shutdown(addresses: Sequence[str]) -> None:
+def request_shutdown(addresses: Sequence[str]) -> bool:
     """Ask the servers at ``addresses`` to leave their loops; wait (2 s at most, for all of
     them together) for their acknowledgements. A server that is gone already just does not
-    answer."""
+    answer. False if this process could not open a socket to ask them all."""
     import zmq
 
     zctx: zmq.Context = zmq.Context.instance()
     socks = []
-    for addr in addresses:
-        s = zctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(addr)
-        s.send_multipart([b"shutdown", wire.encode(wire.Shutdown())])
-        socks.append(s)
+    try:
+        for addr in addresses:
+            s = zctx.socket(zmq.DEALER)
+            socks.append(s)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(addr)
+            s.send_multipart([b"shutdown", wire.encode(wire.Shutdown())])
+    except zmq.ZMQError as exc:
+        log.warning("could not ask the hub's servers to shut down: %s", exc)
+        for s in socks:
+            s.close()
+        return False
     deadline = time.monotonic() + 2.0
     for s in socks:
         # the reply means the server left its loop
         s.poll(max(0, int((deadline - time.monotonic()) * 1000)))
         s.close()
+    return True

@@ -34,6 +34,7 @@ from typing import Any, final
 
 import msgspec
 
+from flowrl._client.tasks import checked_tasks
 from flowrl._config import HubConfig
 from flowrl._launch.processes import checked_args, request_shutdown
 from flowrl._launch.specs import ControllerSpec, ServerSpec, UnitSpec
@@ -90,7 +91,7 @@ def launch_ray_hub(
         )
     config = msgspec.structs.replace(config, n_units=len(unit_nodes))
     here = ray.get_runtime_context().get_node_id()
-    tasks_ = {t: list(c) for t, c in (tasks or {}).items()}
+    tasks_ = {t: list(c) for t, c in checked_tasks(tasks, cols, config).items()}
     nodes_ = [*unit_nodes, here]
     # Ray restarts a dead server actor only where that brings its state back: from the
     # journal (controller) and the Arrow files (storage units) on its node's disk.

@@ -175,7 +175,8 @@ class Loader:
                     self.batch_size,
                     sampler=self.sampler,
                     timeout=POLL_S if left is None else min(POLL_S, max(left, 1e-3)),
-                    dp_rank=self.dp_rank,
+                    # (a rank of a balanced global batch; unbalanced, ranks just claim)
+                    dp_rank=self.dp_rank if isinstance(self.sampler, BalancedSampler) else 0,
                     lease_timeout=self.lease_timeout,
                     consumer=self._consumer,
                 )

@@ -27,8 +27,9 @@ from flowrl._protocol import commands as cmd
 from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
 from flowrl._transport import wire
+from flowrl._transport.pools import ahead_cap
 from flowrl._transport.sockio import has_input, poll_in, recv_parts, send_parts
-from flowrl.errors import FlowRLError, HubFull, NothingReady, SchemaError, Timeout
+from flowrl.errors import ConfigError, FlowRLError, HubFull, NothingReady, SchemaError, Timeout
 from flowrl.events import event_encoder
 
 __all__ = ["serve_controller"]
@@ -104,6 +105,7 @@ class ControllerServer:
             if not restarted:  # a new hub on an old journal: the lease holders are gone
                 with self.ctl.cond:
                     self.ctl.expire(now=math.inf)
+        self.ahead_cap = ahead_cap(config.capacity)
         self.parked: list[_Parked] = []
         self._evictions: list[list[np.ndarray]] = [[] for _ in unit_control_addresses]
         self._evictions_size = 0
@@ -156,6 +158,9 @@ class ControllerServer:
             if isinstance(msg, cmd.Commit) and msg.put_id:
                 staged = msg
             reply = self._dispatch(ident, rid, msg)
+        except wire.Malformed as exc:  # a broken or hostile client: one line, no traceback
+            log.warning("controller refused a request: %s", exc)
+            reply = wire.error_of(exc)
         except FlowRLError as exc:
             reply = wire.error_of(exc)
         except Exception as exc:  # a bug must not take the hub down; the caller learns of it
@@ -245,6 +250,11 @@ class ControllerServer:
             if msg.n > ctl.table.capacity:
                 raise HubFull(
                     f"put() of {msg.n} samples can never fit capacity {ctl.table.capacity}"
+                )
+            if msg.ahead > self.ahead_cap:  # (a client's own pools never ask for more)
+                raise ConfigError(
+                    f"Reserve ahead={msg.ahead} exceeds this hub's cap of {self.ahead_cap} "
+                    "indices reserved ahead per put"
                 )
             if msg.give_back is not None:  # idempotent: a parked retry aborts nothing twice
                 ctl.abort(msg.give_back)

@@ -130,7 +130,9 @@ class PutsInFlight:
         if sent.rid in pending:
             error: FlowRLError | None = None
             try:
-                wait = self._session.rpc_timeout if timeout is None else timeout
+                session = self._session
+                wait = session.reply_wait(sent.unit, or_controller=True)
+                wait = wait if timeout is None else timeout
                 self._session.recv(sent.unit, sent.rid, wait, or_controller=True)
             except NoAnswer as exc:
                 if timeout is not None:  # the caller's limit: the put stays pending

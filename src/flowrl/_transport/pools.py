@@ -7,16 +7,24 @@ alone. Reservations expire, so a pool is used only within half a reservation's l
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
-import weakref
 
 import numpy as np
 
-__all__ = ["RESERVE_AHEAD", "Pool", "Pools"]
+from flowrl._transport.thread_sockets import on_thread_end
+
+__all__ = ["RESERVE_AHEAD", "Pool", "Pools", "ahead_cap"]
 
 #: Indices a thread reserves ahead for its next small puts (capped at capacity / 64).
 RESERVE_AHEAD = 32
+
+
+def ahead_cap(capacity: int) -> int:
+    """The most indices a put may reserve ahead on a hub of ``capacity``: a pool never
+    holds more than 1/64 of it, so other producers barely notice it."""
+    return min(RESERVE_AHEAD, capacity // 64)
 
 
 class Pool:
@@ -58,23 +66,23 @@ class Pool:
 
 class Pools:
     """The pool of every thread of a client. A thread's pool is given back when the
-    thread ends (its thread-local token is collected: the indices left wait in ``ended``
+    thread ends (its thread-local key is collected: the indices left wait in ``ended``
     for the next reserve of any thread to give them back) or when the client closes."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._live: dict[int, Pool] = {}  # by thread token
+        self._live: dict[int, Pool] = {}  # by thread key
         self._ended: list[np.ndarray] = []
-        self._tokens = itertools.count()
+        self._keys = itertools.count()
 
     def hold(self, local: threading.local, pool: Pool) -> None:
         """Make ``pool`` the current one of the thread whose ``local`` this is."""
-        token: Token | None = getattr(local, "pool_token", None)
-        if token is None:
-            token = local.pool_token = Token(next(self._tokens))
-            weakref.finalize(token, self._thread_ended, token.key)
+        key: int | None = getattr(local, "pool_key", None)
+        if key is None:
+            key = local.pool_key = next(self._keys)
+            on_thread_end(local, functools.partial(self._thread_ended, key))
         with self._lock:
-            self._live[token.key] = pool
+            self._live[key] = pool
 
     def _thread_ended(self, key: int) -> None:
         with self._lock:
@@ -94,12 +102,3 @@ class Pools:
             left = self._ended + [pool.rest() for pool in self._live.values()]
             self._ended, self._live = [], {}
         return [i for i in left if i.size]
-
-
-class Token:
-    """A thread's key in ``Pools``; collected with the thread's locals when it ends."""
-
-    __slots__ = ("__weakref__", "key")
-
-    def __init__(self, key: int) -> None:
-        self.key = key

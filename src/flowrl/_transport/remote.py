@@ -20,6 +20,7 @@ from flowrl._transport import wire
 from flowrl._transport.remote_control import RemoteControl
 from flowrl._transport.remote_data import RemoteData
 from flowrl._transport.session import RPC_TIMEOUT_S, Session
+from flowrl._validate import check_seconds, int_in
 from flowrl.errors import ConfigError, FlowRLError
 
 __all__ = ["RPC_TIMEOUT_S", "RemoteHub"]
@@ -52,7 +53,7 @@ class RemoteHub(HubClient):
         if not isinstance(node, str):
             raise ConfigError(f"node must be a node id (str), got {node!r}")
         self.address = address
-        self._session = Session(address, rpc_timeout)
+        self._session = Session(address, _rpc_timeout(rpc_timeout))
         self.servers: Any = None  # launch_hub's server processes (None after connect())
         self._on_close: list[Callable[[], None]] = []  # (launch_hub's: stop the servers)
         welcome = self._session.call(None, wire.Hello())[0]
@@ -92,7 +93,7 @@ class RemoteHub(HubClient):
 
     @rpc_timeout.setter
     def rpc_timeout(self, seconds: float) -> None:
-        self._session.rpc_timeout = seconds
+        self._session.rpc_timeout = _rpc_timeout(seconds)
 
     @property
     def max_puts_in_flight(self) -> int:
@@ -101,7 +102,7 @@ class RemoteHub(HubClient):
 
     @max_puts_in_flight.setter
     def max_puts_in_flight(self, n: int) -> None:
-        self._data.puts.limit = n
+        self._data.puts.limit = int_in(n, 1, "max_puts_in_flight must be a positive int")
 
     def close(self) -> None:
         if self._closed:
@@ -112,7 +113,13 @@ class RemoteHub(HubClient):
             except FlowRLError as exc:
                 log.warning("a put_async failed before close(): %s", exc)
         super().close()  # (gives back the indices reserved ahead, stops the event relay)
-        self._session.closed = True
+        self._session.close()  # (before stopping the servers: that needs sockets too)
         for fn in self._on_close:
             fn()
-        self._session.close()
+
+
+def _rpc_timeout(seconds: Any) -> float:
+    timeout = check_seconds(seconds, "rpc_timeout", allow_zero=False)
+    if timeout is None:
+        raise ConfigError("rpc_timeout must be a number of seconds > 0, got None")
+    return timeout

@@ -26,7 +26,7 @@ from flowrl._protocol import commands
 from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
 from flowrl._transport import wire
-from flowrl._transport.pools import RESERVE_AHEAD, Pool, Pools
+from flowrl._transport.pools import Pool, Pools, ahead_cap
 from flowrl._transport.session import Session
 from flowrl._transport.subscriber import EventRelay
 from flowrl.errors import FlowRLError
@@ -55,9 +55,7 @@ class RemoteControl(ControlPort):
         self._events: EventRelay | None = None
         self._local_units = None if local_units is None else list(local_units)
         self._local = threading.local()  # this thread's pool of indices reserved ahead
-        # Small puts reserve indices ahead (see reserve); a pool never holds more than
-        # 1/64 of the capacity, so other producers barely notice it.
-        self._pool_block = min(RESERVE_AHEAD, config.capacity // 64)
+        self._pool_block = ahead_cap(config.capacity)  # small puts reserve ahead (reserve)
         self._pool_ttl = max(config.lease_timeout, RESERVATION_MIN_S) / 2
         self._pools = Pools()  # each thread's current pool, given back when it ends
 

@@ -53,6 +53,7 @@ class RemoteData(DataPort):
         self._session = session
         self.schema = schema
         # Units on this machine (ipc) let reads map their shared memory instead of copying.
+        self.n_units = len(session.unit_addresses)
         self._shm = [a.startswith("ipc://") for a in session.unit_addresses]
         self._shm_maps = ShmMaps()
         self.puts = PutsInFlight(session, self.discard, abort)
@@ -90,9 +91,9 @@ class RemoteData(DataPort):
         )
         if wait:
             session = self._session
-            session.recv(
-                unit, session.send(unit, msg, frames), self._session.rpc_timeout, or_controller=True
-            )
+            rid = session.send(unit, msg, frames)
+            wait_s = session.reply_wait(unit, or_controller=True)
+            session.recv(unit, rid, wait_s, or_controller=True)
             return None
         columns = tuple(encoded)
         return self.puts.send(unit, msg, frames, indices, columns, new=commit.new, again=again)
@@ -119,7 +120,7 @@ class RemoteData(DataPort):
         ]
         out = []
         for (unit, idx), rid in zip(parts, rids, strict=True):
-            reply, frames = self._session.recv(unit, rid, self._session.rpc_timeout)
+            reply, frames = self._session.recv(unit, rid, self._session.reply_wait(unit))
             try:
                 buffers = (
                     [f.buffer for f in frames]
@@ -184,7 +185,7 @@ class RemoteData(DataPort):
 
     def statistics(self) -> list[UnitStats]:
         call = self._session.call
-        return [call(u, wire.UnitStatsReq())[0].stats for u in range(len(self._shm))]
+        return [call(u, wire.UnitStatsReq())[0].stats for u in range(self.n_units)]
 
     def flush(self, timeout: float | None) -> None:
         self.puts.flush(timeout)

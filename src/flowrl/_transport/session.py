@@ -2,13 +2,15 @@
 
 Each thread gets its own DEALER sockets (zmq sockets are not thread-safe), so a thread
 blocked in ``claim`` never delays another thread's ``put``: one to the controller (named,
-so a storage unit can have the controller answer it) and one per storage unit. A reply
+so a storage unit can have the controller answer it) and one per storage unit; an ended
+thread's sockets go to the next new thread (``thread_sockets``). A reply
 that answers none of the requests a thread waits for (a ``put_async``'s, or one the thread
 gave up on) goes to ``on_stray``.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import math
@@ -23,7 +25,14 @@ import zmq
 from flowrl._transport import wire
 from flowrl._transport.frames import ZERO_COPY_MIN_BYTES
 from flowrl._transport.sockio import poll_in, recv_parts, send_parts
-from flowrl.errors import FlowRLError, HubClosed, TransportError, UnknownIndexError
+from flowrl._transport.thread_sockets import FDS_NEEDED, ThreadSockets, descriptors_left
+from flowrl.errors import (
+    FlowRLError,
+    HubClosed,
+    ResourceExhausted,
+    TransportError,
+    UnknownIndexError,
+)
 
 __all__ = ["RPC_TIMEOUT_S", "NoAnswer", "Session"]
 
@@ -37,10 +46,20 @@ RPC_TIMEOUT_S = 30.0
 PING_SHARE = 1 / 3
 #: Longest single zmq poll while waiting for a reply (then check the deadline and close).
 POLL_SLICE_S = 1.0
+#: Once a server was silent for a whole ``rpc_timeout``, a request to it waits this long at
+#: most, until it answers again: calls fail fast one after another against a hung or dead
+#: server, yet one that comes back (restarted, or SIGCONTed) is heard at once.
+SILENT_WAIT_S = 1.0
+#: zmq errors that mean a resource ran out (descriptors, the context's socket limit, memory).
+_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 
 class NoAnswer(TransportError):
     """No reply within the wait (as opposed to a reply that is an error)."""
+
+
+class _NoAnswerNoDescriptors(NoAnswer, ResourceExhausted):
+    """No reply, in a process out of descriptors: zmq may have failed to connect."""
 
 
 class Session:
@@ -52,32 +71,76 @@ class Session:
         self.unit_addresses: list[str] = []  # known once the controller welcomed us
         self.zctx: zmq.Context = zmq.Context.instance()
         self.local = threading.local()
-        self.sockets: list[zmq.Socket] = []
-        self._lock = threading.Lock()
+        self.sockets = ThreadSockets(self._open)  # each thread's, handed on when it ends
         self.counter = itertools.count(1)  # request ids (and other tokens) of this client
         self.closed = False
         self.on_stray: Callable[[bytes, FlowRLError | None], None] = _ignore
+        # Servers presumed gone (None: the controller), since when (monotonic): each was
+        # silent for rpc_timeout; any message from one clears it.
+        self.silent: dict[int | None, float] = {}
+
+    def reply_wait(self, unit: int | None, *, or_controller: bool = False) -> float:
+        """How long to wait for a reply from ``unit`` (None: the controller; with
+        ``or_controller``, from either): ``rpc_timeout``, or ``SILENT_WAIT_S`` while it is
+        presumed gone."""
+        silent = unit in self.silent or (or_controller and None in self.silent)
+        return min(self.rpc_timeout, SILENT_WAIT_S) if silent else self.rpc_timeout
+
+    def no_answer(self, unit: int | None, wait: float, what: str = "") -> NoAnswer:
+        """The error of a request ``unit`` left unanswered for ``wait`` seconds; from now
+        on the server is presumed gone (see ``reply_wait``)."""
+        where = "controller" if unit is None else f"storage unit {unit}"
+        now = time.monotonic()
+        since = self.silent.setdefault(unit, now)
+        gone = f" (presumed gone for {now - since:.1f}s)" if since < now else ""
+        waiting = f" while {what} waited in it" if what else ""
+        return self._no_answer(
+            f"the hub's {where} did not answer within {wait:.1f}s{waiting}{gone}; is it running?"
+        )
 
     def socket(self, unit: int | None) -> zmq.Socket:
-        socks = getattr(self.local, "socks", None)
-        if socks is None:
-            socks = self.local.socks = {}
-        sock = socks.get(unit)
-        if sock is None:
-            if unit is not None and not 0 <= unit < len(self.unit_addresses):
-                raise UnknownIndexError(
-                    f"storage unit {unit} does not exist: this hub has "
-                    f"{len(self.unit_addresses)} (is the BatchMeta from another hub?)"
-                )
+        """This thread's socket to ``unit`` (None: the controller)."""
+        if unit is not None and not 0 <= unit < len(self.unit_addresses):
+            raise UnknownIndexError(
+                f"storage unit {unit} does not exist: this hub has "
+                f"{len(self.unit_addresses)} (is the BatchMeta from another hub?)"
+            )
+        return self.sockets.get(unit)
+
+    def _open(self, unit: int | None) -> zmq.Socket:
+        if self.closed:
+            raise HubClosed("this hub client was closed")
+        left = descriptors_left()
+        if left is not None and left < FDS_NEEDED:  # (zmq would fail to connect, silently)
+            raise ResourceExhausted(self._out_of_descriptors(f"{max(0, left)} left"))
+        try:
             sock = self.zctx.socket(zmq.DEALER)
+        except zmq.ZMQError as exc:
+            raise self.socket_error(exc) from None
+        try:
             sock.setsockopt(zmq.LINGER, 0)
             if unit is None:  # named, so a storage unit can have the controller answer it
                 sock.setsockopt(zmq.ROUTING_ID, b"f" + secrets.token_bytes(15))
             sock.connect(self.address if unit is None else self.unit_addresses[unit])
-            socks[unit] = sock
-            with self._lock:
-                self.sockets.append(sock)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise self.socket_error(exc) from None
         return sock
+
+    def _out_of_descriptors(self, what: str) -> str:
+        return (
+            f"this process ran out of sockets or file descriptors talking to the hub ({what}); "
+            f"this client holds {self.sockets.open_count()} sockets (one per live thread and "
+            "server). Raise `ulimit -n`, or close clients and files it no longer uses"
+        )
+
+    def _no_answer(self, message: str) -> NoAnswer:
+        """NoAnswer, or why no answer may come: the process is out of descriptors."""
+        left = descriptors_left()
+        if left is not None and left < FDS_NEEDED:
+            why = f"{max(0, left)} left; {message}"
+            return _NoAnswerNoDescriptors(self._out_of_descriptors(why))
+        return NoAnswer(message)
 
     def routing_id(self) -> bytes:
         """This thread's id on its controller socket (where handed-on commits answer)."""
@@ -110,8 +173,10 @@ class Session:
         deadline = math.inf if forever else time.monotonic() + wait  # type: ignore[operator]
         got = self.recv_first(unit, (rid,), deadline, or_controller=or_controller)
         if got is None:
-            where = "controller" if unit is None else f"storage unit {unit}"
-            raise NoAnswer(f"the hub's {where} did not answer within {wait:.1f}s; is it running?")
+            if or_controller:  # (either may be the silent one: presume neither gone)
+                where = f"storage unit {unit} (or the controller)"
+                raise self._no_answer(f"the hub's {where} did not answer within {wait:.1f}s")
+            raise self.no_answer(unit, wait)  # type: ignore[arg-type]  # (None: forever)
         return got[1], got[2]
 
     def recv_first(
@@ -125,8 +190,10 @@ class Session:
         """(request id, reply, payload frames) of the first reply to one of ``rids``, or
         None at ``deadline`` (monotonic; inf: none). Sockets as for :meth:`_recv`."""
         socks = [self.socket(unit)]
+        servers: list[int | None] = [unit]
         if or_controller:
             socks.append(self.socket(None))
+            servers.append(None)
         controller = self.socket(None) if unit is None or or_controller else None
         while True:
             # Poll in bounded slices: zmq takes int milliseconds (a huge wait overflows)
@@ -143,6 +210,7 @@ class Session:
                     continue
                 return None
             for sock in ready:
+                self.silent.pop(servers[socks.index(sock)], None)  # it is there
                 reply = self.take_reply(sock, rids, payload=sock is not controller)
                 if reply is not None:
                     return reply
@@ -180,22 +248,23 @@ class Session:
         been silent for ``PING_SHARE`` of ``rpc_timeout``, a ping asks whether it still holds
         the request: a controller restarted from its journal does not, and gets it again
         (with the time left); a controller silent for ``rpc_timeout`` is presumed dead and
-        the call raises TransportError, a call without a timeout too.
+        the call raises TransportError, a call without a timeout too. While it is presumed
+        dead, the ping goes at once and the call fails after ``SILENT_WAIT_S``.
         """
         deadline = math.inf if timeout is None else time.monotonic() + timeout
         rid = self.send(None, request(left(deadline)))
         heard = time.monotonic()  # when the controller last answered anything
-        ping: bytes | None = None
+        # Presumed gone: ask at once whether it is there (and give up after SILENT_WAIT_S).
+        ping = self.send(None, wire.Ping(rid=rid)) if None in self.silent else None
         while True:
             patience = self.rpc_timeout * (1.0 if ping is not None else PING_SHARE)
+            if None in self.silent:
+                patience = min(patience, SILENT_WAIT_S)
             rids = (rid,) if ping is None else (rid, ping)
             got = self.recv_first(None, rids, heard + patience)
             if got is None:
                 if ping is not None:
-                    raise NoAnswer(
-                        f"the hub's controller did not answer for {self.rpc_timeout:.1f}s while "
-                        f"{what} waited in it; is it running?"
-                    )
+                    raise self.no_answer(None, patience, what)
                 ping = self.send(None, wire.Ping(rid=rid))
                 continue
             heard = time.monotonic()
@@ -212,21 +281,20 @@ class Session:
     def socket_error(self, exc: zmq.ZMQError) -> Exception:
         if self.closed:
             return HubClosed("this hub client was closed")
+        if exc.errno in _OUT_OF_RESOURCES:
+            return ResourceExhausted(self._out_of_descriptors(str(exc)))
         return TransportError(f"zmq socket error talking to the hub: {exc}")
 
     def call(
         self, unit: int | None, msg: Any, frames: Sequence[Any] = (), wait: float | None = -1.0
     ) -> tuple[Any, list[Any]]:
-        """Send ``msg`` and wait for its reply (``wait`` -1: ``rpc_timeout``)."""
+        """Send ``msg`` and wait for its reply (``wait`` -1: ``reply_wait``)."""
         rid = self.send(unit, msg, frames)
-        return self.recv(unit, rid, self.rpc_timeout if wait == -1.0 else wait)
+        return self.recv(unit, rid, self.reply_wait(unit) if wait == -1.0 else wait)
 
     def close(self) -> None:
         self.closed = True
-        with self._lock:
-            for s in self.sockets:
-                s.close(linger=0)
-            self.sockets.clear()
+        self.sockets.close()
 
 
 def _ignore(rid: bytes, error: FlowRLError | None) -> None:

@@ -131,6 +131,8 @@ class UnitServer:
                 self.unit.retain(wire.ints(msg.indices), msg.below)
             elif isinstance(msg, wire.Shutdown):
                 self.running = False
+        except wire.Malformed as exc:
+            log.warning("storage unit %d dropped a control message: %s", self.unit.unit_id, exc)
         except Exception:
             log.exception("storage unit %d failed on a control message", self.unit.unit_id)
 
@@ -195,6 +197,9 @@ class UnitServer:
                 self._write_and_hand_on(ident, rid, msg, frames[3:])
                 return
             reply = self._dispatch(msg, frames[3:], out)
+        except wire.Malformed as exc:  # a broken or hostile client: one line, no traceback
+            log.warning("storage unit %d refused a request: %s", self.unit.unit_id, exc)
+            reply, out = wire.error_of(exc), []
         except FlowRLError as exc:
             reply, out = wire.error_of(exc), []
         except Exception as exc:

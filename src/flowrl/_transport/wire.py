@@ -46,6 +46,7 @@ from flowrl._schema.columns import Column
 from flowrl._transport.frames import ArrayHeader
 
 __all__ = [
+    "Malformed",
     "columns_of",
     "commit_of",
     "decode_request",
@@ -59,6 +60,16 @@ __all__ = [
 
 class _Msg(msgspec.Struct, frozen=True, tag_field="op", kw_only=True):
     pass
+
+
+class Malformed(errors.TransportError):
+    """A frame that is not a well-formed request: a server logs one line and answers it
+    with this error (a client sees a TransportError)."""
+
+
+#: What msgspec raises on bytes that are not a message of the expected type: invalid
+#: msgpack or types, strings that are not UTF-8, nesting deeper than Python's stack.
+_UNDECODABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
 
 
 def spec_of_sampler(sampler: Sampler) -> SamplerSpec:
@@ -355,8 +366,8 @@ def columns_of(msg: Write) -> list[Column]:
     if columns is None:
         try:
             columns = _columns_decoder.decode(raw)
-        except msgspec.DecodeError as exc:
-            raise errors.TransportError(f"malformed Write request: columns: {exc}") from None
+        except _UNDECODABLE as exc:
+            raise Malformed(f"malformed Write request: columns: {_reason(exc)}") from None
         if len(_known_columns) >= _KNOWN_COLUMNS_MAX:
             _known_columns.clear()
         _known_columns[raw] = columns
@@ -382,7 +393,7 @@ _commit_indices_decoder = msgspec.msgpack.Decoder(_CommitIndices)
 def _commit_indices(raw: msgspec.Raw) -> bytes | None:
     try:
         return _commit_indices_decoder.decode(raw).indices
-    except msgspec.DecodeError:
+    except _UNDECODABLE:
         return None
 
 
@@ -394,12 +405,21 @@ def decode_request(frame: Any) -> Any:
 def _decode_checked(dec: msgspec.msgpack.Decoder[Any], frame: Any, what: str) -> Any:
     try:
         msg = dec.decode(frame)
-    except msgspec.DecodeError as exc:
-        raise errors.TransportError(f"malformed {what}: {exc}") from None
+    except _UNDECODABLE as exc:
+        raise Malformed(f"malformed {what}: {_reason(exc)}") from None
     problem = _check_request(msg)
     if problem:
-        raise errors.TransportError(f"malformed {type(msg).__name__} request: {problem}")
+        raise Malformed(f"malformed {type(msg).__name__} request: {problem}")
     return msg
+
+
+def _reason(exc: BaseException) -> str:
+    """Why bytes did not decode, in one short line."""
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    if isinstance(exc, UnicodeDecodeError):
+        return f"a string is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+    return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
 
 
 def _check_request(msg: Any) -> str:
@@ -473,15 +493,18 @@ def _int64s(data: bytes | np.ndarray | None) -> int:
 def decode_reply(frame: Any) -> Any:
     try:
         return _reply_decoder.decode(frame)
-    except msgspec.DecodeError as exc:
-        raise errors.TransportError(f"malformed reply: {exc}") from None
+    except _UNDECODABLE as exc:
+        raise errors.TransportError(f"malformed reply: {_reason(exc)}") from None
 
 
 def error_of(exc: BaseException) -> Error:
     if isinstance(exc, errors.DuplicatePut):
         return Error(type="DuplicatePut", message=str(exc), indices=list(exc.indices))
     if isinstance(exc, errors.FlowRLError):
-        return Error(type=type(exc).__name__, message=str(exc))
+        # named by its nearest public class (what the other side can raise: Malformed is
+        # a TransportError there)
+        public = next(c for c in type(exc).__mro__ if getattr(errors, c.__name__, None) is c)
+        return Error(type=public.__name__, message=str(exc))
     return Error(type="FlowRLError", message=f"internal error: {type(exc).__name__}: {exc}")
 
 

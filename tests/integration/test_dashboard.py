@@ -124,6 +124,17 @@ def test_the_page_updates_live_and_matches_the_hub(browser: Any, tmp_path: Path)
     hub.close()
 
 
+def test_closing_the_page_unsubscribes_it() -> None:
+    with flowrl.Hub(columns=[Column.scalar("x", "float32")]) as hub:
+        with flowrl.serve_dashboard(hub) as page:
+            hub.put({"x": np.zeros(2, dtype=np.float32)})
+            hub.flush_events()
+            assert page.counts.put == {"x": 2}
+        hub.put({"x": np.zeros(3, dtype=np.float32)})
+        hub.flush_events()
+        assert page.counts.put == {"x": 2}
+
+
 def test_bad_arguments_are_refused() -> None:
     with flowrl.Hub(columns=[Column.scalar("x", "float32")]) as hub:
         with pytest.raises(ConfigError, match="expected seconds in"):

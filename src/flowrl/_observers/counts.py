@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from flowrl._config import HubStats
+from flowrl.errors import ConfigError
 from flowrl.events import (
     Acked,
     Claimed,
@@ -26,17 +27,23 @@ from flowrl.events import (
 )
 from flowrl.hooks import Observer
 
-__all__ = ["STALENESS_BUCKETS", "EventCounts", "HubLike", "LoaderLike"]
+__all__ = ["STALENESS_BUCKETS", "EventCounts", "HubLike", "LoaderLike", "check_port"]
 
 # policy versions behind the newest, at ack
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
+
+
+class Subscription(Protocol):
+    def cancel(self) -> None: ...
 
 
 class HubLike(Protocol):
     """What the exporters need of a hub: an embedded ``Hub`` or a ``RemoteHub``."""
 
     def statistics(self) -> HubStats: ...
-    def subscribe(self, observer: Callable[[Event], Any], *, strict: bool = False) -> Any: ...
+    def subscribe(
+        self, observer: Callable[[Event], Any], *, strict: bool = False
+    ) -> Subscription: ...
 
 
 class LoaderLike(Protocol):
@@ -145,3 +152,10 @@ def _bucket(lag: int) -> int:
         if lag <= bound:
             return k
     return len(STALENESS_BUCKETS)
+
+
+def check_port(port: Any, where: str) -> int:
+    """A TCP port to listen on (0: any free one), or a ConfigError naming ``where``."""
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ConfigError(f"{where}(port={port!r}): expected an int in [0, 65535]")
+    return port

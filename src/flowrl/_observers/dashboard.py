@@ -25,7 +25,13 @@ from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import Any, final
 
-from flowrl._observers.counts import STALENESS_BUCKETS, EventCounts, HubLike, LoaderLike
+from flowrl._observers.counts import (
+    STALENESS_BUCKETS,
+    EventCounts,
+    HubLike,
+    LoaderLike,
+    check_port,
+)
 from flowrl.errors import ConfigError
 from flowrl.tracking import Tracker
 
@@ -201,9 +207,7 @@ class Dashboard(Tracker):
             self._thread.join(timeout=10)
         self._loop.close()
         logging.getLogger("flowrl").removeHandler(self._errors)
-        closer = getattr(self._subscription, "close", None)
-        if closer is not None:
-            closer()
+        self._subscription.cancel()
 
     def __enter__(self) -> Dashboard:
         return self
@@ -227,8 +231,7 @@ def serve_dashboard(
         import aiohttp  # noqa: F401
     except ImportError as exc:
         raise ConfigError("serve_dashboard needs aiohttp: pip install 'flowrl[dashboard]'") from exc
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-        raise ConfigError(f"serve_dashboard(port={port!r}): expected an int in [0, 65535]")
+    check_port(port, "serve_dashboard")
     if not isinstance(interval, int | float) or not 0.05 <= interval <= 1.0:
         raise ConfigError(f"serve_dashboard(interval={interval!r}): expected seconds in [0.05, 1]")
     dashboard = Dashboard(hub, loaders=loaders, interval=float(interval))

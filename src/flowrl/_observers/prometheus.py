@@ -26,7 +26,13 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, final
 
-from flowrl._observers.counts import STALENESS_BUCKETS, EventCounts, HubLike, LoaderLike
+from flowrl._observers.counts import (
+    STALENESS_BUCKETS,
+    EventCounts,
+    HubLike,
+    LoaderLike,
+    check_port,
+)
 from flowrl.errors import ConfigError
 
 __all__ = ["MetricsServer", "serve_metrics"]
@@ -184,9 +190,7 @@ class MetricsServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5.0)
-        unsubscribe = getattr(self._subscription, "close", None)
-        if unsubscribe is not None:
-            unsubscribe()
+        self._subscription.cancel()
 
     def __enter__(self) -> MetricsServer:
         return self
@@ -213,8 +217,7 @@ def serve_metrics(
         raise ConfigError(
             "serve_metrics needs prometheus_client: pip install 'flowrl[prometheus]'"
         ) from exc
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-        raise ConfigError(f"serve_metrics(port={port!r}): expected an int in [0, 65535]")
+    check_port(port, "serve_metrics")
     counts = EventCounts()
     subscription = hub.subscribe(counts)
     registry = CollectorRegistry()
@@ -222,8 +225,6 @@ def serve_metrics(
     try:
         server, thread = start_http_server(port, addr=addr, registry=registry)
     except OSError as exc:
-        closer = getattr(subscription, "close", None)
-        if closer is not None:
-            closer()
+        subscription.cancel()
         raise ConfigError(f"serve_metrics: cannot listen on {addr}:{port} ({exc})") from exc
     return MetricsServer(server, thread, subscription, registry)

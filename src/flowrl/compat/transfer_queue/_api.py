@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import math
 import os
 import shutil
 import sys
@@ -27,7 +28,7 @@ import msgspec
 from flowrl._client.base import HubClient
 from flowrl._client.inproc import Hub
 from flowrl._config import HubConfig
-from flowrl.compat.transfer_queue._client import TransferQueueClient
+from flowrl.compat.transfer_queue._client import DEFAULT_PUT_TIMEOUT, TransferQueueClient
 from flowrl.compat.transfer_queue._directory import DirectoryServer, KeyDirectory, RemoteDirectory
 from flowrl.compat.transfer_queue._meta import KVBatchMeta
 from flowrl.errors import ConfigError
@@ -79,7 +80,8 @@ def init(conf: Any = None, *, hub: HubClient | None = None) -> dict[str, Any]:
     (``SequentialSampler`` only), ``backend.SimpleStorage.num_data_storage_units`` (storage
     units) and ``total_storage_size`` (capacity). flowrl's own under ``flowrl``:
     ``placement`` (``inproc`` | ``zmq`` | ``ray``), ``fetch_timeout`` (seconds get_meta
-    waits), ``lease_timeout``. ``hub``: serve an existing flowrl hub instead.
+    waits), ``put_timeout`` (seconds a put waits for room in a full hub), ``lease_timeout``.
+    ``hub``: serve an existing flowrl hub instead.
     """
     if _forked():  # leave the parent's client and servers alone; join them instead
         _State.client, _State.owned = None, []
@@ -90,6 +92,7 @@ def init(conf: Any = None, *, hub: HubClient | None = None) -> dict[str, Any]:
     client_args = {
         "polling_mode": config["controller"]["polling_mode"],
         "fetch_timeout": options["fetch_timeout"],
+        "put_timeout": options["put_timeout"],
     }
     joined = _join(options["placement"]) if hub is None else None
     if joined is not None:
@@ -125,10 +128,16 @@ def get_client() -> TransferQueueClient:
 
 # -- KV API ----------------------------------------------------------------------------------
 def kv_put(
-    key: str, partition_id: str, fields: Any = None, tag: dict[str, Any] | None = None
+    key: str,
+    partition_id: str,
+    fields: Any = None,
+    tag: dict[str, Any] | None = None,
+    *,
+    timeout: float | None = None,
 ) -> KVBatchMeta:
-    """Put one key's fields (TensorDict of batch 1, or a dict of its values) and/or tag."""
-    return get_client().kv_put(key, partition_id, fields, tag)
+    """Put one key's fields (TensorDict of batch 1, or a dict of its values) and/or tag; a
+    new key waits up to ``timeout`` s (default ``flowrl.put_timeout``) for room."""
+    return get_client().kv_put(key, partition_id, fields, tag, timeout=timeout)
 
 
 def kv_batch_put(
@@ -136,9 +145,12 @@ def kv_batch_put(
     partition_id: str,
     fields: Any = None,
     tags: list[dict[str, Any]] | None = None,
+    *,
+    timeout: float | None = None,
 ) -> KVBatchMeta:
-    """Put the fields (a TensorDict, batch = len(keys)) and/or tags of several keys."""
-    return get_client().kv_batch_put(keys, partition_id, fields, tags)
+    """Put the fields (a TensorDict, batch = len(keys)) and/or tags of several keys; new
+    keys wait up to ``timeout`` s (default ``flowrl.put_timeout``) for room."""
+    return get_client().kv_batch_put(keys, partition_id, fields, tags, timeout=timeout)
 
 
 def kv_batch_get(
@@ -320,6 +332,9 @@ def _parse(conf: Any) -> dict[str, Any]:
         "flowrl": {
             "placement": placement,
             "fetch_timeout": _seconds(timeout, "flowrl.fetch_timeout"),
+            "put_timeout": _seconds(
+                options.get("put_timeout", DEFAULT_PUT_TIMEOUT), "flowrl.put_timeout"
+            ),
             "lease_timeout": _seconds(options.get("lease_timeout", 300.0), "flowrl.lease_timeout"),
         },
     }
@@ -335,6 +350,8 @@ def _positive(section: Mapping[str, Any], key: str, default: int) -> int:
 
 
 def _seconds(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise ConfigError(f"tq.init(): {what} must be a number of seconds >= 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise ConfigError(
+            f"tq.init(): {what} must be a finite number of seconds >= 0, got {value!r}"
+        )
     return float(value)

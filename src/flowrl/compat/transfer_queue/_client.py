@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import math
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,19 +37,29 @@ from flowrl.compat.transfer_queue._directory import KeyDirectory, RemoteDirector
 from flowrl.compat.transfer_queue._meta import BatchMeta, KVBatchMeta
 from flowrl.compat.transfer_queue._tensors import (
     check_field_name,
+    check_tags,
     field_columns,
     import_tensordict,
     read_fields,
     single_sample,
 )
-from flowrl.errors import ConfigError, NothingReady, SchemaError, Timeout, UnknownColumnError
+from flowrl.errors import (
+    ConfigError,
+    HubFull,
+    NothingReady,
+    SchemaError,
+    Timeout,
+    UnknownColumnError,
+)
 
-__all__ = ["TransferQueueClient"]
+__all__ = ["DEFAULT_PUT_TIMEOUT", "TransferQueueClient"]
 
 _ALL = "_tq_all:"
 _CLEAR = "_tq_clear"
 _CLAIM_ALL = 1 << 20  # samples one clear_partition claim takes at most
 _RETRY_S = 0.01
+#: Seconds a put of new samples waits for room in a full hub, unless told otherwise.
+DEFAULT_PUT_TIMEOUT = 60.0
 
 
 def _marker(partition: str) -> str:
@@ -62,7 +73,9 @@ class TransferQueueClient:
 
     ``fetch_timeout``: seconds ``get_meta`` waits for ``batch_size`` ready samples before it
     raises ``TimeoutError`` (TransferQueue's ``TQ_CONTROLLER_GET_METADATA_TIMEOUT``); with
-    ``polling_mode`` it returns an empty ``BatchMeta`` at once instead.
+    ``polling_mode`` it returns an empty ``BatchMeta`` at once instead. ``put_timeout``:
+    seconds a put of new samples waits for room in a full hub before it raises
+    :class:`~flowrl.errors.Timeout` (each writing call takes its own ``timeout`` too).
     """
 
     def __init__(
@@ -72,6 +85,7 @@ class TransferQueueClient:
         *,
         polling_mode: bool = False,
         fetch_timeout: float = 1.0,
+        put_timeout: float = DEFAULT_PUT_TIMEOUT,
     ) -> None:
         if not isinstance(hub, HubClient):
             raise ConfigError(f"TransferQueueClient needs a flowrl hub client, got {hub!r}")
@@ -79,6 +93,7 @@ class TransferQueueClient:
         self.directory = directory
         self.polling_mode = polling_mode
         self.fetch_timeout = fetch_timeout
+        self.put_timeout = put_timeout
         self._tasks: set[str] = set()  # hub tasks this client registered
         # Over a transport, get_meta's ack goes out from a worker thread, overlapping the
         # caller's get_data; a failed ack is raised by this client's next call.
@@ -91,13 +106,19 @@ class TransferQueueClient:
         data: Any,
         metadata: BatchMeta | None = None,
         partition_id: str | None = None,
+        *,
+        timeout: float | None = None,
     ) -> BatchMeta:
-        """Write a TensorDict: new samples into ``partition_id``, or fields of ``metadata``'s."""
+        """Write a TensorDict: new samples into ``partition_id``, or fields of ``metadata``'s.
+
+        New samples wait up to ``timeout`` seconds (default ``put_timeout``) for room.
+        """
+        seconds = self._timeout(timeout, "put()")
         n, columns, values = field_columns(data, "put()", self._schema_for(data))
         names = [c.name for c in columns]
         if metadata is None:
             partition = _check_partition(partition_id, "put()")
-            indices = self._insert(partition, n, columns, values)
+            indices = self._insert(partition, n, columns, values, seconds, "put()")
             return BatchMeta(_handle(indices, names), [partition] * n, names)
         if not isinstance(metadata, BatchMeta):
             raise ConfigError(f"put() metadata must be a BatchMeta, got {metadata!r}")
@@ -105,6 +126,8 @@ class TransferQueueClient:
             raise SchemaError(
                 f"put(): the TensorDict has {n} samples but metadata names {len(metadata)}"
             )
+        if metadata._custom is not None:
+            check_tags(metadata._custom, "put() metadata.custom_meta")
         self._update(metadata.handle.indices, columns, values)
         if metadata._custom is not None:  # fetched or changed here: store it
             self.set_custom_meta(metadata)
@@ -126,11 +149,14 @@ class TransferQueueClient:
         mode: str = "fetch",
         task_name: str | None = None,
         sampling_config: Mapping[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
     ) -> BatchMeta:
         """Take ``batch_size`` samples of ``partition_id`` whose ``data_fields`` are ready and
         that ``task_name`` has not consumed; they count as consumed from here on.
 
-        Waits up to ``fetch_timeout`` seconds (``TimeoutError``), or returns an empty
+        Waits up to ``timeout`` seconds (default ``fetch_timeout``; then ``TimeoutError``,
+        flowrl's :class:`~flowrl.errors.Timeout`), or returns an empty
         ``BatchMeta`` at once in polling mode. ``sampling_config`` is accepted for
         TransferQueue's samplers and ignored (samples are taken oldest first).
         """
@@ -147,8 +173,9 @@ class TransferQueueClient:
             raise ConfigError(f"get_meta() batch_size must be a positive int, got {batch_size!r}")
         if sampling_config is not None and not isinstance(sampling_config, Mapping):
             raise ConfigError(f"get_meta() sampling_config must be a dict, got {sampling_config!r}")
+        wait = self.fetch_timeout if timeout is None else self._timeout(timeout, "get_meta()")
         task = f"tq:{task_name}:{partition}:{','.join(sorted(fields))}"
-        deadline = time.monotonic() + (0.0 if self.polling_mode else self.fetch_timeout)
+        deadline = time.monotonic() + (0.0 if self.polling_mode else wait)
         try:
             self._ensure_consumer(task, fields, partition, deadline)
             claimed = self.hub.claim(task, batch_size, timeout=self._left(deadline))
@@ -157,8 +184,8 @@ class TransferQueueClient:
                 return BatchMeta(_handle(np.empty(0, np.int64), fields), [], fields)
             raise Timeout(
                 f"get_meta(): fewer than {batch_size} samples of partition {partition!r} have "
-                f"fields {fields} ready for task {task_name!r} after {self.fetch_timeout} s "
-                "(TransferQueueClient.fetch_timeout)"
+                f"fields {fields} ready for task {task_name!r} after {wait} s "
+                "(get_meta's timeout, TransferQueueClient.fetch_timeout by default)"
             ) from e
         self._ack(claimed)
         return BatchMeta(
@@ -184,7 +211,7 @@ class TransferQueueClient:
         """Store ``metadata``'s per-sample ``custom_meta`` (merged into what samples have)."""
         if not isinstance(metadata, BatchMeta):
             raise ConfigError(f"set_custom_meta() expects a BatchMeta, got {metadata!r}")
-        custom = metadata.custom_meta
+        custom = check_tags(metadata.custom_meta, "set_custom_meta()")
         for partition in sorted(set(metadata.partition_ids)):
             pos = [i for i, p in enumerate(metadata.partition_ids) if p == partition]
             indices = [metadata.global_indexes[i] for i in pos]
@@ -246,8 +273,12 @@ class TransferQueueClient:
         partition_id: str,
         fields: Any = None,
         tags: Sequence[dict[str, Any]] | None = None,
+        *,
+        timeout: float | None = None,
     ) -> KVBatchMeta:
-        """Write fields and/or tags of samples named by keys (new keys create samples)."""
+        """Write fields and/or tags of samples named by keys (new keys create samples, which
+        wait up to ``timeout`` seconds, default ``put_timeout``, for room in a full hub)."""
+        seconds = self._timeout(timeout, "kv_batch_put()")
         keys = _check_keys(keys, "kv_batch_put()")
         partition = _check_partition(partition_id, "kv_batch_put()")
         if fields is None and tags is None:
@@ -261,6 +292,8 @@ class TransferQueueClient:
                 f"kv_batch_put() tags must be a list of {len(keys)} dicts (one per key), got "
                 f"{tags!r:.200}"
             )
+        if tags is not None:
+            tags = check_tags(tags, "kv_batch_put()")
         columns: list[Column] = []
         values: dict[str, Any] = {}
         if fields is not None:
@@ -273,10 +306,15 @@ class TransferQueueClient:
         indices = known.copy()
         new = np.flatnonzero(known < 0)
         old = np.flatnonzero(known >= 0)
-        if old.size and columns:
-            self._update(known[old], columns, _take(values, old, len(keys)))
-        if new.size:
-            created = self._insert(partition, new.size, columns, _take(values, new, len(keys)))
+        if new.size:  # first: a full hub times out before any key changed
+            created = self._insert(
+                partition,
+                new.size,
+                columns,
+                _take(values, new, len(keys)),
+                seconds,
+                "kv_batch_put()",
+            )
             new_keys = [keys[i] for i in new]
             bound = np.asarray(self.directory.bind(partition, new_keys, created.tolist()))
             lost = np.flatnonzero(bound != created)  # named by another writer meanwhile
@@ -285,6 +323,8 @@ class TransferQueueClient:
                     self._update(bound[lost], columns, _take(values, new[lost], len(keys)))
                 self._drop(created[lost])
             indices[new] = bound
+        if old.size and columns:
+            self._update(known[old], columns, _take(values, old, len(keys)))
         self.directory.update(partition, indices.tolist(), tags, [c.name for c in columns])
         merged, common = self.directory.describe(indices.tolist())
         return KVBatchMeta(keys=keys, tags=merged, partition_id=partition, fields=common)
@@ -295,6 +335,8 @@ class TransferQueueClient:
         partition_id: str,
         fields: Any = None,
         tag: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
     ) -> KVBatchMeta:
         """One key's fields (a TensorDict of batch 1, or a dict of one sample's values)."""
         if not isinstance(key, str):
@@ -303,7 +345,8 @@ class TransferQueueClient:
             fields = single_sample(fields, "kv_put()")
         if tag is not None and not isinstance(tag, dict):
             raise ConfigError(f"kv_put() tag must be a dict, got {tag!r}")
-        return self.kv_batch_put([key], partition_id, fields, None if tag is None else [tag])
+        tags = None if tag is None else [tag]
+        return self.kv_batch_put([key], partition_id, fields, tags, timeout=timeout)
 
     def kv_batch_get(
         self,
@@ -388,13 +431,37 @@ class TransferQueueClient:
         self._acked = pending
 
     def _insert(
-        self, partition: str, n: int, columns: list[Column], values: dict[str, Any]
+        self,
+        partition: str,
+        n: int,
+        columns: list[Column],
+        values: dict[str, Any],
+        timeout: float,
+        where: str,
     ) -> np.ndarray:
         marker = Column.scalar(_marker(partition), "bool")
         self._declare([*columns, marker])
         self._register(_ALL + partition, [marker.name])
         data = {**values, marker.name: np.ones(n, dtype=bool)}
-        return self.hub.put(data, partition=partition)
+        try:
+            return self.hub.put(data, partition=partition, timeout=timeout)
+        except (Timeout, HubFull) as e:  # HubFull: timeout 0
+            raise Timeout(
+                f"{where}: no room for {n} new samples in partition {partition!r} within "
+                f"{timeout} s: the hub holds {self.hub.statistics().capacity} samples at most "
+                "(backend.SimpleStorage.total_storage_size); clear consumed samples "
+                "(kv_clear, clear_partition) or pass a longer timeout"
+            ) from e
+
+    def _timeout(self, timeout: float | None, where: str) -> float:
+        """``timeout`` checked (None: this client's ``put_timeout``)."""
+        if timeout is None:
+            return self.put_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
+            raise ConfigError(f"{where} timeout must be a number of seconds >= 0, got {timeout!r}")
+        if not math.isfinite(timeout):
+            raise ConfigError(f"{where} timeout must be finite, got {timeout!r}")
+        return float(timeout)
 
     def _update(self, indices: np.ndarray, columns: list[Column], values: dict[str, Any]) -> None:
         if columns:

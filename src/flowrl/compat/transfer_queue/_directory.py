@@ -195,6 +195,13 @@ _ARG_TYPES: dict[str, Any] = {"declare": list[Column]}
 _RESULT_TYPES: dict[str, Any] = {"columns": list[Column]}
 
 
+def _encode_reply(reply: _Reply) -> bytes:
+    try:
+        return _ENC.encode(reply)
+    except (TypeError, ValueError, OverflowError) as e:  # a value msgpack cannot encode
+        return _ENC.encode(_Reply(error=f"TypeError: the reply cannot be encoded: {e}"))
+
+
 class DirectoryServer:
     """Serves a :class:`KeyDirectory` on a zmq ROUTER socket from a daemon thread."""
 
@@ -217,13 +224,17 @@ class DirectoryServer:
         while not self._stop.is_set():
             if not self._sock.poll(_POLL_MS):
                 continue
-            ident, body = self._sock.recv_multipart()
-            self._sock.send_multipart([ident, _ENC.encode(self._answer(body))])
+            ident, *body = self._sock.recv_multipart()  # ROUTER: the sender's id comes first
+            self._sock.send_multipart([ident, _encode_reply(self._answer(body))])
         self._sock.close()
 
-    def _answer(self, body: bytes) -> _Reply:
+    def _answer(self, body: list[bytes]) -> _Reply:
+        """The reply to one request; a malformed one is answered with an error, never
+        raised here (the thread serves every process of the hub)."""
+        if len(body) != 1:
+            return _Reply(error=f"ConfigError: a request is 1 frame, got {len(body)}")
         try:
-            call = _DEC_CALL.decode(body)
+            call = _DEC_CALL.decode(body[0])
             args = call.args
             if call.method in _ARG_TYPES:
                 args = [msgspec.convert(args[0], _ARG_TYPES[call.method])]

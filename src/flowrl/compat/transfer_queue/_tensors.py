@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from flowrl._client.batch import Batch
@@ -32,7 +33,7 @@ from flowrl._schema.columns import Column
 from flowrl._schema.ragged import RaggedArray
 from flowrl.errors import SchemaError
 
-__all__ = ["field_columns", "import_tensordict", "read_fields", "single_sample"]
+__all__ = ["check_tags", "field_columns", "import_tensordict", "read_fields", "single_sample"]
 
 _INSTALL_HINT = (
     "flowrl.compat.transfer_queue returns TensorDicts: install the compat extra "
@@ -152,6 +153,30 @@ def _plain(value: Any) -> Any:
     return value
 
 
+_TAG_ENCODER = msgspec.msgpack.Encoder()
+
+
+def check_tags(tags: Sequence[Any], where: str) -> list[dict[str, Any]]:
+    """Tags (``custom_meta``) as the key directory keeps them, numpy scalars as Python
+    numbers; a tag msgpack cannot encode is refused here, before anything changes (the
+    directory of another process could not be sent it)."""
+    plain = []
+    for i, tag in enumerate(tags):
+        if not isinstance(tag, dict):
+            raise SchemaError(f"{where}: tag {i} must be a dict, got {type(tag).__name__}")
+        tag = _plain(tag)
+        try:
+            _TAG_ENCODER.encode(tag)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise SchemaError(
+                f"{where}: tag {i} ({tag!r:.200}) holds a value msgpack cannot encode ({e}); "
+                "tags take str, numbers, bools, None, lists and dicts of those (flowrl never "
+                "pickles): convert the value, e.g. str(obj) or arr.tolist()"
+            ) from e
+        plain.append(tag)
+    return plain
+
+
 def _dtype_name(name: str, value: Any, where: str) -> str:
     dtype = str(value.dtype).removeprefix("torch.")
     if dtype in ("bfloat16", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2"):
@@ -178,19 +203,30 @@ def single_sample(fields: Mapping[str, Any], where: str) -> Any:
     return td.TensorDict(batch, batch_size=[1])
 
 
-def _jagged(values: Any, offsets: Any) -> Any:
-    """A jagged nested tensor over ``values`` split at ``offsets``.
+def _jagged(values: Any, offsets: np.ndarray) -> Any:
+    """A jagged nested tensor over ``values`` split at ``offsets``, knowing its longest and
+    shortest row: ``to_padded_tensor`` pads to the longest row (without them torch pads to
+    the whole batch's length, quadratic memory for a padded batch).
 
     torch's own constructor (what ``nested_tensor_from_jagged`` returns, without its view
     bookkeeping: 5x faster here); the public function where that class is not there.
     """
-    try:
-        from torch.nested._internal.nested_tensor import NestedTensor
-    except ImportError:  # pragma: no cover (a torch without it)
-        import torch
+    import torch
 
-        return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
-    return NestedTensor(values, offsets)
+    lengths = np.diff(offsets)
+    longest, shortest = (int(lengths.max()), int(lengths.min())) if lengths.size else (0, 0)
+    offsets_t = torch.from_numpy(np.array(offsets))
+    try:
+        from torch.nested._internal.nested_tensor import NestedTensor, _store_val_in_tensor
+    except ImportError:  # pragma: no cover (a torch without them)
+        return torch.nested.nested_tensor_from_jagged(
+            values, offsets=offsets_t, max_seqlen=longest, min_seqlen=shortest
+        )
+    cache = {
+        "max_seqlen": _store_val_in_tensor(longest),
+        "min_seqlen": _store_val_in_tensor(shortest),
+    }
+    return NestedTensor(values, offsets_t, _metadata_cache=cache)
 
 
 def read_fields(batch: Batch, names: Sequence[str], columns: Mapping[str, Column]) -> Any:
@@ -206,16 +242,13 @@ def read_fields(batch: Batch, names: Sequence[str], columns: Mapping[str, Column
             out[name] = torch.from_numpy(np.array(batch.numpy(name)))
         elif column.kind == "ragged":
             ragged = batch.ragged(name)
-            out[name] = _jagged(
-                torch.from_numpy(np.array(ragged.values)),
-                torch.from_numpy(np.array(ragged.cu_seqlens)),
-            )
+            out[name] = _jagged(torch.from_numpy(np.array(ragged.values)), ragged.cu_seqlens)
         elif column.kind == "tensor":
             dense = batch.numpy(name)
             first = column.shape[0]
             rows = np.array(dense).reshape(n * first, *column.shape[1:])
             offsets = np.arange(n + 1, dtype=np.int64) * first
-            out[name] = _jagged(torch.from_numpy(rows), torch.from_numpy(offsets))
+            out[name] = _jagged(torch.from_numpy(rows), offsets)
         else:
             out[name] = td.NonTensorStack(*batch[name])
     return td.TensorDict(out, batch_size=[n])

@@ -94,6 +94,37 @@ def test_ray_placement_task_joins(ray_runtime) -> None:
         tq.close()
 
 
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_ray_worker_with_no_hub_to_join_fails_at_once(ray_runtime) -> None:
+    """Issue 24, item 6: the driver's hub is in-process, so a worker's bare ``tq.init()``
+    has nothing to join; it raises (saying how to join) instead of starting a private hub
+    whose puts the driver would never see."""
+    ray = pytest.importorskip("ray")
+    from flowrl.errors import ConfigError
+
+    ray_runtime.single()
+    tq.init()  # the default: in-process, in the driver only
+    try:
+
+        @ray.remote(num_cpus=0)
+        def worker(conf: dict | None) -> str:
+            import flowrl.compat.transfer_queue as joined
+
+            joined.init(conf)
+            try:
+                return joined.get_client().hub.__class__.__name__
+            finally:
+                joined.close()
+
+        with pytest.raises(ConfigError, match=r"Ray worker found no TransferQueue hub.*'ray'"):
+            ray.get(worker.remote(None))
+        # a hub of the worker's own, asked for by name, is the worker's to have
+        assert ray.get(worker.remote({"flowrl": {"placement": "inproc"}})) == "Hub"
+    finally:
+        tq.close()
+
+
 @pytest.mark.parametrize("where", ["inproc", "zmq"])
 def test_compat_benchmark_runs_and_checks_what_it_read(where: str) -> None:
     """The --peer benchmark's compat side at a tiny size (it compares every sample read

@@ -95,6 +95,8 @@ def init(conf: Any = None, *, hub: HubClient | None = None) -> dict[str, Any]:
         "put_timeout": options["put_timeout"],
     }
     joined = _join(options["placement"]) if hub is None else None
+    if joined is None and hub is None and options["placement"] == "inproc":
+        _refuse_a_private_hub_in_a_ray_worker(conf)
     if joined is not None:
         _State.owned.append(joined[0].close)  # this process's connection, not the hub
         _State.client = TransferQueueClient(*joined, **client_args)
@@ -247,6 +249,28 @@ def _join(placement: str) -> tuple[HubClient, RemoteDirectory] | None:
         return None
     directory = RemoteDirectory(addresses["directory"])
     return connect(addresses["hub"]), directory
+
+
+def _refuse_a_private_hub_in_a_ray_worker(conf: Any) -> None:
+    """A bare ``init()`` in a Ray worker that found no hub to join fails here: an embedded
+    hub of its own would take the worker's puts where no other process sees them. (An
+    ``inproc`` placement the caller names is theirs to have.)"""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return
+    if ray.get_runtime_context().worker.mode != ray.WORKER_MODE:
+        return  # the driver
+    flowrl_options = (conf or {}).get("flowrl") if hasattr(conf, "get") else None
+    if flowrl_options and flowrl_options.get("placement") is not None:
+        return
+    raise ConfigError(
+        "tq.init() in a Ray worker found no TransferQueue hub to join, and would start a "
+        "private one that no other process sees. Start the driver's hub with "
+        "tq.init({'flowrl': {'placement': 'ray'}}) before the workers (they join it with a "
+        f"bare tq.init()), or with placement 'zmq' and pass its {ADDRESS_ENV} to the workers "
+        f"(runtime_env={{'env_vars': {{'{ADDRESS_ENV}': ...}}}}); to want a hub of this "
+        "worker's own, say tq.init({'flowrl': {'placement': 'inproc'}})"
+    )
 
 
 def _node_ip() -> str:

@@ -34,7 +34,7 @@ from flowrl._controller.meta import BatchMeta as HubMeta
 from flowrl._schema.columns import Column
 from flowrl._schema.ragged import RaggedArray
 from flowrl.compat.transfer_queue._directory import KeyDirectory, RemoteDirectory
-from flowrl.compat.transfer_queue._meta import BatchMeta, KVBatchMeta
+from flowrl.compat.transfer_queue._meta import BatchMeta, KVBatchMeta, field_schema_of
 from flowrl.compat.transfer_queue._tensors import (
     check_field_name,
     check_tags,
@@ -119,7 +119,9 @@ class TransferQueueClient:
         if metadata is None:
             partition = _check_partition(partition_id, "put()")
             indices = self._insert(partition, n, columns, values, seconds, "put()")
-            return BatchMeta(_handle(indices, names), [partition] * n, names)
+            return BatchMeta._of(
+                _handle(indices, names), [partition] * n, self._schema_of(names), produced=True
+            )
         if not isinstance(metadata, BatchMeta):
             raise ConfigError(f"put() metadata must be a BatchMeta, got {metadata!r}")
         if n != len(metadata):
@@ -128,18 +130,13 @@ class TransferQueueClient:
             )
         if metadata._custom is not None:
             check_tags(metadata._custom, "put() metadata.custom_meta")
-        self._update(metadata.handle.indices, columns, values)
+        self._update(np.asarray(metadata.global_indexes, dtype=np.int64), columns, values)
         if metadata._custom is not None:  # fetched or changed here: store it
             self.set_custom_meta(metadata)
-        fields = sorted({*metadata.field_names, *names})
-        return BatchMeta(
-            metadata.handle,
-            metadata.partition_ids,
-            fields,
-            custom_meta=metadata._custom,
-            fetch_custom=self._custom_meta,
-            extra_info=metadata.extra_info,
-        )
+        written = metadata.copy()
+        written.field_schema.update(self._schema_of(names))
+        written.production_status[:] = 1
+        return written
 
     def get_meta(
         self,
@@ -181,15 +178,19 @@ class TransferQueueClient:
             claimed = self.hub.claim(task, batch_size, timeout=self._left(deadline))
         except (NothingReady, Timeout) as e:
             if self.polling_mode:
-                return BatchMeta(_handle(np.empty(0, np.int64), fields), [], fields)
+                return BatchMeta.empty()
             raise Timeout(
                 f"get_meta(): fewer than {batch_size} samples of partition {partition!r} have "
                 f"fields {fields} ready for task {task_name!r} after {wait} s "
                 "(get_meta's timeout, TransferQueueClient.fetch_timeout by default)"
             ) from e
         self._ack(claimed)
-        return BatchMeta(
-            claimed, [partition] * len(claimed), fields, fetch_custom=self._custom_meta
+        return BatchMeta._of(
+            claimed,
+            [partition] * len(claimed),
+            self._schema_of(fields),
+            produced=True,
+            fetch_custom=self._custom_meta,
         )
 
     def get_data(self, metadata: BatchMeta) -> Any:
@@ -201,9 +202,10 @@ class TransferQueueClient:
             return td.TensorDict({}, batch_size=[0])
         fields = metadata.field_names
         self._know_columns(fields)
-        handle = metadata.handle
-        if handle.lease == 0 and (handle.units < 0).any():  # from a put: locate the samples
-            handle = self.hub.meta(handle.indices, fields)
+        handle = metadata._handle
+        if handle is None or (handle.lease == 0 and (handle.units < 0).any()):
+            # built by hand, or from a put: locate the samples
+            handle = self.hub.meta(np.asarray(metadata.global_indexes, dtype=np.int64), fields)
         batch = self.hub.get(handle, columns=fields)
         return read_fields(batch, fields, self.hub.schema.by_name)
 
@@ -236,7 +238,7 @@ class TransferQueueClient:
         """Evict ``metadata``'s samples (for every task) and forget their keys."""
         if not isinstance(metadata, BatchMeta):
             raise ConfigError(f"clear_samples() expects a BatchMeta, got {metadata!r}")
-        self._drop(metadata.handle.indices)
+        self._drop(np.asarray(metadata.global_indexes, dtype=np.int64))
         self.directory.forget(metadata.global_indexes)
 
     def check_consumption_status(self, task_name: str, partition_id: str) -> bool:
@@ -383,7 +385,10 @@ class TransferQueueClient:
             handle = self.hub.meta(indices, fields)
         except SchemaError as e:
             raise ConfigError(f"kv_batch_get(): some fields are not ready on every key: {e}") from e
-        return self.get_data(BatchMeta(handle, [partition] * len(keys), fields))
+        meta = BatchMeta._of(
+            handle, [partition] * len(keys), {f: {} for f in fields}, produced=True
+        )
+        return self.get_data(meta)
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
         """``{partition: {key: tag}}`` of one partition, or of all when ``partition_id`` is None."""
@@ -526,6 +531,9 @@ class TransferQueueClient:
     @staticmethod
     def _left(deadline: float) -> float:
         return max(0.0, deadline - time.monotonic())
+
+    def _schema_of(self, fields: Sequence[str]) -> dict[str, Any]:
+        return field_schema_of(self.hub.schema.by_name, fields)
 
     def _custom_meta(self, indices: list[int]) -> list[dict[str, Any]]:
         return self.directory.describe(indices)[0]

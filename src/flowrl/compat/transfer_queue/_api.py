@@ -31,6 +31,7 @@ from flowrl._config import HubConfig
 from flowrl.compat.transfer_queue._client import DEFAULT_PUT_TIMEOUT, TransferQueueClient
 from flowrl.compat.transfer_queue._directory import DirectoryServer, KeyDirectory, RemoteDirectory
 from flowrl.compat.transfer_queue._meta import KVBatchMeta
+from flowrl.compat.transfer_queue._sampling import SamplerRunner, resolve_sampler
 from flowrl.errors import ConfigError
 
 __all__ = [
@@ -55,7 +56,6 @@ ADDRESS_ENV = "FLOWRL_TQ_ADDRESS"
 _RAY_ACTOR = "flowrl_tq_addresses"
 _RAY_NAMESPACE = "flowrl_transfer_queue"
 _PLACEMENTS = ("inproc", "zmq", "ray")
-_SAMPLERS = (None, "SequentialSampler")
 
 
 class _State:
@@ -76,9 +76,10 @@ def init(conf: Any = None, *, hub: HubClient | None = None) -> dict[str, Any]:
     """Start the hub (first call in a process tree) or join it; returns the config used.
 
     ``conf`` (a dict or an OmegaConf config) keeps TransferQueue's keys where they mean
-    something here: ``controller.polling_mode``, ``controller.sampler``
-    (``SequentialSampler`` only), ``backend.SimpleStorage.num_data_storage_units`` (storage
-    units) and ``total_storage_size`` (capacity). flowrl's own under ``flowrl``:
+    something here: ``controller.polling_mode``, ``controller.sampler`` (a sampler name,
+    class or instance; it runs in this process for the whole hub),
+    ``backend.SimpleStorage.num_data_storage_units`` (storage units) and
+    ``total_storage_size`` (capacity). flowrl's own under ``flowrl``:
     ``placement`` (``inproc`` | ``zmq`` | ``ray``), ``fetch_timeout`` (seconds get_meta
     waits), ``put_timeout`` (seconds a put waits for room in a full hub), ``lease_timeout``.
     ``hub``: serve an existing flowrl hub instead.
@@ -98,11 +99,13 @@ def init(conf: Any = None, *, hub: HubClient | None = None) -> dict[str, Any]:
     if joined is None and hub is None and options["placement"] == "inproc":
         _refuse_a_private_hub_in_a_ray_worker(conf)
     if joined is not None:
-        _State.owned.append(joined[0].close)  # this process's connection, not the hub
-        _State.client = TransferQueueClient(*joined, **client_args)
+        joined_hub, remote = joined
+        _State.owned.append(joined_hub.close)  # this process's connection, not the hub
+        sampling = remote if remote.sampler_name() else None  # the hub's, not conf's
+        _State.client = TransferQueueClient(joined_hub, remote, sampling=sampling, **client_args)
     else:
-        hub, directory = _start(options["placement"], config, hub)
-        _State.client = TransferQueueClient(hub, directory, **client_args)
+        hub, directory, runner = _start(options["placement"], config, hub)
+        _State.client = TransferQueueClient(hub, directory, sampling=runner, **client_args)
     _State.config = config
     _State.pid = os.getpid()
     return config
@@ -196,7 +199,7 @@ async_kv_clear = _in_thread(kv_clear)
 # -- start, join -------------------------------------------------------------------------------
 def _start(
     placement: str, config: dict[str, Any], hub: HubClient | None
-) -> tuple[HubClient, KeyDirectory | RemoteDirectory]:
+) -> tuple[HubClient, KeyDirectory, SamplerRunner | None]:
     directory = KeyDirectory()
     if hub is None:
         hub_config = HubConfig(
@@ -206,13 +209,15 @@ def _start(
         )
         hub = _launch(placement, hub_config)
         _State.owned.append(hub.close)
+    sampler = config["controller"]["sampler"]
+    runner = None if sampler is None else SamplerRunner(hub, sampler)
     if isinstance(hub, Hub):
-        return hub, directory
+        return hub, directory, runner
     if placement == "ray":
-        server = DirectoryServer(directory, f"tcp://{_node_ip()}:0")
+        server = DirectoryServer(directory, f"tcp://{_node_ip()}:0", runner)
     else:
         folder = tempfile.mkdtemp(prefix="flowrl-tq-")
-        server = DirectoryServer(directory, f"ipc://{folder}/directory")
+        server = DirectoryServer(directory, f"ipc://{folder}/directory", runner)
         _State.owned.append(functools.partial(shutil.rmtree, folder, ignore_errors=True))
     _State.owned.append(server.close)
     addresses = {"hub": hub.address, "directory": server.address}  # type: ignore[attr-defined]
@@ -221,7 +226,7 @@ def _start(
     else:
         os.environ[ADDRESS_ENV] = json.dumps(addresses)
         _State.owned.append(lambda: os.environ.pop(ADDRESS_ENV, None))
-    return hub, directory
+    return hub, directory, runner
 
 
 def _launch(placement: str, config: HubConfig) -> HubClient:
@@ -323,12 +328,6 @@ def _parse(conf: Any) -> dict[str, Any]:
     else:
         raise ConfigError(f"tq.init() conf must be a dict or an OmegaConf config, got {conf!r}")
     controller = dict(raw.get("controller") or {})
-    sampler = controller.get("sampler")
-    if sampler not in _SAMPLERS:
-        raise ConfigError(
-            f"tq.init(): controller.sampler {sampler!r} is not supported by flowrl's "
-            "TransferQueue client (SequentialSampler only: samples are taken oldest first)"
-        )
     simple = dict((raw.get("backend") or {}).get("SimpleStorage") or {})
     backend = (raw.get("backend") or {}).get("storage_backend", "SimpleStorage")
     if backend != "SimpleStorage":
@@ -345,7 +344,10 @@ def _parse(conf: Any) -> dict[str, Any]:
     default_timeout = float(os.environ.get("TQ_CONTROLLER_GET_METADATA_TIMEOUT", 1))
     timeout = options.get("fetch_timeout", default_timeout)
     return {
-        "controller": {"polling_mode": bool(controller.get("polling_mode", False))},
+        "controller": {
+            "polling_mode": bool(controller.get("polling_mode", False)),
+            "sampler": resolve_sampler(controller.get("sampler")),
+        },
         "backend": {
             "storage_backend": "SimpleStorage",
             "SimpleStorage": {

@@ -35,6 +35,7 @@ from flowrl._schema.columns import Column
 from flowrl._schema.ragged import RaggedArray
 from flowrl.compat.transfer_queue._directory import KeyDirectory, RemoteDirectory
 from flowrl.compat.transfer_queue._meta import BatchMeta, KVBatchMeta, field_schema_of
+from flowrl.compat.transfer_queue._sampling import SamplerRunner
 from flowrl.compat.transfer_queue._tensors import (
     check_field_name,
     check_tags,
@@ -86,6 +87,7 @@ class TransferQueueClient:
         polling_mode: bool = False,
         fetch_timeout: float = 1.0,
         put_timeout: float = DEFAULT_PUT_TIMEOUT,
+        sampling: SamplerRunner | RemoteDirectory | None = None,
     ) -> None:
         if not isinstance(hub, HubClient):
             raise ConfigError(f"TransferQueueClient needs a flowrl hub client, got {hub!r}")
@@ -94,6 +96,7 @@ class TransferQueueClient:
         self.polling_mode = polling_mode
         self.fetch_timeout = fetch_timeout
         self.put_timeout = put_timeout
+        self.sampling = sampling  # the hub's sampler, if tq.init was given one
         self._tasks: set[str] = set()  # hub tasks this client registered
         # Over a transport, get_meta's ack goes out from a worker thread, overlapping the
         # caller's get_data; a failed ack is raised by this client's next call.
@@ -154,8 +157,8 @@ class TransferQueueClient:
 
         Waits up to ``timeout`` seconds (default ``fetch_timeout``; then ``TimeoutError``,
         flowrl's :class:`~flowrl.errors.Timeout`), or returns an empty
-        ``BatchMeta`` at once in polling mode. ``sampling_config`` is accepted for
-        TransferQueue's samplers and ignored (samples are taken oldest first).
+        ``BatchMeta`` at once in polling mode. ``sampling_config`` goes to the hub's sampler
+        (``controller.sampler`` of ``tq.init``); the default one takes the oldest samples.
         """
         fields = _check_fields(data_fields, "get_meta()")
         partition = _check_partition(partition_id, "get_meta()")
@@ -175,6 +178,9 @@ class TransferQueueClient:
         deadline = time.monotonic() + (0.0 if self.polling_mode else wait)
         try:
             self._ensure_consumer(task, fields, partition, deadline)
+            if self.sampling is not None:
+                wanted = (task, task_name, partition, batch_size, dict(sampling_config or {}))
+                return self._sampled(self.sampling, wanted, fields, deadline)
             claimed = self.hub.claim(task, batch_size, timeout=self._left(deadline))
         except (NothingReady, Timeout) as e:
             if self.polling_mode:
@@ -188,6 +194,35 @@ class TransferQueueClient:
         return BatchMeta._of(
             claimed,
             [partition] * len(claimed),
+            self._schema_of(fields),
+            produced=True,
+            fetch_custom=self._custom_meta,
+        )
+
+    def _sampled(
+        self,
+        sampling: SamplerRunner | RemoteDirectory,
+        wanted: tuple[str, str, str, int, dict[str, Any]],
+        fields: list[str],
+        deadline: float,
+    ) -> BatchMeta:
+        """get_meta through the hub's sampler (tq.init's controller.sampler): what it hands
+        out, once it hands out something; empty in polling mode. ``wanted``: the hub task,
+        the task name, the partition, the batch size and the sampling config."""
+        task_name, partition = wanted[1], wanted[2]
+        while True:
+            taken = sampling.sample(*wanted)
+            if taken or self.polling_mode:
+                break
+            if time.monotonic() >= deadline:
+                raise Timeout(f"the sampler handed out nothing for task {task_name!r}")
+            time.sleep(_RETRY_S)
+        if not taken:
+            return BatchMeta.empty()
+        handle = self.hub.meta(np.asarray(taken, dtype=np.int64), fields)
+        return BatchMeta._of(
+            handle,
+            [partition] * len(taken),
             self._schema_of(fields),
             produced=True,
             fetch_custom=self._custom_meta,
@@ -233,6 +268,8 @@ class TransferQueueClient:
                     break
                 self.hub.drop(meta)
         self.directory.remove_partition(partition)
+        if self.sampling is not None:
+            self.sampling.clear_cache(partition)
 
     def clear_samples(self, metadata: BatchMeta) -> None:
         """Evict ``metadata``'s samples (for every task) and forget their keys."""

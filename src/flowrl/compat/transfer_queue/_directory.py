@@ -32,8 +32,10 @@ _RPC_TIMEOUT_MS = 60_000
 
 Method = Literal[
     "lookup", "bind", "update", "describe", "listing", "remove", "forget", "remove_partition",
-    "declare", "columns", "generation",
+    "declare", "columns", "generation", "sample", "clear_sampler_cache", "sampler_name",
 ]  # fmt: skip
+# Methods of the hub's SamplerRunner (tq.init's controller.sampler), served alongside.
+_RUNNER_METHODS = {"sample": "sample", "clear_sampler_cache": "clear_cache"}
 
 
 class _Entry(msgspec.Struct):
@@ -203,10 +205,12 @@ def _encode_reply(reply: _Reply) -> bytes:
 
 
 class DirectoryServer:
-    """Serves a :class:`KeyDirectory` on a zmq ROUTER socket from a daemon thread."""
+    """Serves a :class:`KeyDirectory` on a zmq ROUTER socket from a daemon thread, and the
+    hub's sampler (a ``SamplerRunner``, if ``tq.init`` was given one)."""
 
-    def __init__(self, directory: KeyDirectory, address: str) -> None:
+    def __init__(self, directory: KeyDirectory, address: str, runner: Any = None) -> None:
         self.directory = directory
+        self.runner = runner
         self._ctx: zmq.Context = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -238,6 +242,12 @@ class DirectoryServer:
             args = call.args
             if call.method in _ARG_TYPES:
                 args = [msgspec.convert(args[0], _ARG_TYPES[call.method])]
+            if call.method == "sampler_name":
+                return _Reply(value=self.runner.name() if self.runner is not None else "")
+            if call.method in _RUNNER_METHODS:
+                if self.runner is None:
+                    raise ConfigError("this hub has no sampler (tq.init's controller.sampler)")
+                return _Reply(value=getattr(self.runner, _RUNNER_METHODS[call.method])(*args))
             return _Reply(value=getattr(self.directory, call.method)(*args))
         except Exception as e:  # answered, never lost: the caller raises it
             return _Reply(error=f"{type(e).__name__}: {e}")
@@ -314,6 +324,24 @@ class RemoteDirectory:
 
     def generation(self) -> int:
         return self._call("generation")
+
+    # the hub's sampler (SamplerRunner's methods), run in the process that called tq.init
+    def sample(
+        self,
+        task: str,
+        task_name: str,
+        partition: str,
+        batch_size: int,
+        sampling_config: dict[str, Any],
+    ) -> list[int]:
+        return self._call("sample", task, task_name, partition, batch_size, sampling_config)
+
+    def clear_cache(self, partition: str) -> None:
+        self._call("clear_sampler_cache", partition)
+
+    def sampler_name(self) -> str:
+        """The hub's sampler's class name ("" for the default, sequential)."""
+        return self._call("sampler_name")
 
     def wait_changed(self, since: int, timeout: float) -> int:
         """As :meth:`KeyDirectory.wait_changed`, asking every few milliseconds (the server

@@ -80,18 +80,16 @@ class SamplerRunner:
             except NothingReady:
                 leased = None
             ready = [] if leased is None else leased.indices.tolist()
+            sampled: list[int] = []
+            consumed: list[int] = []
             try:
-                if len(ready) < batch_size and not self.sampler.has_cached_result(
+                if len(ready) >= batch_size or self.sampler.has_cached_result(
                     partition, task_name, config
                 ):
-                    return []
-                sampled, consumed = self.sampler(ready, batch_size, **config)
-            except BaseException:
+                    sampled, consumed = self.sampler(ready, batch_size, **config)
+            finally:  # a sampler that raised consumed nothing
                 if leased is not None:
-                    self.hub.release(leased)
-                raise
-            if leased is not None:
-                self._settle(leased, set(consumed))
+                    self._settle(leased, set(consumed))
             return [int(i) for i in sampled]
 
     def _settle(self, leased: Any, consumed: set[int]) -> None:

@@ -63,9 +63,15 @@ _RETRY_S = 0.01
 DEFAULT_PUT_TIMEOUT = 60.0
 
 
+@functools.lru_cache(maxsize=4096)
 def _marker(partition: str) -> str:
     """The column only samples inserted into ``partition`` have (a name for any string)."""
     return "_tq_p_" + hashlib.blake2b(partition.encode(), digest_size=8).hexdigest()
+
+
+@functools.lru_cache(maxsize=4096)
+def _marker_column(partition: str) -> Column:
+    return Column.scalar(_marker(partition), "bool")
 
 
 @final
@@ -481,7 +487,7 @@ class TransferQueueClient:
         timeout: float,
         where: str,
     ) -> np.ndarray:
-        marker = Column.scalar(_marker(partition), "bool")
+        marker = _marker_column(partition)
         self._declare([*columns, marker])
         self._register(_ALL + partition, [marker.name])
         data = {**values, marker.name: np.ones(n, dtype=bool)}

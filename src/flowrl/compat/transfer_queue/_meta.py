@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, final
@@ -84,7 +85,9 @@ class BatchMeta:
         self._custom: list[dict[str, Any]] | None = None
         if custom_meta:
             self._custom = _per_sample(custom_meta, n, "custom_meta")
-        self._custom_backend_meta = _per_sample(_custom_backend_meta or [{}] * n, n, "backend")
+        self._custom_backend_meta: list[dict[str, Any]] | None = None
+        if _custom_backend_meta:
+            self._custom_backend_meta = _per_sample(_custom_backend_meta, n, "backend")
         self._handle: HubMeta | None = None
         self._fetch: Callable[[list[int]], list[dict[str, Any]]] | None = None
 
@@ -100,14 +103,15 @@ class BatchMeta:
         fetch_custom: Callable[[list[int]], list[dict[str, Any]]] | None = None,
         extra_info: Mapping[str, Any] | None = None,
     ) -> BatchMeta:
-        """The record of a flowrl claim or put (its handle kept for ``get_data``)."""
-        meta = cls(
-            handle.indices.tolist(),
-            partition_ids,
-            field_schema,
-            np.full(len(handle), _PRODUCED if produced else 0, np.int8),
-            extra_info,
-        )
+        """The record of a flowrl claim or put (its handle kept for ``get_data``), made
+        without ``__init__``'s checks: every get_meta and put makes one."""
+        meta = cls.__new__(cls)
+        meta.global_indexes = handle.indices.tolist()
+        meta.partition_ids = list(partition_ids)
+        meta.field_schema = field_schema
+        meta.production_status = np.full(len(handle), _PRODUCED if produced else 0, np.int8)
+        meta.extra_info = dict(extra_info or {})
+        meta._custom_backend_meta = None  # made on first use
         meta._handle, meta._custom, meta._fetch = handle, custom_meta, fetch_custom
         return meta
 
@@ -304,12 +308,19 @@ class BatchMeta:
             np.concatenate([p.production_status for p in parts]),
             extra,
             [c for p in parts for c in p.custom_meta],
-            [c for p in parts for c in p._custom_backend_meta],
+            [c for p in parts for c in p._backend_meta()],
         )
 
     @classmethod
     def empty(cls, extra_info: Mapping[str, Any] | None = None) -> BatchMeta:
         return cls([], [], extra_info=extra_info)
+
+    def _backend_meta(self) -> list[dict[str, Any]]:
+        """Per-sample storage metadata (TransferQueue's ``_custom_backend_meta``; empty
+        dicts here, kept for the batches a program builds and concatenates)."""
+        if self._custom_backend_meta is None:
+            self._custom_backend_meta = [{} for _ in range(self.size)]
+        return self._custom_backend_meta
 
     def _rows(self, positions: list[int]) -> BatchMeta:
         """A copy holding the samples at ``positions`` (their handle too, if any)."""
@@ -326,7 +337,9 @@ class BatchMeta:
             self.production_status[positions],
             copy.deepcopy(self.extra_info),
             None,
-            [copy.deepcopy(self._custom_backend_meta[i]) for i in positions],
+            None
+            if self._custom_backend_meta is None
+            else [copy.deepcopy(self._custom_backend_meta[i]) for i in positions],
         )
         if self._custom is not None:
             out._custom = [copy.deepcopy(self._custom[i]) for i in positions]
@@ -354,19 +367,20 @@ class BatchMeta:
 def field_schema_of(columns: Mapping[str, Column], names: Sequence[str]) -> dict[str, Any]:
     """TransferQueue's ``field_schema`` of hub columns: a field's dtype (torch's), its shape
     past the batch dimension when fixed, whether it comes back nested or non-tensor."""
+    return {name: dict(_field_meta(columns[name])) for name in names}
+
+
+@functools.lru_cache(maxsize=1024)
+def _field_meta(column: Column) -> dict[str, Any]:
     import torch
 
-    schema: dict[str, Any] = {}
-    for name in names:
-        column = columns[name]
-        tensor = column.kind in ("scalar", "ragged", "tensor")
-        schema[name] = {
-            "dtype": getattr(torch, column.dtype) if tensor else None,
-            "shape": tuple(column.shape) if column.kind == "tensor" else None,
-            "is_nested": column.kind in ("ragged", "tensor"),
-            "is_non_tensor": not tensor,
-        }
-    return schema
+    tensor = column.kind in ("scalar", "ragged", "tensor")
+    return {
+        "dtype": getattr(torch, column.dtype) if tensor else None,
+        "shape": tuple(column.shape) if column.kind == "tensor" else None,
+        "is_nested": column.kind in ("ragged", "tensor"),
+        "is_non_tensor": not tensor,
+    }
 
 
 def _schema_of_tensordict(td: Any) -> dict[str, Any]:

@@ -22,6 +22,7 @@ A ``[B, L]`` tensor is stored one 1-D sequence per sample, so later puts may use
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -117,19 +118,20 @@ def _to_column(name: str, value: Any, n: int, where: str, td: Any) -> tuple[Colu
                     f"{value.dim()} dimensions; only jagged [B, j] nested tensors are supported "
                     "(pad it to a dense [B, L, ...] tensor instead)"
                 )
-            ragged = RaggedArray(
+            # a jagged tensor's offsets are valid by construction: no re-check
+            ragged = RaggedArray._trusted(
                 value.values().detach().cpu().numpy(),
-                value.offsets().detach().cpu().numpy(),  # type: ignore[attr-defined]
+                value.offsets().detach().cpu().numpy().astype(np.int64, copy=False),  # type: ignore[attr-defined]
             )
-            return Column.ragged(name, dtype), ragged
+            return _column("ragged", name, dtype), ragged
         arr = value.detach().cpu().numpy()
         if arr.ndim == 1:
-            return Column.scalar(name, dtype), arr
+            return _column("scalar", name, dtype), arr
         if arr.ndim == 2:
             rows, width = arr.shape
-            offsets = np.arange(rows + 1, dtype=np.int64) * width
-            return Column.ragged(name, dtype), RaggedArray(arr.reshape(-1), offsets)
-        return Column.tensor(name, dtype, tuple(int(d) for d in arr.shape[1:])), arr
+            ragged = RaggedArray._trusted(arr.reshape(-1), _even_offsets(rows, width))
+            return _column("ragged", name, dtype), ragged
+        return _column("tensor", name, dtype, tuple(int(d) for d in arr.shape[1:])), arr
     items = value.tolist() if hasattr(value, "tolist") else value
     if not isinstance(items, list) or len(items) != n:
         raise SchemaError(
@@ -139,6 +141,23 @@ def _to_column(name: str, value: Any, n: int, where: str, td: Any) -> tuple[Colu
     if all(isinstance(x, str) for x in items):
         return Column.string(name), items
     return Column.object(name), [_plain(x) for x in items]
+
+
+@functools.lru_cache(maxsize=1024)
+def _column(kind: str, name: str, dtype: str, shape: tuple[int, ...] = ()) -> Column:
+    """The column a field of this kind and dtype declares (built once: a Column checks its
+    dtype when made, which costs more than the rest of a small put's conversion)."""
+    if kind == "tensor":
+        return Column.tensor(name, dtype, shape)
+    return Column.ragged(name, dtype) if kind == "ragged" else Column.scalar(name, dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _even_offsets(rows: int, width: int) -> np.ndarray:
+    """The offsets of ``rows`` sequences of ``width`` (read-only: shared between puts)."""
+    offsets = np.arange(rows + 1, dtype=np.int64) * width
+    offsets.flags.writeable = False
+    return offsets
 
 
 def _plain(value: Any) -> Any:

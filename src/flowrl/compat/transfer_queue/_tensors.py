@@ -232,7 +232,7 @@ def _jagged(values: Any, offsets: np.ndarray) -> Any:
     """
     import torch
 
-    lengths = np.diff(offsets)
+    lengths = offsets[1:] - offsets[:-1]  # np.diff costs several times more
     longest, shortest = (int(lengths.max()), int(lengths.min())) if lengths.size else (0, 0)
     offsets_t = torch.from_numpy(np.array(offsets))
     try:
@@ -270,4 +270,7 @@ def read_fields(batch: Batch, names: Sequence[str], columns: Mapping[str, Column
             out[name] = _jagged(torch.from_numpy(rows), offsets)
         else:
             out[name] = td.NonTensorStack(*batch[name])
-    return td.TensorDict(out, batch_size=[n])
+    # every value was built here with batch dimension n: skip TensorDict's per-value checks
+    # (a fifth of a read), where this tensordict has the constructor that does
+    unchecked = getattr(td.TensorDict, "_new_unsafe", None)
+    return (unchecked or td.TensorDict)(out, batch_size=[n])

@@ -265,3 +265,19 @@ def test_grpo_sampler_hands_out_whole_groups_only() -> None:
         assert got.global_indexes == first.global_indexes[:2]
     finally:
         tq.close()
+
+
+def test_streaming_loaders_of_one_group_yield_the_same_batches(rank_aware) -> None:
+    """TransferQueue's tutorial 06 with dp ranks: loaders with the same ``dp_rank`` (two
+    ranks of one group) yield the same micro-batches; another group's yield others."""
+
+    def first_two(dp_rank: int) -> list[list[int]]:
+        dataset = tq.StreamingDataset(config=None, batch_size=4, micro_batch_size=4,
+                                      data_fields=["x"], partition_id="train",
+                                      task_name="actor", dp_rank=dp_rank)  # fmt: skip
+        loader = iter(tq.StreamingDataLoader(dataset))
+        return [next(loader)[0]["x"].tolist() for _ in range(2)]
+
+    rank0, rank0_again, rank1 = first_two(0), first_two(0), first_two(1)
+    assert rank0 == rank0_again
+    assert not {*rank0[0], *rank0[1]} & {*rank1[0], *rank1[1]}

@@ -312,7 +312,7 @@ def start_compat(
     t0 = time.perf_counter()
     tq.init(
         {
-            "backend": {"SimpleStorage": {"total_storage_size": samples + 2 * batch}},
+            "backend": {"SimpleStorage": {"total_storage_size": 4 * samples}},
             "flowrl": {"placement": placement, "fetch_timeout": 60.0},
         }
     )

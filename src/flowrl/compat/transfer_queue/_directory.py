@@ -38,11 +38,16 @@ Method = Literal[
 _RUNNER_METHODS = {"sample": "sample", "clear_sampler_cache": "clear_cache"}
 
 
-class _Entry(msgspec.Struct):
+class _Entry(msgspec.Struct, gc=False):
+    """One sample's key, tag and fields. Untracked by the garbage collector, with its
+    fields a tuple and its tag shared-empty until set: a batch of new keys would otherwise
+    add thousands of tracked objects, and the full collections they set off cost more than
+    the put (an entry references no other entry, so it is in no cycle)."""
+
     partition: str
     key: str | None
-    tag: dict[str, Any]
-    fields: list[str]
+    tag: dict[str, Any] = msgspec.field(default_factory=dict)
+    fields: tuple[str, ...] = ()
 
 
 class KeyDirectory:
@@ -75,7 +80,7 @@ class KeyDirectory:
             for key, index in zip(keys, indices, strict=True):
                 if key not in known:
                     known[key] = index
-                    self._entries[index] = _Entry(partition, key, {}, [])
+                    self._entries[index] = _Entry(partition, key)
                 out.append(known[key])
             self._bump()
             return out
@@ -94,10 +99,12 @@ class KeyDirectory:
             for i, index in enumerate(indices):
                 entry = self._entries.get(index)
                 if entry is None:
-                    entry = self._entries[index] = _Entry(partition, None, {}, [])
+                    entry = self._entries[index] = _Entry(partition, None)
                 if tags is not None:
                     entry.tag.update(tags[i])
-                entry.fields.extend(f for f in fields if f not in entry.fields)
+                new = tuple(f for f in fields if f not in entry.fields)
+                if new:
+                    entry.fields += new
             self._bump()
 
     def describe(self, indices: Sequence[int]) -> tuple[list[dict[str, Any]], list[str]]:

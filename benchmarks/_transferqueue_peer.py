@@ -29,6 +29,8 @@ Protocol, through each client's public synchronous API (``tq.get_client()``):
   Each call is timed on its own: ``put_s``, ``get_meta_s``, ``get_data_s`` (``get_s`` is
   their sum), ``kv_batch_put_s``, ``kv_batch_get_s`` are the seconds all calls of that
   kind took in the round; ``<call>_samples_per_s`` the samples they moved per second.
+  After each phase's clear the driver pauses 0.5 s, untimed, for both clients: the
+  servers' freeing of what was cleared is not charged to the next phase.
 
 Every sample read back is checked against what was put (outside the timed
 regions).  Nothing is ever estimated: if a client cannot be imported or
@@ -64,6 +66,9 @@ _WARMUP_PARTITION = "flowrl_bench_warmup"
 _CONSUMER_TASK = "consumer"
 _GIB = float(1 << 30)
 _RAY_ATTEMPTS = 3
+# Untimed pause after each phase's clear: what a clear leaves to do in the background (the
+# servers freeing memory) is not charged to the next phase's calls.
+_SETTLE_S = 0.5
 _INSTALL_HINT = (
     "install it with `pip install -c constraints.txt transferqueue==0.1.11` where "
     "constraints.txt holds `torch==2.13.0` (it pulls ray[default] and tensordict; the "
@@ -196,6 +201,7 @@ class Peer:
 
         _verify(self.torch, self.data, put_indexes, self.starts, got, self.seq_len)
         client.clear_partition(partition)
+        time.sleep(_SETTLE_S)
         times = {"put_s": put_s, "get_meta_s": get_meta_s, "get_data_s": get_data_s}
         times.update(self._kv_round(f"{partition}_kv"))
         nbytes = payload_bytes(self.samples, self.seq_len)
@@ -223,6 +229,7 @@ class Peer:
         rows = list(range(self.samples))
         _verify(self.torch, self.data, [rows], [0], [(rows, _cat(self.torch, got))], self.seq_len)
         tq.kv_clear(keys=[k for batch_keys in keys for k in batch_keys], partition_id=partition)
+        time.sleep(_SETTLE_S)
         return {"kv_batch_put_s": t1 - t0, "kv_batch_get_s": t2 - t1}
 
 

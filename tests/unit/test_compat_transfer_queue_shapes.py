@@ -71,3 +71,16 @@ def test_get_data_pads_to_the_longest_row(q) -> None:
     assert first.to_padded_tensor(0).shape == (3, 30)
     meta = client.get_meta(["responses"], 3, "p", task_name="train")
     assert client.get_data(meta)["responses"].to_padded_tensor(0).shape == (3, 8)
+
+
+def test_a_read_takes_new_fields_as_any_tensordict_does(q) -> None:
+    """verl's trainer writes fields into what kv_batch_get returned (tensordict 0.10 refused
+    a nested one when the batch size was kept as a list, not a torch.Size)."""
+    q.kv_batch_put(keys=["a", "b"], partition_id="p",
+                   fields=TensorDict({"responses": _responses([3, 2])}, batch_size=2))  # fmt: skip
+    got = q.kv_batch_get(keys=["a", "b"], partition_id="p")
+    assert type(got.batch_size) is torch.Size and got.batch_size == (2,)
+    got["old_log_probs"] = torch.nested.as_nested_tensor(
+        [torch.zeros(3), torch.zeros(2)], layout=torch.jagged
+    )
+    assert got["old_log_probs"].to_padded_tensor(1.0).shape == (2, 3)

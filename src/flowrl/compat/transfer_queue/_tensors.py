@@ -273,4 +273,4 @@ def read_fields(batch: Batch, names: Sequence[str], columns: Mapping[str, Column
     # every value was built here with batch dimension n: skip TensorDict's per-value checks
     # (a fifth of a read), where this tensordict has the constructor that does
     unchecked = getattr(td.TensorDict, "_new_unsafe", None)
-    return (unchecked or td.TensorDict)(out, batch_size=[n])
+    return (unchecked or td.TensorDict)(out, batch_size=torch.Size([n]))

@@ -184,6 +184,8 @@ def test_compat_benchmark_runs_and_checks_what_it_read(where: str) -> None:
     assert info["placement"] == where and info["samples"] == 64
     assert len(rounds) == 2  # one per 'round' line, the client started once
     assert all(r["put_samples_per_s"] > 0 and r["get_samples_per_s"] > 0 for r in rounds)
+    calls = ("put", "get_meta", "get_data", "kv_batch_put", "kv_batch_get")  # each timed apart
+    assert all(r[f"{call}_s"] > 0 for r in rounds for call in calls)
 
 
 def test_zmq_streaming_dataloader_worker_process_joins() -> None:

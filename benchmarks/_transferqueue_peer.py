@@ -23,7 +23,14 @@ Protocol, through each client's public synchronous API (``tq.get_client()``):
 * a round: one producer calls ``client.put(TensorDict, partition_id=...)`` once per batch
   of ``batch`` samples; then one consumer task (``task_name="consumer"``) loops
   ``client.get_meta(fields, batch_size=batch, mode="fetch")`` + ``client.get_data(meta)``
-  until every sample has been consumed; the partition is cleared.
+  until every sample has been consumed; the partition is cleared. Then the KV API on the
+  same batches: ``kv_batch_put(keys, partition_id, fields)`` per batch (new keys), then
+  ``kv_batch_get(keys, partition_id)`` per batch, then ``kv_clear`` of every key.
+  Each call is timed on its own: ``put_s``, ``get_meta_s``, ``get_data_s`` (``get_s`` is
+  their sum), ``kv_batch_put_s``, ``kv_batch_get_s`` are the seconds all calls of that
+  kind took in the round; ``<call>_samples_per_s`` the samples they moved per second.
+  After each phase's clear the driver pauses 0.5 s, untimed, for both clients: the
+  servers' freeing of what was cleared is not charged to the next phase.
 
 Every sample read back is checked against what was put (outside the timed
 regions).  Nothing is ever estimated: if a client cannot be imported or
@@ -59,6 +66,9 @@ _WARMUP_PARTITION = "flowrl_bench_warmup"
 _CONSUMER_TASK = "consumer"
 _GIB = float(1 << 30)
 _RAY_ATTEMPTS = 3
+# Untimed pause after each phase's clear: what a clear leaves to do in the background (the
+# servers freeing memory) is not charged to the next phase's calls.
+_SETTLE_S = 0.5
 _INSTALL_HINT = (
     "install it with `pip install -c constraints.txt transferqueue==0.1.11` where "
     "constraints.txt holds `torch==2.13.0` (it pulls ray[default] and tensordict; the "
@@ -108,6 +118,13 @@ def _make_payload(torch: Any, samples: int, seq_len: int) -> dict[str, Any]:
     }
 
 
+def _cat(torch: Any, parts: list[Any]) -> dict[str, Any]:
+    """The fields of several ``get`` results, rows concatenated in order."""
+    return {
+        f: torch.cat([_field_rows(torch, p[f], p.batch_size[0]) for p in parts]) for f in _FIELDS
+    }
+
+
 def _field_rows(torch: Any, value: Any, n: int) -> Any:
     """Per-sample rows of a field returned by ``get_data``, as one dense [n, ...] tensor.
 
@@ -120,12 +137,15 @@ def _field_rows(torch: Any, value: Any, n: int) -> Any:
 
 
 class Peer:
-    """A started client with the benchmark payload, ready to run measured rounds."""
+    """A started client (and its module, for the KV API) with the benchmark payload,
+    ready to run measured rounds."""
 
-    def __init__(self, client: Any, torch: Any, samples: int, seq_len: int, batch: int) -> None:
+    def __init__(
+        self, tq: Any, client: Any, torch: Any, samples: int, seq_len: int, batch: int
+    ) -> None:
         from tensordict import TensorDict
 
-        self.client, self.torch = client, torch
+        self.tq, self.client, self.torch = tq, client, torch
         self.samples, self.seq_len, self.batch = samples, seq_len, batch
         self.data = _make_payload(torch, samples, seq_len)
         self.starts = list(range(0, samples, batch))
@@ -162,29 +182,55 @@ class Peer:
 
         got: list[tuple[list[int], Any]] = []
         remaining = self.samples
-        tg0 = time.perf_counter()
+        get_meta_s = get_data_s = 0.0
         while remaining > 0:
             n = min(self.batch, remaining)
+            t0 = time.perf_counter()
             meta = client.get_meta(
                 data_fields=fields, batch_size=n, partition_id=partition, task_name=_CONSUMER_TASK
             )
+            t1 = time.perf_counter()
+            data = client.get_data(meta)
+            t2 = time.perf_counter()
+            get_meta_s, get_data_s = get_meta_s + t1 - t0, get_data_s + t2 - t1
             if meta.size != n:
                 raise RuntimeError(f"peer: get_meta returned {meta.size} samples, expected {n}")
-            got.append((meta.global_indexes, client.get_data(meta)))
+            got.append((meta.global_indexes, data))
             remaining -= n
-        get_s = time.perf_counter() - tg0
+        get_s = get_meta_s + get_data_s
 
         _verify(self.torch, self.data, put_indexes, self.starts, got, self.seq_len)
         client.clear_partition(partition)
+        time.sleep(_SETTLE_S)
+        times = {"put_s": put_s, "get_meta_s": get_meta_s, "get_data_s": get_data_s}
+        times.update(self._kv_round(f"{partition}_kv"))
         nbytes = payload_bytes(self.samples, self.seq_len)
         return {
-            "put_samples_per_s": self.samples / put_s,
-            "get_samples_per_s": self.samples / get_s,
             "put_gib_per_s": nbytes / put_s / _GIB,
             "get_gib_per_s": nbytes / get_s / _GIB,
-            "put_s": put_s,
+            "get_samples_per_s": self.samples / get_s,
             "get_s": get_s,
+            **{f"{k[:-2]}_samples_per_s": self.samples / v for k, v in times.items()},
+            **times,
         }
+
+    def _kv_round(self, partition: str) -> dict[str, float]:
+        """``kv_batch_put`` of every batch under new keys, then ``kv_batch_get`` of each;
+        the values read are checked; every key is cleared (not timed)."""
+        tq = self.tq
+        keys = [[f"s{s + i}" for i in range(td.batch_size[0])]
+                for s, td in zip(self.starts, self.batches, strict=True)]  # fmt: skip
+        t0 = time.perf_counter()
+        for batch_keys, td in zip(keys, self.batches, strict=True):
+            tq.kv_batch_put(keys=batch_keys, partition_id=partition, fields=td)
+        t1 = time.perf_counter()
+        got = [tq.kv_batch_get(keys=batch_keys, partition_id=partition) for batch_keys in keys]
+        t2 = time.perf_counter()
+        rows = list(range(self.samples))
+        _verify(self.torch, self.data, [rows], [0], [(rows, _cat(self.torch, got))], self.seq_len)
+        tq.kv_clear(keys=[k for batch_keys in keys for k in batch_keys], partition_id=partition)
+        time.sleep(_SETTLE_S)
+        return {"kv_batch_put_s": t1 - t0, "kv_batch_get_s": t2 - t1}
 
 
 @contextlib.contextmanager
@@ -253,7 +299,7 @@ def start_transferqueue(
             "backend": "SimpleStorage",
             "ray_version": ray.__version__,
         }
-        yield Peer(client, torch, samples, seq_len, batch), info
+        yield Peer(tq, client, torch, samples, seq_len, batch), info
     finally:
         try:
             tq.close()
@@ -273,13 +319,13 @@ def start_compat(
     t0 = time.perf_counter()
     tq.init(
         {
-            "backend": {"SimpleStorage": {"total_storage_size": samples + 2 * batch}},
+            "backend": {"SimpleStorage": {"total_storage_size": 4 * samples}},
             "flowrl": {"placement": placement, "fetch_timeout": 60.0},
         }
     )
     try:
         info = {"client": "compat", "placement": placement, "startup_s": time.perf_counter() - t0}
-        yield Peer(tq.get_client(), torch, samples, seq_len, batch), info
+        yield Peer(tq, tq.get_client(), torch, samples, seq_len, batch), info
     finally:
         tq.close()
 

@@ -53,8 +53,11 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
   ``--peer-rounds`` (5) alternating rounds, each in its own process started once; every
   figure is the median over rounds, and ``put_get_speedup_vs_transferqueue`` of a
   placement is the median of TransferQueue's put + get seconds over the compat client's
-  in the same round (``put_get_speedup_per_round`` lists them), with the put and get
-  speedups apart.
+  in the same round (``put_get_speedup_per_round`` lists them), with the get speedup
+  apart. Each call is compared apart too: ``<call>_speedup_vs_transferqueue`` (median over
+  rounds of TransferQueue's seconds in that call over the compat client's),
+  ``<call>_speedup_lowest_round`` and ``<call>_speedup_per_round``, for ``put``,
+  ``get_meta``, ``get_data``, ``kv_batch_put`` and ``kv_batch_get``.
 
 Read ratios from one run; absolute numbers drift on a shared 2-core machine.
 Usage: python benchmarks/hub_throughput.py --json [--transport zmq] [--peer]
@@ -433,6 +436,9 @@ def _echo(address: str) -> None:
     ctx.term()
 
 
+#: The calls --peer times one by one (benchmarks/_transferqueue_peer.py, ``<call>_s``).
+PEER_CALLS = ("put", "get_meta", "get_data", "kv_batch_put", "kv_batch_get")
+
 PEER_CLIENTS = {
     "transferqueue": ["--client", "transferqueue"],
     "inproc": ["--client", "compat", "--placement", "inproc"],
@@ -489,12 +495,14 @@ def peer_rounds(samples: int, seq_len: int, batch: int, rounds: int) -> dict:
             ratios = [(t["put_s"] + t["get_s"]) / (c["put_s"] + c["get_s"]) for t, c in pairs]
             got["put_get_speedup_vs_transferqueue"] = statistics.median(ratios)
             got["put_get_speedup_per_round"] = ratios
-            got["put_speedup_vs_transferqueue"] = statistics.median(
-                t["put_s"] / c["put_s"] for t, c in pairs
-            )
             got["get_speedup_vs_transferqueue"] = statistics.median(
                 t["get_s"] / c["get_s"] for t, c in pairs
             )
+            for call in PEER_CALLS:  # each call apart: the median and the lowest round
+                per_round = [t[f"{call}_s"] / c[f"{call}_s"] for t, c in pairs]
+                got[f"{call}_speedup_vs_transferqueue"] = statistics.median(per_round)
+                got[f"{call}_speedup_lowest_round"] = min(per_round)
+                got[f"{call}_speedup_per_round"] = per_round
     return {"peer": tq, "compat": compat}
 
 

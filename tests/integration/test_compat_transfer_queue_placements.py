@@ -94,6 +94,77 @@ def test_ray_placement_task_joins(ray_runtime) -> None:
         tq.close()
 
 
+RANK = textwrap.dedent(
+    """
+    import json, sys
+    import flowrl.compat.transfer_queue as tq
+
+    tq.init()  # joins; the hub's sampler is the parent's RankAwareSampler
+    client = tq.get_client()
+    config = {"dp_rank": int(sys.argv[1]), "batch_index": 0}
+    meta = client.get_meta(["x"], 3, "train", task_name="actor", sampling_config=config)
+    print(json.dumps(client.get_data(meta)["x"].tolist()))
+    tq.close()
+    """
+)
+
+
+def test_zmq_ranks_of_a_group_in_other_processes_get_the_same_batch() -> None:
+    """Issue 24, item 5: the hub's sampler runs in the process that called init, so ranks
+    in other processes share its cache, as TransferQueue's controller-side sampler."""
+    tq.init({"controller": {"sampler": "RankAwareSampler"},
+             "flowrl": {"placement": "zmq", "fetch_timeout": 60.0}})  # fmt: skip
+    try:
+        tq.get_client().put(TensorDict({"x": torch.arange(9)}, batch_size=9), partition_id="train")
+
+        def rank(dp_rank: int) -> list[int]:
+            run = [sys.executable, "-c", RANK, str(dp_rank)]
+            out = subprocess.run(run, check=True, timeout=120, capture_output=True, text=True)
+            return json.loads(out.stdout.strip().splitlines()[-1])
+
+        group0 = [rank(0), rank(0)]
+        group1 = rank(1)
+        assert group0[0] == group0[1] and len(group0[0]) == 3
+        assert not set(group0[0]) & set(group1)
+        config = {"dp_rank": 1, "batch_index": 0}
+        here = tq.get_client().get_meta(["x"], 3, "train", task_name="actor",
+                                        sampling_config=config)  # fmt: skip
+        assert tq.get_client().get_data(here)["x"].tolist() == group1
+    finally:
+        tq.close()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_ray_worker_with_no_hub_to_join_fails_at_once(ray_runtime) -> None:
+    """Issue 24, item 6: the driver's hub is in-process, so a worker's bare ``tq.init()``
+    has nothing to join; it raises (saying how to join) instead of starting a private hub
+    whose puts the driver would never see."""
+    ray = pytest.importorskip("ray")
+    from flowrl.errors import ConfigError
+
+    ray_runtime.single()
+    tq.init()  # the default: in-process, in the driver only
+    try:
+
+        @ray.remote(num_cpus=0)
+        def worker(conf: dict | None) -> str:
+            import flowrl.compat.transfer_queue as joined
+
+            joined.init(conf)
+            try:
+                return joined.get_client().hub.__class__.__name__
+            finally:
+                joined.close()
+
+        with pytest.raises(ConfigError, match=r"Ray worker found no TransferQueue hub.*'ray'"):
+            ray.get(worker.remote(None))
+        # a hub of the worker's own, asked for by name, is the worker's to have
+        assert ray.get(worker.remote({"flowrl": {"placement": "inproc"}})) == "Hub"
+    finally:
+        tq.close()
+
+
 @pytest.mark.parametrize("where", ["inproc", "zmq"])
 def test_compat_benchmark_runs_and_checks_what_it_read(where: str) -> None:
     """The --peer benchmark's compat side at a tiny size (it compares every sample read
@@ -113,6 +184,8 @@ def test_compat_benchmark_runs_and_checks_what_it_read(where: str) -> None:
     assert info["placement"] == where and info["samples"] == 64
     assert len(rounds) == 2  # one per 'round' line, the client started once
     assert all(r["put_samples_per_s"] > 0 and r["get_samples_per_s"] > 0 for r in rounds)
+    calls = ("put", "get_meta", "get_data", "kv_batch_put", "kv_batch_get")  # each timed apart
+    assert all(r[f"{call}_s"] > 0 for r in rounds for call in calls)
 
 
 def test_zmq_streaming_dataloader_worker_process_joins() -> None:

@@ -307,8 +307,10 @@ def test_bad_input_is_refused_and_changes_nothing(q) -> None:
 
 
 def test_init_refuses_unsupported_config() -> None:
-    with pytest.raises(ConfigError, match="GRPOGroupNSampler"):
-        tq.init({"controller": {"sampler": "GRPOGroupNSampler"}})
+    with pytest.raises(ConfigError, match="names no sampler"):
+        tq.init({"controller": {"sampler": "FancySampler"}})
+    with pytest.raises(ConfigError, match="must be a sampler"):
+        tq.init({"controller": {"sampler": 3}})
     with pytest.raises(ConfigError, match="placement"):
         tq.init({"flowrl": {"placement": "k8s"}})
     with pytest.raises(ConfigError, match="num_data_storage_units"):

@@ -331,3 +331,44 @@ def test_example_runs() -> None:
         [sys.executable, str(path)], capture_output=True, text=True, timeout=600, check=True
     )
     assert out.stdout.strip().splitlines()[-1] == "{'groups': 12, 'trajectories': 48}"
+
+
+class _LargestTensor(torch.overrides.TorchFunctionMode):
+    """Records the largest dense tensor any torch call returns while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for value in torch.utils._pytree.tree_leaves(out):
+            if isinstance(value, torch.Tensor) and not value.is_nested:
+                self.nbytes = max(self.nbytes, value.numel() * value.element_size())
+        return out
+
+
+def test_a_steps_memory_is_linear_in_the_batch_size(v1, tq) -> None:
+    """Issue 24, item 1: verl pads what kv_batch_get returns (``to_padded_tensor``); with
+    jagged fields padded to the batch's token count, the largest tensor of a step grew with
+    the square of the batch. Four times the groups, at most four times the bytes."""
+    config = _config()
+    agent_loops = InProcessAgentLoops(v1, config)
+    trainer = _trainer(v1, config, agent_loops)
+    largest = []
+    try:
+        for step, prompts in enumerate((PROMPTS, 4 * PROMPTS), start=1):
+            trainer.global_steps = step
+            trainer._submit_batch_to_rollout(_prompts(100 * step, prompts, step))
+            batch, _ = trainer.replay_buffer.sample(
+                global_steps=step, partition_id="train", batch_size=prompts
+            )
+            with _LargestTensor() as seen:
+                batch = trainer._compute_old_log_prob(batch, {})
+                batch = trainer._compute_advantage(batch, {})
+            _check_advantages(tq, batch)
+            largest.append(seen.nbytes)
+            tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
+    finally:
+        agent_loops.close()
+    assert 0 < largest[1] <= 4 * largest[0], largest

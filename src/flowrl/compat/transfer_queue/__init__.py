@@ -4,7 +4,9 @@ Code written for TransferQueue (``import transfer_queue as tq``) runs against fl
 changing that import: ``tq.init()``, the KV API (``kv_put``, ``kv_batch_put``,
 ``kv_batch_get``, ``kv_list``, ``kv_clear`` and their ``async_`` twins), the client of
 ``tq.get_client()`` (``put``, ``get_meta``, ``get_data``, ...) and ``StreamingDataset`` /
-``StreamingDataLoader``. No Ray start-up (unless the ``ray`` placement is asked for) and
+``StreamingDataLoader``, the records of ``transfer_queue.metadata`` (``BatchMeta``,
+``KVBatchMeta``) and the samplers of ``transfer_queue.sampler`` (``controller.sampler`` of
+``tq.init``). No Ray start-up (unless the ``ray`` placement is asked for) and
 no pickle on the wire. What differs is listed in docs/transfer_queue.md.
 """
 
@@ -27,11 +29,21 @@ from flowrl.compat.transfer_queue._api import (
 from flowrl.compat.transfer_queue._client import TransferQueueClient
 from flowrl.compat.transfer_queue._dataloader import StreamingDataLoader, StreamingDataset
 from flowrl.compat.transfer_queue._meta import BatchMeta, KVBatchMeta
+from flowrl.compat.transfer_queue.sampler import (
+    BaseSampler,
+    GRPOGroupNSampler,
+    RankAwareSampler,
+    SequentialSampler,
+)
 
 __all__ = [
     "ADDRESS_ENV",
+    "BaseSampler",
     "BatchMeta",
+    "GRPOGroupNSampler",
     "KVBatchMeta",
+    "RankAwareSampler",
+    "SequentialSampler",
     "StreamingDataLoader",
     "StreamingDataset",
     "TransferQueueClient",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import math
 import os
 import shutil
 import sys
@@ -27,9 +28,10 @@ import msgspec
 from flowrl._client.base import HubClient
 from flowrl._client.inproc import Hub
 from flowrl._config import HubConfig
-from flowrl.compat.transfer_queue._client import TransferQueueClient
+from flowrl.compat.transfer_queue._client import DEFAULT_PUT_TIMEOUT, TransferQueueClient
 from flowrl.compat.transfer_queue._directory import DirectoryServer, KeyDirectory, RemoteDirectory
 from flowrl.compat.transfer_queue._meta import KVBatchMeta
+from flowrl.compat.transfer_queue._sampling import SamplerRunner, resolve_sampler
 from flowrl.errors import ConfigError
 
 __all__ = [
@@ -54,7 +56,6 @@ ADDRESS_ENV = "FLOWRL_TQ_ADDRESS"
 _RAY_ACTOR = "flowrl_tq_addresses"
 _RAY_NAMESPACE = "flowrl_transfer_queue"
 _PLACEMENTS = ("inproc", "zmq", "ray")
-_SAMPLERS = (None, "SequentialSampler")
 
 
 class _State:
@@ -75,11 +76,13 @@ def init(conf: Any = None, *, hub: HubClient | None = None) -> dict[str, Any]:
     """Start the hub (first call in a process tree) or join it; returns the config used.
 
     ``conf`` (a dict or an OmegaConf config) keeps TransferQueue's keys where they mean
-    something here: ``controller.polling_mode``, ``controller.sampler``
-    (``SequentialSampler`` only), ``backend.SimpleStorage.num_data_storage_units`` (storage
-    units) and ``total_storage_size`` (capacity). flowrl's own under ``flowrl``:
+    something here: ``controller.polling_mode``, ``controller.sampler`` (a sampler name,
+    class or instance; it runs in this process for the whole hub),
+    ``backend.SimpleStorage.num_data_storage_units`` (storage units) and
+    ``total_storage_size`` (capacity). flowrl's own under ``flowrl``:
     ``placement`` (``inproc`` | ``zmq`` | ``ray``), ``fetch_timeout`` (seconds get_meta
-    waits), ``lease_timeout``. ``hub``: serve an existing flowrl hub instead.
+    waits), ``put_timeout`` (seconds a put waits for room in a full hub), ``lease_timeout``.
+    ``hub``: serve an existing flowrl hub instead.
     """
     if _forked():  # leave the parent's client and servers alone; join them instead
         _State.client, _State.owned = None, []
@@ -90,14 +93,19 @@ def init(conf: Any = None, *, hub: HubClient | None = None) -> dict[str, Any]:
     client_args = {
         "polling_mode": config["controller"]["polling_mode"],
         "fetch_timeout": options["fetch_timeout"],
+        "put_timeout": options["put_timeout"],
     }
     joined = _join(options["placement"]) if hub is None else None
+    if joined is None and hub is None and options["placement"] == "inproc":
+        _refuse_a_private_hub_in_a_ray_worker(conf)
     if joined is not None:
-        _State.owned.append(joined[0].close)  # this process's connection, not the hub
-        _State.client = TransferQueueClient(*joined, **client_args)
+        joined_hub, remote = joined
+        _State.owned.append(joined_hub.close)  # this process's connection, not the hub
+        sampling = remote if remote.sampler_name() else None  # the hub's, not conf's
+        _State.client = TransferQueueClient(joined_hub, remote, sampling=sampling, **client_args)
     else:
-        hub, directory = _start(options["placement"], config, hub)
-        _State.client = TransferQueueClient(hub, directory, **client_args)
+        hub, directory, runner = _start(options["placement"], config, hub)
+        _State.client = TransferQueueClient(hub, directory, sampling=runner, **client_args)
     _State.config = config
     _State.pid = os.getpid()
     return config
@@ -125,10 +133,16 @@ def get_client() -> TransferQueueClient:
 
 # -- KV API ----------------------------------------------------------------------------------
 def kv_put(
-    key: str, partition_id: str, fields: Any = None, tag: dict[str, Any] | None = None
+    key: str,
+    partition_id: str,
+    fields: Any = None,
+    tag: dict[str, Any] | None = None,
+    *,
+    timeout: float | None = None,
 ) -> KVBatchMeta:
-    """Put one key's fields (TensorDict of batch 1, or a dict of its values) and/or tag."""
-    return get_client().kv_put(key, partition_id, fields, tag)
+    """Put one key's fields (TensorDict of batch 1, or a dict of its values) and/or tag; a
+    new key waits up to ``timeout`` s (default ``flowrl.put_timeout``) for room."""
+    return get_client().kv_put(key, partition_id, fields, tag, timeout=timeout)
 
 
 def kv_batch_put(
@@ -136,9 +150,12 @@ def kv_batch_put(
     partition_id: str,
     fields: Any = None,
     tags: list[dict[str, Any]] | None = None,
+    *,
+    timeout: float | None = None,
 ) -> KVBatchMeta:
-    """Put the fields (a TensorDict, batch = len(keys)) and/or tags of several keys."""
-    return get_client().kv_batch_put(keys, partition_id, fields, tags)
+    """Put the fields (a TensorDict, batch = len(keys)) and/or tags of several keys; new
+    keys wait up to ``timeout`` s (default ``flowrl.put_timeout``) for room."""
+    return get_client().kv_batch_put(keys, partition_id, fields, tags, timeout=timeout)
 
 
 def kv_batch_get(
@@ -182,7 +199,7 @@ async_kv_clear = _in_thread(kv_clear)
 # -- start, join -------------------------------------------------------------------------------
 def _start(
     placement: str, config: dict[str, Any], hub: HubClient | None
-) -> tuple[HubClient, KeyDirectory | RemoteDirectory]:
+) -> tuple[HubClient, KeyDirectory, SamplerRunner | None]:
     directory = KeyDirectory()
     if hub is None:
         hub_config = HubConfig(
@@ -192,13 +209,15 @@ def _start(
         )
         hub = _launch(placement, hub_config)
         _State.owned.append(hub.close)
+    sampler = config["controller"]["sampler"]
+    runner = None if sampler is None else SamplerRunner(hub, sampler)
     if isinstance(hub, Hub):
-        return hub, directory
+        return hub, directory, runner
     if placement == "ray":
-        server = DirectoryServer(directory, f"tcp://{_node_ip()}:0")
+        server = DirectoryServer(directory, f"tcp://{_node_ip()}:0", runner)
     else:
         folder = tempfile.mkdtemp(prefix="flowrl-tq-")
-        server = DirectoryServer(directory, f"ipc://{folder}/directory")
+        server = DirectoryServer(directory, f"ipc://{folder}/directory", runner)
         _State.owned.append(functools.partial(shutil.rmtree, folder, ignore_errors=True))
     _State.owned.append(server.close)
     addresses = {"hub": hub.address, "directory": server.address}  # type: ignore[attr-defined]
@@ -207,7 +226,7 @@ def _start(
     else:
         os.environ[ADDRESS_ENV] = json.dumps(addresses)
         _State.owned.append(lambda: os.environ.pop(ADDRESS_ENV, None))
-    return hub, directory
+    return hub, directory, runner
 
 
 def _launch(placement: str, config: HubConfig) -> HubClient:
@@ -235,6 +254,28 @@ def _join(placement: str) -> tuple[HubClient, RemoteDirectory] | None:
         return None
     directory = RemoteDirectory(addresses["directory"])
     return connect(addresses["hub"]), directory
+
+
+def _refuse_a_private_hub_in_a_ray_worker(conf: Any) -> None:
+    """A bare ``init()`` in a Ray worker that found no hub to join fails here: an embedded
+    hub of its own would take the worker's puts where no other process sees them. (An
+    ``inproc`` placement the caller names is theirs to have.)"""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return
+    if ray.get_runtime_context().worker.mode != ray.WORKER_MODE:
+        return  # the driver
+    flowrl_options = (conf or {}).get("flowrl") if hasattr(conf, "get") else None
+    if flowrl_options and flowrl_options.get("placement") is not None:
+        return
+    raise ConfigError(
+        "tq.init() in a Ray worker found no TransferQueue hub to join, and would start a "
+        "private one that no other process sees. Start the driver's hub with "
+        "tq.init({'flowrl': {'placement': 'ray'}}) before the workers (they join it with a "
+        f"bare tq.init()), or with placement 'zmq' and pass its {ADDRESS_ENV} to the workers "
+        f"(runtime_env={{'env_vars': {{'{ADDRESS_ENV}': ...}}}}); to want a hub of this "
+        "worker's own, say tq.init({'flowrl': {'placement': 'inproc'}})"
+    )
 
 
 def _node_ip() -> str:
@@ -287,12 +328,6 @@ def _parse(conf: Any) -> dict[str, Any]:
     else:
         raise ConfigError(f"tq.init() conf must be a dict or an OmegaConf config, got {conf!r}")
     controller = dict(raw.get("controller") or {})
-    sampler = controller.get("sampler")
-    if sampler not in _SAMPLERS:
-        raise ConfigError(
-            f"tq.init(): controller.sampler {sampler!r} is not supported by flowrl's "
-            "TransferQueue client (SequentialSampler only: samples are taken oldest first)"
-        )
     simple = dict((raw.get("backend") or {}).get("SimpleStorage") or {})
     backend = (raw.get("backend") or {}).get("storage_backend", "SimpleStorage")
     if backend != "SimpleStorage":
@@ -309,7 +344,10 @@ def _parse(conf: Any) -> dict[str, Any]:
     default_timeout = float(os.environ.get("TQ_CONTROLLER_GET_METADATA_TIMEOUT", 1))
     timeout = options.get("fetch_timeout", default_timeout)
     return {
-        "controller": {"polling_mode": bool(controller.get("polling_mode", False))},
+        "controller": {
+            "polling_mode": bool(controller.get("polling_mode", False)),
+            "sampler": resolve_sampler(controller.get("sampler")),
+        },
         "backend": {
             "storage_backend": "SimpleStorage",
             "SimpleStorage": {
@@ -320,6 +358,9 @@ def _parse(conf: Any) -> dict[str, Any]:
         "flowrl": {
             "placement": placement,
             "fetch_timeout": _seconds(timeout, "flowrl.fetch_timeout"),
+            "put_timeout": _seconds(
+                options.get("put_timeout", DEFAULT_PUT_TIMEOUT), "flowrl.put_timeout"
+            ),
             "lease_timeout": _seconds(options.get("lease_timeout", 300.0), "flowrl.lease_timeout"),
         },
     }
@@ -335,6 +376,8 @@ def _positive(section: Mapping[str, Any], key: str, default: int) -> int:
 
 
 def _seconds(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise ConfigError(f"tq.init(): {what} must be a number of seconds >= 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise ConfigError(
+            f"tq.init(): {what} must be a finite number of seconds >= 0, got {value!r}"
+        )
     return float(value)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import math
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,27 +34,44 @@ from flowrl._controller.meta import BatchMeta as HubMeta
 from flowrl._schema.columns import Column
 from flowrl._schema.ragged import RaggedArray
 from flowrl.compat.transfer_queue._directory import KeyDirectory, RemoteDirectory
-from flowrl.compat.transfer_queue._meta import BatchMeta, KVBatchMeta
+from flowrl.compat.transfer_queue._meta import BatchMeta, KVBatchMeta, field_schema_of
+from flowrl.compat.transfer_queue._sampling import SamplerRunner
 from flowrl.compat.transfer_queue._tensors import (
     check_field_name,
+    check_tags,
     field_columns,
     import_tensordict,
     read_fields,
     single_sample,
 )
-from flowrl.errors import ConfigError, NothingReady, SchemaError, Timeout, UnknownColumnError
+from flowrl.errors import (
+    ConfigError,
+    HubFull,
+    NothingReady,
+    SchemaError,
+    Timeout,
+    UnknownColumnError,
+)
 
-__all__ = ["TransferQueueClient"]
+__all__ = ["DEFAULT_PUT_TIMEOUT", "TransferQueueClient"]
 
 _ALL = "_tq_all:"
 _CLEAR = "_tq_clear"
 _CLAIM_ALL = 1 << 20  # samples one clear_partition claim takes at most
 _RETRY_S = 0.01
+#: Seconds a put of new samples waits for room in a full hub, unless told otherwise.
+DEFAULT_PUT_TIMEOUT = 60.0
 
 
+@functools.lru_cache(maxsize=4096)
 def _marker(partition: str) -> str:
     """The column only samples inserted into ``partition`` have (a name for any string)."""
     return "_tq_p_" + hashlib.blake2b(partition.encode(), digest_size=8).hexdigest()
+
+
+@functools.lru_cache(maxsize=4096)
+def _marker_column(partition: str) -> Column:
+    return Column.scalar(_marker(partition), "bool")
 
 
 @final
@@ -62,7 +80,9 @@ class TransferQueueClient:
 
     ``fetch_timeout``: seconds ``get_meta`` waits for ``batch_size`` ready samples before it
     raises ``TimeoutError`` (TransferQueue's ``TQ_CONTROLLER_GET_METADATA_TIMEOUT``); with
-    ``polling_mode`` it returns an empty ``BatchMeta`` at once instead.
+    ``polling_mode`` it returns an empty ``BatchMeta`` at once instead. ``put_timeout``:
+    seconds a put of new samples waits for room in a full hub before it raises
+    :class:`~flowrl.errors.Timeout` (each writing call takes its own ``timeout`` too).
     """
 
     def __init__(
@@ -72,6 +92,8 @@ class TransferQueueClient:
         *,
         polling_mode: bool = False,
         fetch_timeout: float = 1.0,
+        put_timeout: float = DEFAULT_PUT_TIMEOUT,
+        sampling: SamplerRunner | RemoteDirectory | None = None,
     ) -> None:
         if not isinstance(hub, HubClient):
             raise ConfigError(f"TransferQueueClient needs a flowrl hub client, got {hub!r}")
@@ -79,6 +101,8 @@ class TransferQueueClient:
         self.directory = directory
         self.polling_mode = polling_mode
         self.fetch_timeout = fetch_timeout
+        self.put_timeout = put_timeout
+        self.sampling = sampling  # the hub's sampler, if tq.init was given one
         self._tasks: set[str] = set()  # hub tasks this client registered
         # Over a transport, get_meta's ack goes out from a worker thread, overlapping the
         # caller's get_data; a failed ack is raised by this client's next call.
@@ -91,32 +115,37 @@ class TransferQueueClient:
         data: Any,
         metadata: BatchMeta | None = None,
         partition_id: str | None = None,
+        *,
+        timeout: float | None = None,
     ) -> BatchMeta:
-        """Write a TensorDict: new samples into ``partition_id``, or fields of ``metadata``'s."""
+        """Write a TensorDict: new samples into ``partition_id``, or fields of ``metadata``'s.
+
+        New samples wait up to ``timeout`` seconds (default ``put_timeout``) for room.
+        """
+        seconds = self._timeout(timeout, "put()")
         n, columns, values = field_columns(data, "put()", self._schema_for(data))
         names = [c.name for c in columns]
         if metadata is None:
             partition = _check_partition(partition_id, "put()")
-            indices = self._insert(partition, n, columns, values)
-            return BatchMeta(_handle(indices, names), [partition] * n, names)
+            indices = self._insert(partition, n, columns, values, seconds, "put()")
+            return BatchMeta._of(
+                _handle(indices, names), [partition] * n, self._schema_of(names), produced=True
+            )
         if not isinstance(metadata, BatchMeta):
             raise ConfigError(f"put() metadata must be a BatchMeta, got {metadata!r}")
         if n != len(metadata):
             raise SchemaError(
                 f"put(): the TensorDict has {n} samples but metadata names {len(metadata)}"
             )
-        self._update(metadata.handle.indices, columns, values)
+        if metadata._custom is not None:
+            check_tags(metadata._custom, "put() metadata.custom_meta")
+        self._update(np.asarray(metadata.global_indexes, dtype=np.int64), columns, values)
         if metadata._custom is not None:  # fetched or changed here: store it
             self.set_custom_meta(metadata)
-        fields = sorted({*metadata.field_names, *names})
-        return BatchMeta(
-            metadata.handle,
-            metadata.partition_ids,
-            fields,
-            custom_meta=metadata._custom,
-            fetch_custom=self._custom_meta,
-            extra_info=metadata.extra_info,
-        )
+        written = metadata.copy()
+        written.field_schema.update(self._schema_of(names))
+        written.production_status[:] = 1
+        return written
 
     def get_meta(
         self,
@@ -126,13 +155,16 @@ class TransferQueueClient:
         mode: str = "fetch",
         task_name: str | None = None,
         sampling_config: Mapping[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
     ) -> BatchMeta:
         """Take ``batch_size`` samples of ``partition_id`` whose ``data_fields`` are ready and
         that ``task_name`` has not consumed; they count as consumed from here on.
 
-        Waits up to ``fetch_timeout`` seconds (``TimeoutError``), or returns an empty
-        ``BatchMeta`` at once in polling mode. ``sampling_config`` is accepted for
-        TransferQueue's samplers and ignored (samples are taken oldest first).
+        Waits up to ``timeout`` seconds (default ``fetch_timeout``; then ``TimeoutError``,
+        flowrl's :class:`~flowrl.errors.Timeout`), or returns an empty
+        ``BatchMeta`` at once in polling mode. ``sampling_config`` goes to the hub's sampler
+        (``controller.sampler`` of ``tq.init``); the default one takes the oldest samples.
         """
         fields = _check_fields(data_fields, "get_meta()")
         partition = _check_partition(partition_id, "get_meta()")
@@ -147,22 +179,59 @@ class TransferQueueClient:
             raise ConfigError(f"get_meta() batch_size must be a positive int, got {batch_size!r}")
         if sampling_config is not None and not isinstance(sampling_config, Mapping):
             raise ConfigError(f"get_meta() sampling_config must be a dict, got {sampling_config!r}")
+        wait = self.fetch_timeout if timeout is None else self._timeout(timeout, "get_meta()")
         task = f"tq:{task_name}:{partition}:{','.join(sorted(fields))}"
-        deadline = time.monotonic() + (0.0 if self.polling_mode else self.fetch_timeout)
+        deadline = time.monotonic() + (0.0 if self.polling_mode else wait)
         try:
             self._ensure_consumer(task, fields, partition, deadline)
+            if self.sampling is not None:
+                wanted = (task, task_name, partition, batch_size, dict(sampling_config or {}))
+                return self._sampled(self.sampling, wanted, fields, deadline)
             claimed = self.hub.claim(task, batch_size, timeout=self._left(deadline))
         except (NothingReady, Timeout) as e:
             if self.polling_mode:
-                return BatchMeta(_handle(np.empty(0, np.int64), fields), [], fields)
+                return BatchMeta.empty()
             raise Timeout(
                 f"get_meta(): fewer than {batch_size} samples of partition {partition!r} have "
-                f"fields {fields} ready for task {task_name!r} after {self.fetch_timeout} s "
-                "(TransferQueueClient.fetch_timeout)"
+                f"fields {fields} ready for task {task_name!r} after {wait} s "
+                "(get_meta's timeout, TransferQueueClient.fetch_timeout by default)"
             ) from e
         self._ack(claimed)
-        return BatchMeta(
-            claimed, [partition] * len(claimed), fields, fetch_custom=self._custom_meta
+        return BatchMeta._of(
+            claimed,
+            [partition] * len(claimed),
+            self._schema_of(fields),
+            produced=True,
+            fetch_custom=self._custom_meta,
+        )
+
+    def _sampled(
+        self,
+        sampling: SamplerRunner | RemoteDirectory,
+        wanted: tuple[str, str, str, int, dict[str, Any]],
+        fields: list[str],
+        deadline: float,
+    ) -> BatchMeta:
+        """get_meta through the hub's sampler (tq.init's controller.sampler): what it hands
+        out, once it hands out something; empty in polling mode. ``wanted``: the hub task,
+        the task name, the partition, the batch size and the sampling config."""
+        task_name, partition = wanted[1], wanted[2]
+        while True:
+            taken = sampling.sample(*wanted)
+            if taken or self.polling_mode:
+                break
+            if time.monotonic() >= deadline:
+                raise Timeout(f"the sampler handed out nothing for task {task_name!r}")
+            time.sleep(_RETRY_S)
+        if not taken:
+            return BatchMeta.empty()
+        handle = self.hub.meta(np.asarray(taken, dtype=np.int64), fields)
+        return BatchMeta._of(
+            handle,
+            [partition] * len(taken),
+            self._schema_of(fields),
+            produced=True,
+            fetch_custom=self._custom_meta,
         )
 
     def get_data(self, metadata: BatchMeta) -> Any:
@@ -174,9 +243,10 @@ class TransferQueueClient:
             return td.TensorDict({}, batch_size=[0])
         fields = metadata.field_names
         self._know_columns(fields)
-        handle = metadata.handle
-        if handle.lease == 0 and (handle.units < 0).any():  # from a put: locate the samples
-            handle = self.hub.meta(handle.indices, fields)
+        handle = metadata._handle
+        if handle is None or (handle.lease == 0 and (handle.units < 0).any()):
+            # built by hand, or from a put: locate the samples
+            handle = self.hub.meta(np.asarray(metadata.global_indexes, dtype=np.int64), fields)
         batch = self.hub.get(handle, columns=fields)
         return read_fields(batch, fields, self.hub.schema.by_name)
 
@@ -184,7 +254,7 @@ class TransferQueueClient:
         """Store ``metadata``'s per-sample ``custom_meta`` (merged into what samples have)."""
         if not isinstance(metadata, BatchMeta):
             raise ConfigError(f"set_custom_meta() expects a BatchMeta, got {metadata!r}")
-        custom = metadata.custom_meta
+        custom = check_tags(metadata.custom_meta, "set_custom_meta()")
         for partition in sorted(set(metadata.partition_ids)):
             pos = [i for i, p in enumerate(metadata.partition_ids) if p == partition]
             indices = [metadata.global_indexes[i] for i in pos]
@@ -204,12 +274,14 @@ class TransferQueueClient:
                     break
                 self.hub.drop(meta)
         self.directory.remove_partition(partition)
+        if self.sampling is not None:
+            self.sampling.clear_cache(partition)
 
     def clear_samples(self, metadata: BatchMeta) -> None:
         """Evict ``metadata``'s samples (for every task) and forget their keys."""
         if not isinstance(metadata, BatchMeta):
             raise ConfigError(f"clear_samples() expects a BatchMeta, got {metadata!r}")
-        self._drop(metadata.handle.indices)
+        self._drop(np.asarray(metadata.global_indexes, dtype=np.int64))
         self.directory.forget(metadata.global_indexes)
 
     def check_consumption_status(self, task_name: str, partition_id: str) -> bool:
@@ -246,8 +318,12 @@ class TransferQueueClient:
         partition_id: str,
         fields: Any = None,
         tags: Sequence[dict[str, Any]] | None = None,
+        *,
+        timeout: float | None = None,
     ) -> KVBatchMeta:
-        """Write fields and/or tags of samples named by keys (new keys create samples)."""
+        """Write fields and/or tags of samples named by keys (new keys create samples, which
+        wait up to ``timeout`` seconds, default ``put_timeout``, for room in a full hub)."""
+        seconds = self._timeout(timeout, "kv_batch_put()")
         keys = _check_keys(keys, "kv_batch_put()")
         partition = _check_partition(partition_id, "kv_batch_put()")
         if fields is None and tags is None:
@@ -261,6 +337,8 @@ class TransferQueueClient:
                 f"kv_batch_put() tags must be a list of {len(keys)} dicts (one per key), got "
                 f"{tags!r:.200}"
             )
+        if tags is not None:
+            tags = check_tags(tags, "kv_batch_put()")
         columns: list[Column] = []
         values: dict[str, Any] = {}
         if fields is not None:
@@ -273,10 +351,15 @@ class TransferQueueClient:
         indices = known.copy()
         new = np.flatnonzero(known < 0)
         old = np.flatnonzero(known >= 0)
-        if old.size and columns:
-            self._update(known[old], columns, _take(values, old, len(keys)))
-        if new.size:
-            created = self._insert(partition, new.size, columns, _take(values, new, len(keys)))
+        if new.size:  # first: a full hub times out before any key changed
+            created = self._insert(
+                partition,
+                new.size,
+                columns,
+                _take(values, new, len(keys)),
+                seconds,
+                "kv_batch_put()",
+            )
             new_keys = [keys[i] for i in new]
             bound = np.asarray(self.directory.bind(partition, new_keys, created.tolist()))
             lost = np.flatnonzero(bound != created)  # named by another writer meanwhile
@@ -285,6 +368,8 @@ class TransferQueueClient:
                     self._update(bound[lost], columns, _take(values, new[lost], len(keys)))
                 self._drop(created[lost])
             indices[new] = bound
+        if old.size and columns:
+            self._update(known[old], columns, _take(values, old, len(keys)))
         self.directory.update(partition, indices.tolist(), tags, [c.name for c in columns])
         merged, common = self.directory.describe(indices.tolist())
         return KVBatchMeta(keys=keys, tags=merged, partition_id=partition, fields=common)
@@ -295,6 +380,8 @@ class TransferQueueClient:
         partition_id: str,
         fields: Any = None,
         tag: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
     ) -> KVBatchMeta:
         """One key's fields (a TensorDict of batch 1, or a dict of one sample's values)."""
         if not isinstance(key, str):
@@ -303,7 +390,8 @@ class TransferQueueClient:
             fields = single_sample(fields, "kv_put()")
         if tag is not None and not isinstance(tag, dict):
             raise ConfigError(f"kv_put() tag must be a dict, got {tag!r}")
-        return self.kv_batch_put([key], partition_id, fields, None if tag is None else [tag])
+        tags = None if tag is None else [tag]
+        return self.kv_batch_put([key], partition_id, fields, tags, timeout=timeout)
 
     def kv_batch_get(
         self,
@@ -340,7 +428,10 @@ class TransferQueueClient:
             handle = self.hub.meta(indices, fields)
         except SchemaError as e:
             raise ConfigError(f"kv_batch_get(): some fields are not ready on every key: {e}") from e
-        return self.get_data(BatchMeta(handle, [partition] * len(keys), fields))
+        meta = BatchMeta._of(
+            handle, [partition] * len(keys), {f: {} for f in fields}, produced=True
+        )
+        return self.get_data(meta)
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
         """``{partition: {key: tag}}`` of one partition, or of all when ``partition_id`` is None."""
@@ -388,13 +479,37 @@ class TransferQueueClient:
         self._acked = pending
 
     def _insert(
-        self, partition: str, n: int, columns: list[Column], values: dict[str, Any]
+        self,
+        partition: str,
+        n: int,
+        columns: list[Column],
+        values: dict[str, Any],
+        timeout: float,
+        where: str,
     ) -> np.ndarray:
-        marker = Column.scalar(_marker(partition), "bool")
+        marker = _marker_column(partition)
         self._declare([*columns, marker])
         self._register(_ALL + partition, [marker.name])
         data = {**values, marker.name: np.ones(n, dtype=bool)}
-        return self.hub.put(data, partition=partition)
+        try:
+            return self.hub.put(data, partition=partition, timeout=timeout)
+        except (Timeout, HubFull) as e:  # HubFull: timeout 0
+            raise Timeout(
+                f"{where}: no room for {n} new samples in partition {partition!r} within "
+                f"{timeout} s: the hub holds {self.hub.statistics().capacity} samples at most "
+                "(backend.SimpleStorage.total_storage_size); clear consumed samples "
+                "(kv_clear, clear_partition) or pass a longer timeout"
+            ) from e
+
+    def _timeout(self, timeout: float | None, where: str) -> float:
+        """``timeout`` checked (None: this client's ``put_timeout``)."""
+        if timeout is None:
+            return self.put_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
+            raise ConfigError(f"{where} timeout must be a number of seconds >= 0, got {timeout!r}")
+        if not math.isfinite(timeout):
+            raise ConfigError(f"{where} timeout must be finite, got {timeout!r}")
+        return float(timeout)
 
     def _update(self, indices: np.ndarray, columns: list[Column], values: dict[str, Any]) -> None:
         if columns:
@@ -459,6 +574,9 @@ class TransferQueueClient:
     @staticmethod
     def _left(deadline: float) -> float:
         return max(0.0, deadline - time.monotonic())
+
+    def _schema_of(self, fields: Sequence[str]) -> dict[str, Any]:
+        return field_schema_of(self.hub.schema.by_name, fields)
 
     def _custom_meta(self, indices: list[int]) -> list[dict[str, Any]]:
         return self.directory.describe(indices)[0]

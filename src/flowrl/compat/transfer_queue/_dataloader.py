@@ -3,9 +3,10 @@
 The dataset fetches ``batch_size`` samples with ``get_meta`` + ``get_data`` and yields
 ``(TensorDict, BatchMeta)`` micro-batches of ``micro_batch_size``. Streaming by default (it
 waits for data forever); with ``should_check_consumption_status`` it stops once the task
-consumed every ready sample of the partition. ``dp_rank`` is accepted and every rank's
-loader draws disjoint samples of the one task (TransferQueue's RankAwareSampler would
-give ranks of one data-parallel group identical batches: see docs/transfer_queue.md).
+consumed every ready sample of the partition. ``dp_rank`` goes to the hub's sampler in
+``sampling_config`` (with ``batch_index``): with ``RankAwareSampler`` (``tq.init``'s
+``controller.sampler``) every rank of one data-parallel group gets the same batches; with
+the default sampler every loader draws disjoint samples of the one task.
 """
 
 from __future__ import annotations

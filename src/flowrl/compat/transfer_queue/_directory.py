@@ -32,15 +32,22 @@ _RPC_TIMEOUT_MS = 60_000
 
 Method = Literal[
     "lookup", "bind", "update", "describe", "listing", "remove", "forget", "remove_partition",
-    "declare", "columns", "generation",
+    "declare", "columns", "generation", "sample", "clear_sampler_cache", "sampler_name",
 ]  # fmt: skip
+# Methods of the hub's SamplerRunner (tq.init's controller.sampler), served alongside.
+_RUNNER_METHODS = {"sample": "sample", "clear_sampler_cache": "clear_cache"}
 
 
-class _Entry(msgspec.Struct):
+class _Entry(msgspec.Struct, gc=False):
+    """One sample's key, tag and fields. Untracked by the garbage collector, with its
+    fields a tuple and its tag shared-empty until set: a batch of new keys would otherwise
+    add thousands of tracked objects, and the full collections they set off cost more than
+    the put (an entry references no other entry, so it is in no cycle)."""
+
     partition: str
     key: str | None
-    tag: dict[str, Any]
-    fields: list[str]
+    tag: dict[str, Any] = msgspec.field(default_factory=dict)
+    fields: tuple[str, ...] = ()
 
 
 class KeyDirectory:
@@ -73,7 +80,7 @@ class KeyDirectory:
             for key, index in zip(keys, indices, strict=True):
                 if key not in known:
                     known[key] = index
-                    self._entries[index] = _Entry(partition, key, {}, [])
+                    self._entries[index] = _Entry(partition, key)
                 out.append(known[key])
             self._bump()
             return out
@@ -92,10 +99,12 @@ class KeyDirectory:
             for i, index in enumerate(indices):
                 entry = self._entries.get(index)
                 if entry is None:
-                    entry = self._entries[index] = _Entry(partition, None, {}, [])
+                    entry = self._entries[index] = _Entry(partition, None)
                 if tags is not None:
                     entry.tag.update(tags[i])
-                entry.fields.extend(f for f in fields if f not in entry.fields)
+                new = tuple(f for f in fields if f not in entry.fields)
+                if new:
+                    entry.fields += new
             self._bump()
 
     def describe(self, indices: Sequence[int]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -195,11 +204,20 @@ _ARG_TYPES: dict[str, Any] = {"declare": list[Column]}
 _RESULT_TYPES: dict[str, Any] = {"columns": list[Column]}
 
 
-class DirectoryServer:
-    """Serves a :class:`KeyDirectory` on a zmq ROUTER socket from a daemon thread."""
+def _encode_reply(reply: _Reply) -> bytes:
+    try:
+        return _ENC.encode(reply)
+    except (TypeError, ValueError, OverflowError) as e:  # a value msgpack cannot encode
+        return _ENC.encode(_Reply(error=f"TypeError: the reply cannot be encoded: {e}"))
 
-    def __init__(self, directory: KeyDirectory, address: str) -> None:
+
+class DirectoryServer:
+    """Serves a :class:`KeyDirectory` on a zmq ROUTER socket from a daemon thread, and the
+    hub's sampler (a ``SamplerRunner``, if ``tq.init`` was given one)."""
+
+    def __init__(self, directory: KeyDirectory, address: str, runner: Any = None) -> None:
         self.directory = directory
+        self.runner = runner
         self._ctx: zmq.Context = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -217,16 +235,26 @@ class DirectoryServer:
         while not self._stop.is_set():
             if not self._sock.poll(_POLL_MS):
                 continue
-            ident, body = self._sock.recv_multipart()
-            self._sock.send_multipart([ident, _ENC.encode(self._answer(body))])
+            ident, *body = self._sock.recv_multipart()  # ROUTER: the sender's id comes first
+            self._sock.send_multipart([ident, _encode_reply(self._answer(body))])
         self._sock.close()
 
-    def _answer(self, body: bytes) -> _Reply:
+    def _answer(self, body: list[bytes]) -> _Reply:
+        """The reply to one request; a malformed one is answered with an error, never
+        raised here (the thread serves every process of the hub)."""
+        if len(body) != 1:
+            return _Reply(error=f"ConfigError: a request is 1 frame, got {len(body)}")
         try:
-            call = _DEC_CALL.decode(body)
+            call = _DEC_CALL.decode(body[0])
             args = call.args
             if call.method in _ARG_TYPES:
                 args = [msgspec.convert(args[0], _ARG_TYPES[call.method])]
+            if call.method == "sampler_name":
+                return _Reply(value=self.runner.name() if self.runner is not None else "")
+            if call.method in _RUNNER_METHODS:
+                if self.runner is None:
+                    raise ConfigError("this hub has no sampler (tq.init's controller.sampler)")
+                return _Reply(value=getattr(self.runner, _RUNNER_METHODS[call.method])(*args))
             return _Reply(value=getattr(self.directory, call.method)(*args))
         except Exception as e:  # answered, never lost: the caller raises it
             return _Reply(error=f"{type(e).__name__}: {e}")
@@ -303,6 +331,24 @@ class RemoteDirectory:
 
     def generation(self) -> int:
         return self._call("generation")
+
+    # the hub's sampler (SamplerRunner's methods), run in the process that called tq.init
+    def sample(
+        self,
+        task: str,
+        task_name: str,
+        partition: str,
+        batch_size: int,
+        sampling_config: dict[str, Any],
+    ) -> list[int]:
+        return self._call("sample", task, task_name, partition, batch_size, sampling_config)
+
+    def clear_cache(self, partition: str) -> None:
+        self._call("clear_sampler_cache", partition)
+
+    def sampler_name(self) -> str:
+        """The hub's sampler's class name ("" for the default, sequential)."""
+        return self._call("sampler_name")
 
     def wait_changed(self, since: int, timeout: float) -> int:
         """As :meth:`KeyDirectory.wait_changed`, asking every few milliseconds (the server

@@ -22,9 +22,11 @@ A ``[B, L]`` tensor is stored one 1-D sequence per sample, so later puts may use
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from flowrl._client.batch import Batch
@@ -32,7 +34,7 @@ from flowrl._schema.columns import Column
 from flowrl._schema.ragged import RaggedArray
 from flowrl.errors import SchemaError
 
-__all__ = ["field_columns", "import_tensordict", "read_fields", "single_sample"]
+__all__ = ["check_tags", "field_columns", "import_tensordict", "read_fields", "single_sample"]
 
 _INSTALL_HINT = (
     "flowrl.compat.transfer_queue returns TensorDicts: install the compat extra "
@@ -116,19 +118,20 @@ def _to_column(name: str, value: Any, n: int, where: str, td: Any) -> tuple[Colu
                     f"{value.dim()} dimensions; only jagged [B, j] nested tensors are supported "
                     "(pad it to a dense [B, L, ...] tensor instead)"
                 )
-            ragged = RaggedArray(
+            # a jagged tensor's offsets are valid by construction: no re-check
+            ragged = RaggedArray._trusted(
                 value.values().detach().cpu().numpy(),
-                value.offsets().detach().cpu().numpy(),  # type: ignore[attr-defined]
+                value.offsets().detach().cpu().numpy().astype(np.int64, copy=False),  # type: ignore[attr-defined]
             )
-            return Column.ragged(name, dtype), ragged
+            return _column("ragged", name, dtype), ragged
         arr = value.detach().cpu().numpy()
         if arr.ndim == 1:
-            return Column.scalar(name, dtype), arr
+            return _column("scalar", name, dtype), arr
         if arr.ndim == 2:
             rows, width = arr.shape
-            offsets = np.arange(rows + 1, dtype=np.int64) * width
-            return Column.ragged(name, dtype), RaggedArray(arr.reshape(-1), offsets)
-        return Column.tensor(name, dtype, tuple(int(d) for d in arr.shape[1:])), arr
+            ragged = RaggedArray._trusted(arr.reshape(-1), _even_offsets(rows, width))
+            return _column("ragged", name, dtype), ragged
+        return _column("tensor", name, dtype, tuple(int(d) for d in arr.shape[1:])), arr
     items = value.tolist() if hasattr(value, "tolist") else value
     if not isinstance(items, list) or len(items) != n:
         raise SchemaError(
@@ -138,6 +141,23 @@ def _to_column(name: str, value: Any, n: int, where: str, td: Any) -> tuple[Colu
     if all(isinstance(x, str) for x in items):
         return Column.string(name), items
     return Column.object(name), [_plain(x) for x in items]
+
+
+@functools.lru_cache(maxsize=1024)
+def _column(kind: str, name: str, dtype: str, shape: tuple[int, ...] = ()) -> Column:
+    """The column a field of this kind and dtype declares (built once: a Column checks its
+    dtype when made, which costs more than the rest of a small put's conversion)."""
+    if kind == "tensor":
+        return Column.tensor(name, dtype, shape)
+    return Column.ragged(name, dtype) if kind == "ragged" else Column.scalar(name, dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _even_offsets(rows: int, width: int) -> np.ndarray:
+    """The offsets of ``rows`` sequences of ``width`` (read-only: shared between puts)."""
+    offsets = np.arange(rows + 1, dtype=np.int64) * width
+    offsets.flags.writeable = False
+    return offsets
 
 
 def _plain(value: Any) -> Any:
@@ -150,6 +170,30 @@ def _plain(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_plain(v) for v in value]
     return value
+
+
+_TAG_ENCODER = msgspec.msgpack.Encoder()
+
+
+def check_tags(tags: Sequence[Any], where: str) -> list[dict[str, Any]]:
+    """Tags (``custom_meta``) as the key directory keeps them, numpy scalars as Python
+    numbers; a tag msgpack cannot encode is refused here, before anything changes (the
+    directory of another process could not be sent it)."""
+    plain = []
+    for i, tag in enumerate(tags):
+        if not isinstance(tag, dict):
+            raise SchemaError(f"{where}: tag {i} must be a dict, got {type(tag).__name__}")
+        tag = _plain(tag)
+        try:
+            _TAG_ENCODER.encode(tag)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise SchemaError(
+                f"{where}: tag {i} ({tag!r:.200}) holds a value msgpack cannot encode ({e}); "
+                "tags take str, numbers, bools, None, lists and dicts of those (flowrl never "
+                "pickles): convert the value, e.g. str(obj) or arr.tolist()"
+            ) from e
+        plain.append(tag)
+    return plain
 
 
 def _dtype_name(name: str, value: Any, where: str) -> str:
@@ -178,19 +222,30 @@ def single_sample(fields: Mapping[str, Any], where: str) -> Any:
     return td.TensorDict(batch, batch_size=[1])
 
 
-def _jagged(values: Any, offsets: Any) -> Any:
-    """A jagged nested tensor over ``values`` split at ``offsets``.
+def _jagged(values: Any, offsets: np.ndarray) -> Any:
+    """A jagged nested tensor over ``values`` split at ``offsets``, knowing its longest and
+    shortest row: ``to_padded_tensor`` pads to the longest row (without them torch pads to
+    the whole batch's length, quadratic memory for a padded batch).
 
     torch's own constructor (what ``nested_tensor_from_jagged`` returns, without its view
     bookkeeping: 5x faster here); the public function where that class is not there.
     """
-    try:
-        from torch.nested._internal.nested_tensor import NestedTensor
-    except ImportError:  # pragma: no cover (a torch without it)
-        import torch
+    import torch
 
-        return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
-    return NestedTensor(values, offsets)
+    lengths = offsets[1:] - offsets[:-1]  # np.diff costs several times more
+    longest, shortest = (int(lengths.max()), int(lengths.min())) if lengths.size else (0, 0)
+    offsets_t = torch.from_numpy(np.array(offsets))
+    try:
+        from torch.nested._internal.nested_tensor import NestedTensor, _store_val_in_tensor
+    except ImportError:  # pragma: no cover (a torch without them)
+        return torch.nested.nested_tensor_from_jagged(
+            values, offsets=offsets_t, max_seqlen=longest, min_seqlen=shortest
+        )
+    cache = {
+        "max_seqlen": _store_val_in_tensor(longest),
+        "min_seqlen": _store_val_in_tensor(shortest),
+    }
+    return NestedTensor(values, offsets_t, _metadata_cache=cache)
 
 
 def read_fields(batch: Batch, names: Sequence[str], columns: Mapping[str, Column]) -> Any:
@@ -206,16 +261,16 @@ def read_fields(batch: Batch, names: Sequence[str], columns: Mapping[str, Column
             out[name] = torch.from_numpy(np.array(batch.numpy(name)))
         elif column.kind == "ragged":
             ragged = batch.ragged(name)
-            out[name] = _jagged(
-                torch.from_numpy(np.array(ragged.values)),
-                torch.from_numpy(np.array(ragged.cu_seqlens)),
-            )
+            out[name] = _jagged(torch.from_numpy(np.array(ragged.values)), ragged.cu_seqlens)
         elif column.kind == "tensor":
             dense = batch.numpy(name)
             first = column.shape[0]
             rows = np.array(dense).reshape(n * first, *column.shape[1:])
             offsets = np.arange(n + 1, dtype=np.int64) * first
-            out[name] = _jagged(torch.from_numpy(rows), torch.from_numpy(offsets))
+            out[name] = _jagged(torch.from_numpy(rows), offsets)
         else:
             out[name] = td.NonTensorStack(*batch[name])
-    return td.TensorDict(out, batch_size=[n])
+    # every value was built here with batch dimension n: skip TensorDict's per-value checks
+    # (a fifth of a read), where this tensordict has the constructor that does
+    unchecked = getattr(td.TensorDict, "_new_unsafe", None)
+    return (unchecked or td.TensorDict)(out, batch_size=torch.Size([n]))

@@ -75,6 +75,17 @@ def v1():
         sys.modules.pop("transfer_queue", None)
 
 
+def test_transfer_queue_submodules_follow_the_package(v1) -> None:
+    import transfer_queue.metadata
+    import transfer_queue.sampler
+
+    import flowrl.compat.transfer_queue as compat
+
+    assert sys.modules["transfer_queue"] is compat
+    assert transfer_queue.metadata.BatchMeta is compat.metadata.BatchMeta
+    assert transfer_queue.sampler.RankAwareSampler is compat.sampler.RankAwareSampler
+
+
 @pytest.fixture
 def tq(v1):
     import flowrl.compat.transfer_queue as compat

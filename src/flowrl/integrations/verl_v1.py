@@ -22,13 +22,18 @@ TransferQueue.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import sys
 from types import ModuleType
 from typing import Any
 
 from flowrl.errors import ConfigError
 from flowrl.integrations._verl_compat import check_verl_release, require_verl
+
+# TransferQueue's public submodules that user programs import by their full name
+SUBMODULES = ("metadata", "sampler")
 
 __all__ = [
     "HubReplayBuffer",  # noqa: F822 (built on first access, see __getattr__)
@@ -69,6 +74,11 @@ def route_transfer_queue(target: ModuleType) -> None:
     module to undo it)."""
     current = sys.modules.get("transfer_queue")
     sys.modules["transfer_queue"] = target
+    for sub in SUBMODULES:  # `import transfer_queue.metadata` must follow the package
+        sys.modules.pop(f"transfer_queue.{sub}", None)
+        with contextlib.suppress(ImportError):
+            module = importlib.import_module(f"{target.__name__}.{sub}")
+            sys.modules[f"transfer_queue.{sub}"] = module
     if current is None or current is target:
         return
     package = current.__name__

@@ -33,11 +33,21 @@ from typing import final
 import numpy as np
 from numpy.typing import NDArray
 from scipy import sparse
+from scipy.optimize import linear_sum_assignment
 
 from flowrl.sched import _highs
 from flowrl.sched.problem import PlanProblem, evaluate, feasible, moved_counts, node_times
 
-__all__ = ["Solution", "assign_greedy", "assign_lp", "fit_budget", "solve_milp", "solve_relaxed"]
+__all__ = [
+    "Solution",
+    "assign_greedy",
+    "assign_lp",
+    "assign_roles",
+    "fit_budget",
+    "refine",
+    "solve_milp",
+    "solve_relaxed",
+]
 
 F64 = NDArray[np.float64]
 I64 = NDArray[np.int64]
@@ -277,14 +287,122 @@ def _polish(p: PlanProblem, mode: I64, start: I64) -> I64 | None:
 
 
 def assign_lp(p: PlanProblem, mode: I64) -> I64 | None:
-    """Counts for fixed ``mode``: the greedy's latency levels, counts re-balanced by an LP."""
+    """Counts for fixed ``mode``: the greedy's latency levels, counts re-balanced by an LP,
+    then single-request moves off the bottleneck (:func:`refine`)."""
     mode = np.asarray(mode, dtype=np.int64)
     start = assign_greedy(p, mode)
     if start is None:
         return None
+    start = refine(p, mode, start)
     c = _polish(p, mode, start)
+    c = None if c is None else refine(p, mode, c)
     if c is None or evaluate(p, mode, c).objective >= evaluate(p, mode, start).objective:
         return start
+    return c
+
+
+def _row_times(p: PlanProblem, node: I64, m: I64, rows: F64) -> F64:
+    """Node time (problem docstring) of ``rows[..., b]`` counts on ``node`` in mode ``m``."""
+    thr = (rows * p.work[m]).sum(axis=-1)
+    tail = np.where(rows > 0, p.lat[m], 0.0).max(axis=-1) + (rows * p.co[m]).sum(axis=-1)
+    return p.switch[node, m] + np.where(rows.sum(axis=-1) > 0, np.maximum(thr, tail), 0.0)
+
+
+def _rest_max(t: F64) -> F64:
+    """``[i, d]``: the latest of the node times ``t`` other than nodes ``i`` and ``d``."""
+    k = len(t)
+    top = np.argsort(-t, kind="stable")[:3]
+    rest = np.zeros((k, k))
+    idx = np.arange(k)
+    for i in top[::-1]:
+        rest = np.where((idx[:, None] != i) & (idx[None, :] != i), t[i], rest)
+    return rest
+
+
+def refine(p: PlanProblem, mode: I64, c: I64, rounds: int | None = None) -> I64:
+    """Steepest descent over single-request moves and swaps between nodes.
+
+    Every round scores every (source, destination, bucket) move at once — the two nodes' new
+    times against the other nodes' latest, plus the migration it adds or saves (moving a
+    request back to the node that holds it saves one) — and, when no move helps, every swap
+    of one request between the node that finishes last and another node; it takes the best
+    the full objective confirms (keeping the objective with fewer nodes at the makespan
+    counts as progress). At most ``rounds`` rounds (default ``8 * nodes``): a counted budget.
+    The LP's rounding leaves requests on the wrong side of a node boundary and moves some it
+    need not; this fixes both.
+    """
+    on = np.nonzero(mode >= 0)[0]
+    k_on = len(on)
+    if k_on < 2:
+        return c
+    c = c.copy()
+    m_on = mode[on]
+    limit = p.kv_limit * p.cap[m_on] + 1e-6
+    eye = np.eye(p.n_buckets)
+    swap = eye[:, None, :] - eye[None, :, :]  # [out, in]: -1 out, +1 in (as seen by the taker)
+    hold = p.holdings[on]
+    pair = np.arange(k_on)
+    mig = p.mig_weight * p.mig
+
+    def key(cc: I64) -> tuple[float, int]:
+        ev = evaluate(p, mode, cc)
+        return ev.objective, int((ev.node_time >= ev.makespan - 1e-9).sum())
+
+    def first_better(score: F64, apply) -> bool:
+        nonlocal c, best
+        for flat in np.argsort(score, axis=None, kind="stable")[:3]:
+            if not np.isfinite(score.flat[flat]):
+                return False
+            trial = apply(np.unravel_index(flat, score.shape))
+            k = key(trial)
+            if k < best:
+                c, best = trial, k
+                return True
+        return False
+
+    def move(ix: tuple) -> I64:
+        i, d, b = ix
+        trial = c.copy()
+        trial[on[i], b] -= 1
+        trial[on[d], b] += 1
+        return trial
+
+    best = key(c)
+    for _ in range(8 * p.n_nodes if rounds is None else rounds):
+        cur = c[on].astype(np.float64)
+        t = _row_times(p, on, m_on, cur)
+        rest = _rest_max(t)
+        t_out = _row_times(p, on[:, None], m_on[:, None], cur[:, None, :] - eye)
+        t_in = _row_times(p, on[:, None], m_on[:, None], cur[:, None, :] + eye)
+        leave = (cur <= hold) * mig  # one more request leaves its holder
+        back = (cur < hold) * mig  # one comes back to its holder
+        span = np.maximum(rest[:, :, None], np.maximum(t_out[:, None, :], t_in[None, :, :]))
+        kv = cur @ p.kv
+        ok = (cur > 0)[:, None, :] & (kv[:, None] + p.kv <= limit[:, None])[None, :, :]
+        ok &= (pair[:, None] != pair[None, :])[..., None]
+        if first_better(np.where(ok, span + leave[:, None, :] - back[None, :, :], np.inf), move):
+            continue
+        j = int(np.argmax(t))  # swaps: j gives one of bucket o and takes one of bucket i
+        tj = _row_times(p, on[j : j + 1], m_on[j : j + 1], cur[j] - swap)  # [o, i]
+        td = _row_times(p, on[:, None, None], m_on[:, None, None], cur[:, None, None, :] + swap)
+        dkv = p.kv[:, None] - p.kv[None, :]  # KV d gains
+        fit = (kv[:, None, None] + dkv <= limit[:, None, None]) & (kv[j] - dkv <= limit[j])
+        have = (cur[j] > 0)[:, None] & (cur > 0)[:, None, :]  # [d, o, i]
+        gain = leave[j][:, None] - back[j][None, :] + leave[:, None, :] - back[:, :, None]
+        sc = np.maximum(rest[j][:, None, None], np.maximum(tj[None], td)) + gain
+        sc = np.where(fit & have & (pair != j)[:, None, None], sc, np.inf)
+
+        def swap_at(ix: tuple) -> I64:
+            d, o, i = ix
+            trial = c.copy()
+            trial[on[j], o] -= 1
+            trial[on[j], i] += 1
+            trial[on[d], o] += 1
+            trial[on[d], i] -= 1
+            return trial
+
+        if not first_better(sc, swap_at):
+            break
     return c
 
 
@@ -506,38 +624,95 @@ def _round_mix(p: PlanProblem, xs: F64) -> I64:
     return fit_budget(p, mode)
 
 
-def fit_budget(p: PlanProblem, mode: I64) -> I64:
-    """Turn off the nodes holding fewest requests until the GPU budget holds."""
+def fit_budget(p: PlanProblem, mode: I64, fixed: NDArray[np.bool_] | None = None) -> I64:
+    """Bring a layout within the GPU budget, stepping nodes down rather than off.
+
+    The node holding fewest requests (never one in ``fixed``) moves to a candidate mode on
+    fewer GPUs: the largest that closes the excess (the fastest of equal size), else the
+    smallest; a node with no smaller mode left goes off. A budget of ``8k + 4`` on 8-GPU
+    nodes thus gets a half-node mode, not a node fewer.
+    """
     mode = mode.copy()
     mode[(mode >= 0) & ~p.allowed[np.arange(p.n_nodes), np.maximum(mode, 0)]] = -1
-    while int(p.mode_gpus[mode[mode >= 0]].sum()) > p.gpu_budget:
-        on = np.nonzero(mode >= 0)[0]
-        mode[on[np.argmin(p.holdings[on].sum(axis=1))]] = -1
+    load = p.holdings.sum(axis=1)
+    movable = np.ones(p.n_nodes, dtype=bool) if fixed is None else ~fixed
+    speed = -(p.work[p.cand] @ p.count)  # higher is faster; ties between equal GPU counts
+    while (excess := int(p.mode_gpus[mode[mode >= 0]].sum()) - p.gpu_budget) > 0:
+        on = np.nonzero((mode >= 0) & movable)[0]
+        if not len(on):
+            return fit_budget(p, mode) if fixed is not None else mode
+        i = on[np.argmin(load[on])]
+        g = p.mode_gpus[mode[i]]
+        ok = p.allowed[i, p.cand] & (p.mode_gpus[p.cand] < g)
+        if not ok.any():
+            mode[i] = -1
+            continue
+        saved = g - p.mode_gpus[p.cand]
+        closes = ok & (saved >= excess)
+        pool = closes if closes.any() else ok
+        key = np.where(pool, -saved if closes.any() else saved, -np.inf)
+        best = np.flatnonzero(key == key.max())
+        mode[i] = p.cand[best[np.argmax(speed[best])]]
     return mode
 
 
+def assign_roles(p: PlanProblem, mode: I64) -> I64:
+    """The same mode mix, given to the nodes it suits (an assignment problem).
+
+    A node pays for a mode its switch (downtime on its own clock and the objective's switch
+    term) and the migration of what it holds beyond the mode's fair share of the requests
+    (the share of its throughput in the mix). Keeping current modes and giving the slower
+    modes to the nodes holding least is what this buys; the mix, and so the GPU count, is
+    unchanged.
+    """
+    on = mode >= 0
+    if not on.any():
+        return mode
+    slots = np.sort(mode)
+    mm = np.maximum(slots, 0)
+    speed = np.where(slots >= 0, 1.0 / np.maximum(p.work[mm] @ p.count, 1e-12), 0.0)
+    share = p.count.sum() * speed / speed.sum()
+    held = p.holdings.sum(axis=1)
+    mig = float(p.mig @ p.count) / max(int(p.count.sum()), 1)
+    sw = np.where(slots >= 0, p.switch[:, mm], 0.0)
+    cost = sw * (p.switch_weight + 1.0 / int(on.sum()))
+    cost = cost + p.mig_weight * mig * np.maximum(held[:, None] - share[None, :], 0.0)
+    cost = np.where((slots < 0) | p.allowed[:, mm], cost, 1e18)
+    rows, cols = linear_sum_assignment(cost)
+    out = np.empty_like(mode)
+    out[rows] = slots[cols]
+    return out
+
+
 def _neighbours(p: PlanProblem, mode: I64) -> list[I64]:
-    """Mixes reached by moving 1, half or all of one mode's nodes to another mode.
+    """Mixes reached by moving 1, half or all of one mode's nodes (or of the off nodes) to
+    another mode, stepping other nodes down (:func:`fit_budget`) where that breaks the
+    budget, or by switching one node off.
 
     Makespan is a max over nodes, so single-node moves often sit on a plateau; moving a
     group at once crosses it. Nodes already in the target mode, then those holding fewest
     requests, are moved first (fewest switches and re-layouts).
     """
     out = []
-    for m_from in np.unique(mode[mode >= 0]):
+    for m_from in np.unique(mode):
         nodes = np.nonzero(mode == m_from)[0]
-        for m_to in p.cand:
+        for m_to in (*p.cand, -1):
             if m_to == m_from:
                 continue
-            ok = nodes[p.allowed[nodes, m_to]]
+            ok = nodes[p.allowed[nodes, m_to]] if m_to >= 0 else nodes
             if not len(ok):
                 continue
             key = np.lexsort((p.holdings[ok].sum(axis=1), p.current[ok] != m_to))
             ranked = ok[key]
-            for k in sorted({1, (len(ranked) + 1) // 2, len(ranked)}):
+            sizes = {1, (len(ranked) + 1) // 2, len(ranked)} if m_to >= 0 else {1}
+            for k in sorted(sizes):
                 nb = mode.copy()
                 nb[ranked[:k]] = m_to
-                if int(p.mode_gpus[nb[nb >= 0]].sum()) <= p.gpu_budget:
+                if int(p.mode_gpus[nb[nb >= 0]].sum()) > p.gpu_budget:
+                    fixed = np.zeros(p.n_nodes, dtype=bool)
+                    fixed[ranked[:k]] = True
+                    nb = fit_budget(p, nb, fixed)
+                if not np.array_equal(nb, mode):
                     out.append(nb)
     return out
 
@@ -608,6 +783,7 @@ def solve_relaxed(
         while frontier and len(seen) < max_evals:
             nxt = []
             for md in frontier:
+                md = assign_roles(p, md)
                 key = md.tobytes()
                 if key in seen:
                     continue
@@ -627,8 +803,10 @@ def solve_relaxed(
     _, mode, c = best
     method = "greedy"
     if polish:
+        c = refine(p, mode, c)
         c2 = _polish(p, mode, c)
-        if c2 is not None and evaluate(p, mode, c2).objective < best[0]:
+        c2 = None if c2 is None else refine(p, mode, c2)
+        if c2 is not None and evaluate(p, mode, c2).objective < evaluate(p, mode, c).objective:
             c, method = c2, "lp"
     bound = res.objective if res.status == "Optimal" else float("nan")
     return Solution(mode, c, evaluate(p, mode, c).objective, f"relaxed+{method}", bound)

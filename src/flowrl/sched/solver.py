@@ -627,9 +627,10 @@ def _round_mix(p: PlanProblem, xs: F64) -> I64:
 def fit_budget(p: PlanProblem, mode: I64, fixed: NDArray[np.bool_] | None = None) -> I64:
     """Bring a layout within the GPU budget, stepping nodes down rather than off.
 
-    The node holding fewest requests (never one in ``fixed``) moves to a candidate mode on
-    fewer GPUs: the largest that closes the excess (the fastest of equal size), else the
-    smallest; a node with no smaller mode left goes off. A budget of ``8k + 4`` on 8-GPU
+    Of the nodes that have a candidate mode on fewer GPUs (never one in ``fixed``), the one
+    holding fewest requests moves to such a mode: the largest that closes the excess (the
+    fastest of equal size), else the smallest. Only when no node can step down does one
+    (the least loaded) go off. A budget of ``8k + 4`` on 8-GPU
     nodes thus gets a half-node mode, not a node fewer.
     """
     mode = mode.copy()
@@ -641,12 +642,14 @@ def fit_budget(p: PlanProblem, mode: I64, fixed: NDArray[np.bool_] | None = None
         on = np.nonzero((mode >= 0) & movable)[0]
         if not len(on):
             return fit_budget(p, mode) if fixed is not None else mode
-        i = on[np.argmin(load[on])]
+        g_on = p.mode_gpus[mode[on]]
+        down = (p.allowed[on][:, p.cand] & (p.mode_gpus[p.cand] < g_on[:, None])).any(axis=1)
+        if not down.any():
+            mode[on[np.argmin(load[on])]] = -1
+            continue
+        i = on[down][np.argmin(load[on[down]])]
         g = p.mode_gpus[mode[i]]
         ok = p.allowed[i, p.cand] & (p.mode_gpus[p.cand] < g)
-        if not ok.any():
-            mode[i] = -1
-            continue
         saved = g - p.mode_gpus[p.cand]
         closes = ok & (saved >= excess)
         pool = closes if closes.any() else ok
@@ -654,6 +657,21 @@ def fit_budget(p: PlanProblem, mode: I64, fixed: NDArray[np.bool_] | None = None
         best = np.flatnonzero(key == key.max())
         mode[i] = p.cand[best[np.argmax(speed[best])]]
     return mode
+
+
+def _fair_share(p: PlanProblem, mode: I64) -> F64:
+    """Requests each node would hold if all ran at their mode's throughput to the same end."""
+    mm = np.maximum(mode, 0)
+    speed = np.where(mode >= 0, 1.0 / np.maximum(p.work[mm] @ p.count, 1e-12), 0.0)
+    return p.count.sum() * speed / max(speed.sum(), 1e-12)
+
+
+def _migration_floor(p: PlanProblem, mode: I64) -> float:
+    """Migration a layout needs at the least: what nodes hold beyond their fair share, at
+    the mean cost of moving a request (an off node's share is zero)."""
+    mean = float(p.mig @ p.count) / max(int(p.count.sum()), 1)
+    excess = np.maximum(p.holdings.sum(axis=1) - _fair_share(p, mode), 0.0).sum()
+    return p.mig_weight * mean * float(excess)
 
 
 def assign_roles(p: PlanProblem, mode: I64) -> I64:
@@ -670,8 +688,7 @@ def assign_roles(p: PlanProblem, mode: I64) -> I64:
         return mode
     slots = np.sort(mode)
     mm = np.maximum(slots, 0)
-    speed = np.where(slots >= 0, 1.0 / np.maximum(p.work[mm] @ p.count, 1e-12), 0.0)
-    share = p.count.sum() * speed / speed.sum()
+    share = _fair_share(p, slots)
     held = p.holdings.sum(axis=1)
     mig = float(p.mig @ p.count) / max(int(p.count.sum()), 1)
     sw = np.where(slots >= 0, p.switch[:, mm], 0.0)
@@ -762,6 +779,7 @@ def solve_relaxed(
     lp_iterations: int = 20000,
     lp_buckets: int = 32,
     polish: bool = True,
+    finalists: int = 3,
 ) -> Solution | None:
     """LP relaxation -> mode-mix rounding -> greedy local search -> LP polish (see module).
 
@@ -776,7 +794,7 @@ def solve_relaxed(
         starts.insert(0, _round_mix(p, res.x[: lay.c0].reshape(p.n_nodes, lay.mc)))
     for m in p.cand:  # homogeneous layouts: cheap, and often where the optimum sits
         starts.append(fit_budget(p, np.where(p.allowed[:, m], m, -1).astype(np.int64)))
-    best: tuple[float, I64, I64] | None = None
+    tried: list[tuple[float, I64, I64]] = []
     seen: set[bytes] = set()
     for mode in starts:
         frontier = [mode]
@@ -791,22 +809,31 @@ def solve_relaxed(
                 c = assign_greedy(p, md)
                 if c is None:
                     continue
-                obj = evaluate(p, md, c).objective
-                if best is None or obj < best[0] - 1e-9:
-                    best = (obj, md, c)
+                ev = evaluate(p, md, c)
+                obj = ev.makespan + p.switch_weight * ev.switch_s + _migration_floor(p, md)
+                if not tried or obj < min(e[0] for e in tried) - 1e-9:
                     nxt = _neighbours(p, md)
+                tried.append((obj, md, c))
                 if len(seen) >= max_evals:
                     break
             frontier = nxt
-    if best is None:
+    # scored by what migration they need, not by what the greedy moves: the best few mixes
+    # get the full treatment
+    tried.sort(key=lambda e: e[0])
+    out: tuple[float, I64, I64, str] | None = None
+    for _, mode, c in tried[: finalists if polish else 1]:
+        options = [(c, "greedy")]
+        if polish:
+            c_lp = _polish(p, mode, c)
+            options = [(refine(p, mode, c), "greedy")]
+            if c_lp is not None:
+                options.append((refine(p, mode, c_lp), "lp"))
+        for cc, how in options:
+            obj = evaluate(p, mode, cc).objective
+            if out is None or obj < out[0] - 1e-9:
+                out = (obj, mode, cc, how)
+    if out is None:
         return None
-    _, mode, c = best
-    method = "greedy"
-    if polish:
-        c = refine(p, mode, c)
-        c2 = _polish(p, mode, c)
-        c2 = None if c2 is None else refine(p, mode, c2)
-        if c2 is not None and evaluate(p, mode, c2).objective < evaluate(p, mode, c).objective:
-            c, method = c2, "lp"
+    _, mode, c, method = out
     bound = res.objective if res.status == "Optimal" else float("nan")
     return Solution(mode, c, evaluate(p, mode, c).objective, f"relaxed+{method}", bound)

@@ -91,7 +91,7 @@ def plan_instance(
         for j in split
     )
     n_modes = int(np.clip(n_modes, 2, full + len(halves)))
-    n_half = int(rng.integers(1, min(len(halves), n_modes - 1) + 1))
+    n_half = int(rng.integers(max(1, n_modes - full), min(len(halves), n_modes - 1) + 1))
     cand = np.sort(
         np.concatenate(
             [

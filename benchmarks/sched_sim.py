@@ -59,9 +59,9 @@ import msgspec
 import numpy as np
 
 from flowrl.sched import BalancerConfig, PlannerConfig, plan, rebalance
+from flowrl.sched.oracle import solve_exact
 from flowrl.sched.planner import candidate_modes
 from flowrl.sched.problem import build_problem
-from flowrl.sched.oracle import solve_exact
 from flowrl.sched.solver import solve_relaxed
 from flowrl.sim import ClusterSpec, Scheme, Simulator, Workload, standard_schemes
 from flowrl.sim.plan_instances import plan_instance

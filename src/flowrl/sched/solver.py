@@ -333,6 +333,29 @@ def _rest_max(t: F64) -> F64:
     return rest
 
 
+def _keep_start(p: PlanProblem, mode: I64) -> I64 | None:
+    """Counts that move only what must move: nodes that stay on keep what they hold; the
+    requests of nodes going off are water-filled onto the others, longest bucket first; a
+    KV repair follows where a node's new mode holds less."""
+    on = mode >= 0
+    if not on.any():
+        return None
+    idx = np.nonzero(on)[0]
+    m = mode[idx]
+    c = np.where(on[:, None], p.holdings, 0)
+    for b in np.argsort(-p.bucket_len, kind="stable"):
+        n_req = int(p.holdings[~on, b].sum())
+        if not n_req:
+            continue
+        load = _row_times(p, idx, m, c[idx].astype(np.float64))
+        room = (p.kv_limit * p.cap[m] - c[idx] @ p.kv) // p.kv[b]
+        got = _fill_bucket(n_req, load, np.maximum(p.work[m, b], 1e-9), np.maximum(room, 0))
+        if got is None:
+            return None
+        c[idx, b] += got
+    return _repair_kv(p, mode, c, np.repeat(on[:, None], p.n_buckets, axis=1))
+
+
 def refine(p: PlanProblem, mode: I64, c: I64, rounds: int | None = None) -> I64:
     """Steepest descent over single-request moves and swaps between nodes.
 
@@ -362,6 +385,8 @@ def refine(p: PlanProblem, mode: I64, c: I64, rounds: int | None = None) -> I64:
         ev = evaluate(p, mode, cc)
         return ev.objective, int((ev.node_time >= ev.makespan - 1e-9).sum())
 
+    best = key(c)
+
     def first_better(score: F64, apply) -> bool:
         nonlocal c, best
         for flat in np.argsort(score, axis=None, kind="stable")[:3]:
@@ -381,7 +406,6 @@ def refine(p: PlanProblem, mode: I64, c: I64, rounds: int | None = None) -> I64:
         trial[on[d], b] += 1
         return trial
 
-    best = key(c)
     for _ in range(8 * p.n_nodes if rounds is None else rounds):
         cur = c[on].astype(np.float64)
         t = _row_times(p, on, m_on, cur)
@@ -406,7 +430,7 @@ def refine(p: PlanProblem, mode: I64, c: I64, rounds: int | None = None) -> I64:
         sc = np.maximum(rest[j][:, None, None], np.maximum(tj[None], td)) + gain
         sc = np.where(fit & have & (pair != j)[:, None, None], sc, np.inf)
 
-        def swap_at(ix: tuple) -> I64:
+        def swap_at(ix: tuple, j: int = j) -> I64:
             d, o, i = ix
             trial = c.copy()
             trial[on[j], o] -= 1
@@ -680,12 +704,18 @@ def _fair_share(p: PlanProblem, mode: I64) -> F64:
     return p.count.sum() * speed / max(speed.sum(), 1e-12)
 
 
+def _excess_cost(p: PlanProblem, share: F64) -> F64:
+    """``[node, slot]``: seconds to move what a node holds beyond a slot's ``share``, at the
+    mean cost of moving one of that node's requests."""
+    held = p.holdings.sum(axis=1)
+    per = (p.holdings @ p.mig) / np.maximum(held, 1)
+    return p.mig_weight * per[:, None] * np.maximum(held[:, None] - share[None, :], 0.0)
+
+
 def _migration_floor(p: PlanProblem, mode: I64) -> float:
-    """Migration a layout needs at the least: what nodes hold beyond their fair share, at
-    the mean cost of moving a request (an off node's share is zero)."""
-    mean = float(p.mig @ p.count) / max(int(p.count.sum()), 1)
-    excess = np.maximum(p.holdings.sum(axis=1) - _fair_share(p, mode), 0.0).sum()
-    return p.mig_weight * mean * float(excess)
+    """Migration a layout needs at the least: what each node holds beyond its fair share
+    (an off node's share is zero)."""
+    return float(np.diagonal(_excess_cost(p, _fair_share(p, mode))).sum())
 
 
 def assign_roles(p: PlanProblem, mode: I64) -> I64:
@@ -703,11 +733,8 @@ def assign_roles(p: PlanProblem, mode: I64) -> I64:
     slots = np.sort(mode)
     mm = np.maximum(slots, 0)
     share = _fair_share(p, slots)
-    held = p.holdings.sum(axis=1)
-    mig = float(p.mig @ p.count) / max(int(p.count.sum()), 1)
     sw = np.where(slots >= 0, p.switch[:, mm], 0.0)
-    cost = sw * (p.switch_weight + 1.0 / int(on.sum()))
-    cost = cost + p.mig_weight * mig * np.maximum(held[:, None] - share[None, :], 0.0)
+    cost = sw * (p.switch_weight + 1.0 / int(on.sum())) + _excess_cost(p, share)
     cost = np.where((slots < 0) | p.allowed[:, mm], cost, 1e18)
     rows, cols = linear_sum_assignment(cost)
     out = np.empty_like(mode)
@@ -839,9 +866,13 @@ def solve_relaxed(
         options = [(c, "greedy")]
         if polish:
             c_lp = _polish(p, mode, c)
+            c_keep = _keep_start(p, mode)
             options = [(refine(p, mode, c), "greedy")]
-            if c_lp is not None:
-                options.append((refine(p, mode, c_lp), "lp"))
+            options += [
+                (refine(p, mode, x), how)
+                for x, how in ((c_lp, "lp"), (c_keep, "keep"))
+                if x is not None
+            ]
         for cc, how in options:
             obj = evaluate(p, mode, cc).objective
             if out is None or obj < out[0] - 1e-9:

@@ -8,7 +8,8 @@ node, *half-node* modes that run half the replicas on 4 of its 8 GPUs), a GPU bu
 
 A half-node variant of a mode keeps the mode's per-replica coefficients: per node it does
 half the work (``work`` and ``co`` double, being per-node seconds per request), holds half
-the KV (``cap`` halves), uses half the GPUs, and has the mode's own latency and switch time (every change of mode restarts the node).
+the KV (``cap`` halves), uses half the GPUs, and has the mode's own latency and switch time
+(every change of mode restarts the node).
 Everything else comes from :func:`~flowrl.sched.problem.build_problem` on a synthetic
 snapshot, so the coefficients are the cost model's.
 """

@@ -15,6 +15,7 @@ import itertools
 import numpy as np
 import pytest
 
+from flowrl.sched import PlannerConfig
 from flowrl.sched.oracle import solve_exact
 from flowrl.sched.problem import evaluate, feasible
 from flowrl.sched.solver import fit_budget, solve_milp, solve_relaxed
@@ -51,7 +52,8 @@ def test_planner_within_3_percent_of_exact(
         bucket=2048,
     )
     assert p.gpu_budget % 8 == 4  # a half node is forced
-    fast = solve_relaxed(p)
+    cfg = PlannerConfig()  # the planner's own search budgets
+    fast = solve_relaxed(p, max_evals=cfg.max_evals, lp_iterations=cfg.lp_iterations)
     exact = solve_exact(p, time_limit=300.0, mip_rel_gap=0.005)
     assert fast is not None and exact is not None
     assert feasible(p, fast.mode, fast.counts) is None

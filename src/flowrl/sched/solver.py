@@ -10,14 +10,28 @@
   Milliseconds even at 512 GPUs: the "feasible plan fast" path.
 - :func:`assign_lp` — modes fixed; the greedy fixes which nodes host which latency level,
   then an LP (HiGHS) re-balances the counts with migration cost; largest-remainder rounding
-  and a KV repair follow, and the better of the two assignments is returned.
+  and a KV repair follow; both assignments are then improved by :func:`refine` and the
+  better is returned.
+- :func:`refine` — steepest descent over single-request moves (any node to any node) and
+  swaps (with the node that finishes last), scored in one numpy pass per round.
 - :func:`solve_relaxed` — the LP relaxation of the full MILP picks a mode *mix* (fractional
-  node counts per mode, rounded by largest remainder, given to the nodes the relaxation
-  prefers, current mode first), plus the current and every homogeneous layout as starts; a
-  greedy local search moves one, half or all of a mode's nodes to another mode (at most
-  ``max_evals`` mixes); the best mix is polished by :func:`assign_lp`.
+  node counts per mode, rounded by largest remainder), plus the current and every
+  homogeneous layout as starts, each brought within the GPU budget by :func:`fit_budget`
+  (nodes step down to modes on fewer GPUs — a half node — before any goes off); every mix
+  is given to the nodes it suits by :func:`assign_roles` (an assignment problem: switches
+  and migration) and scored by the greedy's makespan, its switches and the migration it
+  needs at the least; a local search moves one, half or all of a mode's nodes (or of the
+  off nodes) to another mode, repairing the budget by stepping other nodes down, or
+  switches one node off (at most ``max_evals`` mixes); the best ``finalists`` mixes get
+  :func:`assign_lp`'s treatment and the best plan wins.
 - :func:`solve_milp` — the full MILP (binary modes and bucket-presence indicators, integer
-  counts) with HiGHS branch-and-cut, warm-started, under a time limit.
+  counts) with HiGHS branch-and-cut, optionally warm-started, under a time limit. The
+  planner's ``method="milp"`` warm-starts it from the fast plan; tests compare the fast plan
+  with :func:`flowrl.sched.oracle.solve_exact` instead, written and solved independently.
+
+Quality (``tests/unit/test_sched_planner_exact.py``, ``benchmarks/sched_sim.py``):
+:func:`solve_relaxed` is a heuristic with no proven bound; on generated half-node instances
+of 8-128 GPUs and the simulator's tail snapshots it is within 1.03x of the exact optimum.
 
 Every budget but :func:`solve_milp`'s is counted (bisection rounds, evaluated mixes, simplex
 iterations), never timed, so a plan depends only on its inputs.
@@ -33,11 +47,21 @@ from typing import final
 import numpy as np
 from numpy.typing import NDArray
 from scipy import sparse
+from scipy.optimize import linear_sum_assignment
 
 from flowrl.sched import _highs
 from flowrl.sched.problem import PlanProblem, evaluate, feasible, moved_counts, node_times
 
-__all__ = ["Solution", "assign_greedy", "assign_lp", "fit_budget", "solve_milp", "solve_relaxed"]
+__all__ = [
+    "Solution",
+    "assign_greedy",
+    "assign_lp",
+    "assign_roles",
+    "fit_budget",
+    "refine",
+    "solve_milp",
+    "solve_relaxed",
+]
 
 F64 = NDArray[np.float64]
 I64 = NDArray[np.int64]
@@ -277,14 +301,146 @@ def _polish(p: PlanProblem, mode: I64, start: I64) -> I64 | None:
 
 
 def assign_lp(p: PlanProblem, mode: I64) -> I64 | None:
-    """Counts for fixed ``mode``: the greedy's latency levels, counts re-balanced by an LP."""
+    """Counts for fixed ``mode``: the greedy's latency levels, counts re-balanced by an LP,
+    then single-request moves off the bottleneck (:func:`refine`)."""
     mode = np.asarray(mode, dtype=np.int64)
     start = assign_greedy(p, mode)
     if start is None:
         return None
+    start = refine(p, mode, start)
     c = _polish(p, mode, start)
+    c = None if c is None else refine(p, mode, c)
     if c is None or evaluate(p, mode, c).objective >= evaluate(p, mode, start).objective:
         return start
+    return c
+
+
+def _row_times(p: PlanProblem, node: I64, m: I64, rows: F64) -> F64:
+    """Node time (problem docstring) of ``rows[..., b]`` counts on ``node`` in mode ``m``."""
+    thr = (rows * p.work[m]).sum(axis=-1)
+    tail = np.where(rows > 0, p.lat[m], 0.0).max(axis=-1) + (rows * p.co[m]).sum(axis=-1)
+    return p.switch[node, m] + np.where(rows.sum(axis=-1) > 0, np.maximum(thr, tail), 0.0)
+
+
+def _rest_max(t: F64) -> F64:
+    """``[i, d]``: the latest of the node times ``t`` other than nodes ``i`` and ``d``."""
+    k = len(t)
+    top = np.argsort(-t, kind="stable")[:3]
+    rest = np.zeros((k, k))
+    idx = np.arange(k)
+    for i in top[::-1]:
+        rest = np.where((idx[:, None] != i) & (idx[None, :] != i), t[i], rest)
+    return rest
+
+
+def _keep_start(p: PlanProblem, mode: I64) -> I64 | None:
+    """Counts that move only what must move: nodes that stay on keep what they hold; the
+    requests of nodes going off are water-filled onto the others, longest bucket first; a
+    KV repair follows where a node's new mode holds less."""
+    on = mode >= 0
+    if not on.any():
+        return None
+    idx = np.nonzero(on)[0]
+    m = mode[idx]
+    c = np.where(on[:, None], p.holdings, 0)
+    for b in np.argsort(-p.bucket_len, kind="stable"):
+        n_req = int(p.holdings[~on, b].sum())
+        if not n_req:
+            continue
+        load = _row_times(p, idx, m, c[idx].astype(np.float64))
+        room = (p.kv_limit * p.cap[m] - c[idx] @ p.kv) // p.kv[b]
+        got = _fill_bucket(n_req, load, np.maximum(p.work[m, b], 1e-9), np.maximum(room, 0))
+        if got is None:
+            return None
+        c[idx, b] += got
+    return _repair_kv(p, mode, c, np.repeat(on[:, None], p.n_buckets, axis=1))
+
+
+def refine(p: PlanProblem, mode: I64, c: I64, rounds: int | None = None) -> I64:
+    """Steepest descent over single-request moves and swaps between nodes.
+
+    Every round scores every (source, destination, bucket) move at once — the two nodes' new
+    times against the other nodes' latest, plus the migration it adds or saves (moving a
+    request back to the node that holds it saves one) — and, when no move helps, every swap
+    of one request between the node that finishes last and another node; it takes the best
+    the full objective confirms (keeping the objective with fewer nodes at the makespan
+    counts as progress). At most ``rounds`` rounds (default ``8 * nodes``): a counted budget.
+    The LP's rounding leaves requests on the wrong side of a node boundary and moves some it
+    need not; this fixes both.
+    """
+    on = np.nonzero(mode >= 0)[0]
+    k_on = len(on)
+    if k_on < 2:
+        return c
+    c = c.copy()
+    m_on = mode[on]
+    limit = p.kv_limit * p.cap[m_on] + 1e-6
+    eye = np.eye(p.n_buckets)
+    swap = eye[:, None, :] - eye[None, :, :]  # [out, in]: -1 out, +1 in (as seen by the taker)
+    hold = p.holdings[on]
+    pair = np.arange(k_on)
+    mig = p.mig_weight * p.mig
+
+    def key(cc: I64) -> tuple[float, int]:
+        ev = evaluate(p, mode, cc)
+        return ev.objective, int((ev.node_time >= ev.makespan - 1e-9).sum())
+
+    best = key(c)
+
+    def first_better(score: F64, apply) -> bool:
+        nonlocal c, best
+        for flat in np.argsort(score, axis=None, kind="stable")[:3]:
+            if not np.isfinite(score.flat[flat]):
+                return False
+            trial = apply(np.unravel_index(flat, score.shape))
+            k = key(trial)
+            if k < best:
+                c, best = trial, k
+                return True
+        return False
+
+    def move(ix: tuple) -> I64:
+        i, d, b = ix
+        trial = c.copy()
+        trial[on[i], b] -= 1
+        trial[on[d], b] += 1
+        return trial
+
+    for _ in range(8 * p.n_nodes if rounds is None else rounds):
+        cur = c[on].astype(np.float64)
+        t = _row_times(p, on, m_on, cur)
+        rest = _rest_max(t)
+        t_out = _row_times(p, on[:, None], m_on[:, None], cur[:, None, :] - eye)
+        t_in = _row_times(p, on[:, None], m_on[:, None], cur[:, None, :] + eye)
+        leave = (cur <= hold) * mig  # one more request leaves its holder
+        back = (cur < hold) * mig  # one comes back to its holder
+        span = np.maximum(rest[:, :, None], np.maximum(t_out[:, None, :], t_in[None, :, :]))
+        kv = cur @ p.kv
+        ok = (cur > 0)[:, None, :] & (kv[:, None] + p.kv <= limit[:, None])[None, :, :]
+        ok &= (pair[:, None] != pair[None, :])[..., None]
+        if first_better(np.where(ok, span + leave[:, None, :] - back[None, :, :], np.inf), move):
+            continue
+        j = int(np.argmax(t))  # swaps: j gives one of bucket o and takes one of bucket i
+        tj = _row_times(p, on[j : j + 1], m_on[j : j + 1], cur[j] - swap)  # [o, i]
+        td = _row_times(p, on[:, None, None], m_on[:, None, None], cur[:, None, None, :] + swap)
+        dkv = p.kv[:, None] - p.kv[None, :]  # KV d gains
+        fit = (kv[:, None, None] + dkv <= limit[:, None, None]) & (kv[j] - dkv <= limit[j])
+        have = (cur[j] > 0)[:, None] & (cur > 0)[:, None, :]  # [d, o, i]
+        gain = leave[j][:, None] - back[j][None, :] + leave[:, None, :] - back[:, :, None]
+        sc = np.maximum(rest[j][:, None, None], np.maximum(tj[None], td)) + gain
+        sc = np.where(fit & have & (pair != j)[:, None, None], sc, np.inf)
+
+        def swap_at(ix: tuple, j: int = j) -> I64:
+            d, o, i = ix
+            trial = c.copy()
+            trial[on[j], o] -= 1
+            trial[on[j], i] += 1
+            trial[on[d], o] += 1
+            trial[on[d], i] -= 1
+            return trial
+
+        if not first_better(sc, swap_at):
+            break
     return c
 
 
@@ -506,38 +662,115 @@ def _round_mix(p: PlanProblem, xs: F64) -> I64:
     return fit_budget(p, mode)
 
 
-def fit_budget(p: PlanProblem, mode: I64) -> I64:
-    """Turn off the nodes holding fewest requests until the GPU budget holds."""
+def fit_budget(p: PlanProblem, mode: I64, fixed: NDArray[np.bool_] | None = None) -> I64:
+    """Bring a layout within the GPU budget, stepping nodes down rather than off.
+
+    Of the nodes that have a candidate mode on fewer GPUs (never one in ``fixed``), the one
+    holding fewest requests moves to such a mode: the largest that closes the excess (the
+    fastest of equal size), else the smallest. Only when no node can step down does one
+    (the least loaded) go off. A budget of ``8k + 4`` on 8-GPU
+    nodes thus gets a half-node mode, not a node fewer.
+    """
     mode = mode.copy()
     mode[(mode >= 0) & ~p.allowed[np.arange(p.n_nodes), np.maximum(mode, 0)]] = -1
-    while int(p.mode_gpus[mode[mode >= 0]].sum()) > p.gpu_budget:
-        on = np.nonzero(mode >= 0)[0]
-        mode[on[np.argmin(p.holdings[on].sum(axis=1))]] = -1
+    load = p.holdings.sum(axis=1)
+    movable = np.ones(p.n_nodes, dtype=bool) if fixed is None else ~fixed
+    speed = -(p.work[p.cand] @ p.count)  # higher is faster; ties between equal GPU counts
+    while (excess := int(p.mode_gpus[mode[mode >= 0]].sum()) - p.gpu_budget) > 0:
+        on = np.nonzero((mode >= 0) & movable)[0]
+        if not len(on):
+            return fit_budget(p, mode) if fixed is not None else mode
+        g_on = p.mode_gpus[mode[on]]
+        down = (p.allowed[on][:, p.cand] & (p.mode_gpus[p.cand] < g_on[:, None])).any(axis=1)
+        if not down.any():
+            mode[on[np.argmin(load[on])]] = -1
+            continue
+        i = on[down][np.argmin(load[on[down]])]
+        g = p.mode_gpus[mode[i]]
+        ok = p.allowed[i, p.cand] & (p.mode_gpus[p.cand] < g)
+        saved = g - p.mode_gpus[p.cand]
+        closes = ok & (saved >= excess)
+        pool = closes if closes.any() else ok
+        key = np.where(pool, -saved if closes.any() else saved, -np.inf)
+        best = np.flatnonzero(key == key.max())
+        mode[i] = p.cand[best[np.argmax(speed[best])]]
     return mode
 
 
+def _fair_share(p: PlanProblem, mode: I64) -> F64:
+    """Requests each node would hold if all ran at their mode's throughput to the same end."""
+    mm = np.maximum(mode, 0)
+    speed = np.where(mode >= 0, 1.0 / np.maximum(p.work[mm] @ p.count, 1e-12), 0.0)
+    return p.count.sum() * speed / max(speed.sum(), 1e-12)
+
+
+def _excess_cost(p: PlanProblem, share: F64) -> F64:
+    """``[node, slot]``: seconds to move what a node holds beyond a slot's ``share``, at the
+    mean cost of moving one of that node's requests."""
+    held = p.holdings.sum(axis=1)
+    per = (p.holdings @ p.mig) / np.maximum(held, 1)
+    return p.mig_weight * per[:, None] * np.maximum(held[:, None] - share[None, :], 0.0)
+
+
+def _migration_floor(p: PlanProblem, mode: I64) -> float:
+    """Migration a layout needs at the least: what each node holds beyond its fair share
+    (an off node's share is zero)."""
+    return float(np.diagonal(_excess_cost(p, _fair_share(p, mode))).sum())
+
+
+def assign_roles(p: PlanProblem, mode: I64) -> I64:
+    """The same mode mix, given to the nodes it suits (an assignment problem).
+
+    A node pays for a mode its switch (downtime on its own clock and the objective's switch
+    term) and the migration of what it holds beyond the mode's fair share of the requests
+    (the share of its throughput in the mix). Keeping current modes and giving the slower
+    modes to the nodes holding least is what this buys; the mix, and so the GPU count, is
+    unchanged.
+    """
+    on = mode >= 0
+    if not on.any():
+        return mode
+    slots = np.sort(mode)
+    mm = np.maximum(slots, 0)
+    share = _fair_share(p, slots)
+    sw = np.where(slots >= 0, p.switch[:, mm], 0.0)
+    cost = sw * (p.switch_weight + 1.0 / int(on.sum())) + _excess_cost(p, share)
+    cost = np.where((slots < 0) | p.allowed[:, mm], cost, 1e18)
+    rows, cols = linear_sum_assignment(cost)
+    out = np.empty_like(mode)
+    out[rows] = slots[cols]
+    return out
+
+
 def _neighbours(p: PlanProblem, mode: I64) -> list[I64]:
-    """Mixes reached by moving 1, half or all of one mode's nodes to another mode.
+    """Mixes reached by moving 1, half or all of one mode's nodes (or of the off nodes) to
+    another mode, stepping other nodes down (:func:`fit_budget`) where that breaks the
+    budget, or by switching one node off.
 
     Makespan is a max over nodes, so single-node moves often sit on a plateau; moving a
     group at once crosses it. Nodes already in the target mode, then those holding fewest
     requests, are moved first (fewest switches and re-layouts).
     """
     out = []
-    for m_from in np.unique(mode[mode >= 0]):
+    for m_from in np.unique(mode):
         nodes = np.nonzero(mode == m_from)[0]
-        for m_to in p.cand:
+        for m_to in (*p.cand, -1):
             if m_to == m_from:
                 continue
-            ok = nodes[p.allowed[nodes, m_to]]
+            ok = nodes[p.allowed[nodes, m_to]] if m_to >= 0 else nodes
             if not len(ok):
                 continue
             key = np.lexsort((p.holdings[ok].sum(axis=1), p.current[ok] != m_to))
             ranked = ok[key]
-            for k in sorted({1, (len(ranked) + 1) // 2, len(ranked)}):
+            sizes = {1, (len(ranked) + 1) // 2, len(ranked)} if m_to >= 0 else {1}
+            for k in sorted(sizes):
                 nb = mode.copy()
                 nb[ranked[:k]] = m_to
-                if int(p.mode_gpus[nb[nb >= 0]].sum()) <= p.gpu_budget:
+                if int(p.mode_gpus[nb[nb >= 0]].sum()) > p.gpu_budget:
+                    fixed = np.zeros(p.n_nodes, dtype=bool)
+                    fixed[ranked[:k]] = True
+                    nb = fit_budget(p, nb, fixed)
+                if not np.array_equal(nb, mode):
                     out.append(nb)
     return out
 
@@ -587,6 +820,7 @@ def solve_relaxed(
     lp_iterations: int = 20000,
     lp_buckets: int = 32,
     polish: bool = True,
+    finalists: int = 3,
 ) -> Solution | None:
     """LP relaxation -> mode-mix rounding -> greedy local search -> LP polish (see module).
 
@@ -601,13 +835,14 @@ def solve_relaxed(
         starts.insert(0, _round_mix(p, res.x[: lay.c0].reshape(p.n_nodes, lay.mc)))
     for m in p.cand:  # homogeneous layouts: cheap, and often where the optimum sits
         starts.append(fit_budget(p, np.where(p.allowed[:, m], m, -1).astype(np.int64)))
-    best: tuple[float, I64, I64] | None = None
+    tried: list[tuple[float, I64, I64]] = []
     seen: set[bytes] = set()
     for mode in starts:
         frontier = [mode]
         while frontier and len(seen) < max_evals:
             nxt = []
             for md in frontier:
+                md = assign_roles(p, md)
                 key = md.tobytes()
                 if key in seen:
                     continue
@@ -615,20 +850,35 @@ def solve_relaxed(
                 c = assign_greedy(p, md)
                 if c is None:
                     continue
-                obj = evaluate(p, md, c).objective
-                if best is None or obj < best[0] - 1e-9:
-                    best = (obj, md, c)
+                ev = evaluate(p, md, c)
+                obj = ev.makespan + p.switch_weight * ev.switch_s + _migration_floor(p, md)
+                if not tried or obj < min(e[0] for e in tried) - 1e-9:
                     nxt = _neighbours(p, md)
+                tried.append((obj, md, c))
                 if len(seen) >= max_evals:
                     break
             frontier = nxt
-    if best is None:
+    # scored by what migration they need, not by what the greedy moves: the best few mixes
+    # get the full treatment
+    tried.sort(key=lambda e: e[0])
+    out: tuple[float, I64, I64, str] | None = None
+    for _, mode, c in tried[: finalists if polish else 1]:
+        options = [(c, "greedy")]
+        if polish:
+            c_lp = _polish(p, mode, c)
+            c_keep = _keep_start(p, mode)
+            options = [(refine(p, mode, c), "greedy")]
+            options += [
+                (refine(p, mode, x), how)
+                for x, how in ((c_lp, "lp"), (c_keep, "keep"))
+                if x is not None
+            ]
+        for cc, how in options:
+            obj = evaluate(p, mode, cc).objective
+            if out is None or obj < out[0] - 1e-9:
+                out = (obj, mode, cc, how)
+    if out is None:
         return None
-    _, mode, c = best
-    method = "greedy"
-    if polish:
-        c2 = _polish(p, mode, c)
-        if c2 is not None and evaluate(p, mode, c2).objective < best[0]:
-            c, method = c2, "lp"
+    _, mode, c, method = out
     bound = res.objective if res.status == "Optimal" else float("nan")
     return Solution(mode, c, evaluate(p, mode, c).objective, f"relaxed+{method}", bound)

@@ -7,6 +7,9 @@ separate process that joins it with a bare ``tq.init()`` (as in TransferQueue, w
 second process finds the controller); ``inproc`` (default) keeps everything here.
 
     python examples/transfer_queue_streaming.py [--placement zmq] [--samples 64]
+
+Needs: the ``compat`` extra (tensordict): ``pip install 'flowrl[compat]'``. Takes: a few
+seconds (``inproc``), about half a minute with ``--placement zmq``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,13 @@ import argparse
 import multiprocessing
 
 import torch
-from tensordict import TensorDict
+
+try:
+    from tensordict import TensorDict
+except ImportError:  # say which extra, not just the module
+    raise SystemExit(
+        "this example needs tensordict: pip install 'flowrl[compat]' (with torch==2.13.0)"
+    ) from None
 
 import flowrl.compat.transfer_queue as tq  # was: import transfer_queue as tq
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import threading
@@ -202,7 +203,9 @@ class Dashboard(Tracker):
                 future.result(timeout=10)
             finally:
                 self._runner = None
-        if self._thread.is_alive():
+        if self._thread.is_alive():  # open pages' streams end here, then the loop
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(_cancel_tasks(), self._loop).result(timeout=5)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
         self._loop.close()
@@ -214,6 +217,14 @@ class Dashboard(Tracker):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+async def _cancel_tasks() -> None:
+    """Cancel every task of the running loop but this one, and wait for them."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def serve_dashboard(

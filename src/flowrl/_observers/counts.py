@@ -9,7 +9,9 @@ which columns each live sample has ready. ``serve_metrics`` and the dashboard re
 from __future__ import annotations
 
 import threading
+from collections import Counter, deque
 from collections.abc import Callable
+from itertools import repeat
 from typing import Any, Protocol
 
 from flowrl._config import HubStats
@@ -60,8 +62,8 @@ class EventCounts(Observer):
     def __init__(self, *, readiness: bool = False) -> None:
         self.lock = threading.Lock()
         self.columns: list[str] = []  # in the order they were declared (or first put)
-        # live sample -> its ready columns; kept only when asked (a set per sample put)
-        self.ready: dict[int, set[str]] | None = {} if readiness else None
+        # live sample -> its ready columns; kept only when asked
+        self.ready: dict[int, frozenset[str]] | None = {} if readiness else None
         self.version = 0  # the newest published
         self.put: dict[str, int] = {}
         self.put_bytes: dict[str, int] = {}
@@ -86,8 +88,12 @@ class EventCounts(Observer):
         n = len(event.indices)
         self.columns += [c for c in event.columns if c not in self.columns]
         if self.ready is not None:
-            for i in event.indices:
-                self.ready.setdefault(i, set()).update(event.columns)
+            columns = frozenset(event.columns)
+            if event.new:  # the common case, at C speed: every sample has these columns
+                self.ready.update(dict.fromkeys(event.indices, columns))
+            else:
+                ready, none = self.ready, frozenset[str]()
+                self.ready.update({i: ready.get(i, none) | columns for i in event.indices})
         for k, column in enumerate(event.columns):
             self.put[column] = self.put.get(column, 0) + n
             nbytes = sum(event.nbytes[k * n : (k + 1) * n])
@@ -105,10 +111,15 @@ class EventCounts(Observer):
     def on_ack(self, event: Acked) -> None:
         self._settle(event.task, "acked", event)
         buckets = self.staleness.setdefault(event.task, [0] * (len(STALENESS_BUCKETS) + 1))
-        for i in event.indices:
-            lag = max(0, self.version - self._versions.get(i, self.version))
-            self.staleness_sum[event.task] = self.staleness_sum.get(event.task, 0) + lag
-            buckets[_bucket(lag)] += 1
+        now = self.version
+        # a batch's samples share a few versions: count them at C speed, bucket the few
+        versions = Counter(map(self._versions.get, event.indices, repeat(now)))
+        total = self.staleness_sum.get(event.task, 0)
+        for version, count in versions.items():
+            lag = max(0, now - version)
+            buckets[_bucket(lag)] += count
+            total += lag * count
+        self.staleness_sum[event.task] = total
 
     def on_release(self, event: Released) -> None:
         self._settle(event.task, "released", event)
@@ -117,10 +128,9 @@ class EventCounts(Observer):
         self._settle(event.task, "expired", event)
 
     def on_evict(self, event: Evicted) -> None:
-        for i in event.indices:
-            self._versions.pop(i, None)
-            if self.ready is not None:
-                self.ready.pop(i, None)
+        deque(map(self._versions.pop, event.indices, repeat(None)), maxlen=0)  # C-speed loop
+        if self.ready is not None:
+            deque(map(self.ready.pop, event.indices, repeat(None)), maxlen=0)
 
     def on_version(self, event: VersionPublished) -> None:
         self.version = max(self.version, event.version)

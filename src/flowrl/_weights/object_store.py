@@ -19,6 +19,7 @@ made, and it connects to the running cluster (``ray.init()`` if this process is 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Sequence
@@ -59,6 +60,11 @@ class _Registry:
         if self._newest is None or (have is not None and self._newest[0] <= have):
             return None
         return self._newest
+
+    def close(self) -> None:
+        """Forget the newest version: ``ray.kill`` takes effect later, and a subscriber
+        must not get a closed channel's version meanwhile."""
+        self._newest = None
 
 
 @functools.cache
@@ -116,6 +122,8 @@ class RayWeightPublisher(BaseWeightPublisher):
         return [self._staging[e.offset : e.offset + e.nbytes].numpy() for e in entries]
 
     def _close(self) -> None:
+        with contextlib.suppress(self._ray.exceptions.RayActorError):  # died already
+            self._ray.get(self._registry.close.remote())
         self._ray.kill(self._registry)
         self._newest = []
         self._staging = None

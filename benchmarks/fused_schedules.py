@@ -68,7 +68,9 @@ INSTANCES = [
 QUICK = (2, 5, 8)
 
 
-def problem(cfg: tuple[float, ...]) -> FusedProblem:
+def problem(cfg: tuple[float, ...], limit: float | None = None) -> FusedProblem:
+    """An instance's actor/critic pair (the critic's pipeline reversed); ``limit``: the
+    memory limit, None for none."""
     pp0, pp1, m0, m1, f0, f1, a0, a1 = cfg
     return FusedProblem(
         gpu_stages=int(pp0),
@@ -91,6 +93,7 @@ def problem(cfg: tuple[float, ...]) -> FusedProblem:
                 reverse=True,
             ),
         ),
+        memory_limit=limit,
     )
 
 

@@ -5,7 +5,10 @@ over random problems and memory limits."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from pathlib import Path
+from types import ModuleType
 
 import msgspec
 import pytest
@@ -25,50 +28,22 @@ from flowrl.sched import (
     serial_1f1b,
 )
 
-# FlexFusion's 12 experiments (github.com/FlexFusion/FlexFusion, parallel_driver.cc and
-# get-lower-bound.py: pp0, pp1, m0, m1, forward0, forward1, activation0, activation1; the
-# backward is twice the forward) and the makespans of its published result traces.
-FLEXFUSION = [
-    ((8, 4, 32, 16, 5, 4, 1.95, 2.0), 708),
-    ((8, 4, 16, 8, 5, 4, 1.95, 2.0), 372),
-    ((8, 4, 8, 4, 5, 4, 1.95, 2.0), 225),
-    ((8, 8, 32, 32, 5, 2, 1.95, 1.0), 702),
-    ((8, 8, 16, 16, 5, 2, 1.95, 1.0), 366),
-    ((8, 8, 8, 8, 5, 2, 1.95, 1.0), 225),
-    ((16, 8, 64, 32, 2, 2, 1.64, 2.0), 618),
-    ((16, 8, 32, 16, 2, 2, 1.64, 2.0), 330),
-    ((16, 8, 16, 8, 2, 2, 1.64, 2.0), 186),
-    ((16, 16, 64, 64, 2, 1, 1.64, 1.0), 613),
-    ((16, 16, 32, 32, 2, 1, 1.64, 1.0), 318),
-    ((16, 16, 16, 16, 2, 1, 1.64, 1.0), 186),
-]
+
+def _benchmark() -> ModuleType:
+    """benchmarks/fused_schedules.py: FlexFusion's 12 instances and their problem builder
+    are written once, there."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "fused_schedules.py"
+    spec = importlib.util.spec_from_file_location("fused_schedules", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def flexfusion_problem(cfg: tuple[float, ...], limit: float | None = None) -> FusedProblem:
-    pp0, pp1, m0, m1, f0, f1, a0, a1 = cfg
-    return FusedProblem(
-        gpu_stages=int(pp0),
-        models=(
-            PipelineModel(
-                name="actor",
-                stages=int(pp0),
-                microbatches=int(m0),
-                forward_s=f0,
-                backward_s=2 * f0,
-                activation=a0,
-            ),
-            PipelineModel(
-                name="critic",
-                stages=int(pp1),
-                microbatches=int(m1),
-                forward_s=f1,
-                backward_s=2 * f1,
-                activation=a1,
-                reverse=True,
-            ),
-        ),
-        memory_limit=limit,
-    )
+_BENCH = _benchmark()
+# FlexFusion's experiments (cfg, the makespan of its published result trace)
+FLEXFUSION = [(cfg, published) for cfg, published, _ in _BENCH.INSTANCES]
+flexfusion_problem = _BENCH.problem
 
 
 def pair(

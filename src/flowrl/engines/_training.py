@@ -64,10 +64,13 @@ class TokenWeightedTrainer(UpdateEngine):
     """``logprobs`` and ``train_step`` over ``self._lm``; subclasses say how gradients are
     made, reduced and applied."""
 
-    def __init__(self, lm: CausalLM, *, version: int, pad_id: int) -> None:
+    def __init__(
+        self, lm: CausalLM, *, version: int, pad_id: int, device: torch.device | None = None
+    ) -> None:
         super().__init__(version=version)
         self._lm = lm
         self._pad_id = pad_id
+        self._device = device  # where the model computes; batches come and go on theirs
 
     @abc.abstractmethod
     def _train_mode(self, training: bool) -> None: ...
@@ -94,8 +97,13 @@ class TokenWeightedTrainer(UpdateEngine):
             return self._forward(batch, temperature)
 
     def _forward(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
-        ids, mask, starts, cu = batch.model_inputs(self._pad_id)
-        return token_logprobs(self._lm, ids, mask, starts, cu, temperature=temperature)
+        """The response tokens' log-probs, computed on the model's device and returned on
+        the batch's (where the loss function's advantages and old log-probs are)."""
+        inputs = batch.model_inputs(self._pad_id)
+        if self._device is not None:
+            inputs = tuple(t.to(self._device) for t in inputs)
+        out = token_logprobs(self._lm, *inputs, temperature=temperature)
+        return out.to(batch.responses.device)
 
     def train_step(
         self,

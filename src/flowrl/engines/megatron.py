@@ -11,8 +11,10 @@ under those names too (a checkpoint of the torch engine restores into this one a
 
 What runs is Megatron's: its ``TransformerConfig``, the local (no Transformer Engine, no
 apex) layer spec, its embedding, transformer block (RMSNorm, fused-QKV attention with
-rotary embeddings, gated MLP) and output layer, in float32. Two choices make it run on CPU
-as well as on GPUs, through Megatron's own extension points and without patching it:
+rotary embeddings, gated MLP) and output layer, on the Llama's device and in its dtype
+(float32 on CPU; bfloat16 on a GPU, AdamW then stepping the bfloat16 weights). Two
+choices make it run on CPU as well as on GPUs, through Megatron's own extension points
+and without patching it:
 
 * core attention is :class:`SDPACoreAttention`, torch's ``scaled_dot_product_attention``
   plugged into the layer spec (Megatron's local ``DotProductAttention`` takes its scratch
@@ -24,9 +26,9 @@ as well as on GPUs, through Megatron's own extension points and without patching
 Parallelism: tensor and pipeline parallel size 1; data parallel over every rank of the
 default process group (joined when it exists, else created from torchrun's ``RANK`` /
 ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``, or a one-process group in-process;
-gloo on CPU, NCCL with CUDA), gradients summed over Megatron's data-parallel group. The
-optimizer is torch's AdamW (:class:`~flowrl.engines.OptimConfig`), as in the other
-engines. Megatron is imported only when an engine is constructed.
+gloo for a model on the CPU, NCCL for one on a GPU), gradients summed over Megatron's
+data-parallel group. The optimizer is torch's AdamW (:class:`~flowrl.engines.OptimConfig`),
+as in the other engines. Megatron is imported only when an engine is constructed.
 """
 
 from __future__ import annotations
@@ -44,9 +46,7 @@ from flowrl._weights.sync import load_named, module_weights
 from flowrl.engines._distributed import init_default_group
 from flowrl.engines._megatron_llama import LlamaShape, hf_to_megatron, megatron_to_hf
 from flowrl.engines._training import OptimConfig, TokenWeightedTrainer
-from flowrl.engines.base import TrainBatch
 from flowrl.errors import ConfigError
-from flowrl.rl.grpo import token_logprobs
 
 __all__ = ["MegatronUpdateEngine", "SDPACoreAttention"]
 
@@ -56,8 +56,9 @@ _INSTALL = "pip install 'flowrl[megatron]' (in the same pip command as torch, e.
 @final
 class MegatronUpdateEngine(TokenWeightedTrainer):
     """Trains a Megatron-core GPT built from ``model``, a Hugging Face Llama (module
-    docstring); ``model`` itself is only read. ``backend``: the process-group backend when
-    the engine creates the group (default: gloo on CPU, nccl with CUDA)."""
+    docstring); ``model`` itself is only read, and sets the engine's device and dtype.
+    ``backend``: the process-group backend when the engine creates the group (default:
+    gloo for a model on the CPU, nccl for one on a GPU)."""
 
     def __init__(
         self,
@@ -68,22 +69,24 @@ class MegatronUpdateEngine(TokenWeightedTrainer):
         pad_id: int = 0,
         backend: str | None = None,
     ) -> None:
-        with _quiet_on_cpu():
+        first = next(model.parameters())
+        with _quiet_on_cpu(first.device):
             try:
                 from megatron.core import parallel_state
             except ImportError as exc:
                 raise ConfigError(f"MegatronUpdateEngine needs megatron-core: {_INSTALL}") from exc
             self.shape = LlamaShape.of(_llama_config(model))
-            self._owns_parallel_state = _init_parallel(backend)
+            self._owns_parallel_state = _init_parallel(backend, first.device)
             self._dp_group = parallel_state.get_data_parallel_group()
-            self.model = _build_gpt(self.shape)
-        device = next(model.parameters()).device
-        self.model.to(device)
+            self.model = _build_gpt(self.shape, first.dtype)
+        self.model.to(first.device)
         weights = hf_to_megatron(dict(module_weights(model)), self.shape)
         load_named(self.model, weights.items())
         self.optim = optim or OptimConfig()
         self._optimizer = self.optim.adamw(self.model.parameters())
-        super().__init__(_MegatronLM(self.model, self.shape), version=version, pad_id=pad_id)
+        super().__init__(
+            _MegatronLM(self.model, self.shape), version=version, pad_id=pad_id, device=first.device
+        )
 
     @property
     def data_parallel_size(self) -> int:
@@ -92,19 +95,13 @@ class MegatronUpdateEngine(TokenWeightedTrainer):
     def _train_mode(self, training: bool) -> None:
         self.model.train(training)
 
-    def _forward(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
-        device = next(self.model.parameters()).device
-        ids, mask, starts, cu = (t.to(device) for t in batch.model_inputs(self._pad_id))
-        out = token_logprobs(self._lm, ids, mask, starts, cu, temperature=temperature)
-        return out.to(batch.responses.device)
-
     def _backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
     def _all_sum(self, values: torch.Tensor) -> torch.Tensor:
-        out = values.clone()
+        out = values.to(self._device, copy=True)  # NCCL reduces GPU tensors only
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self._dp_group)
-        return out
+        return out.to(values.device)
 
     def _apply(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -263,24 +260,27 @@ _CPU_NOISE = r"((Transformer Engine and Apex are|Apex is) not installed|full sco
 
 
 @contextlib.contextmanager
-def _quiet_on_cpu() -> Iterator[None]:
-    """Silence Megatron-core's warnings about GPU-only kernels when there is no GPU."""
+def _quiet_on_cpu(device: torch.device) -> Iterator[None]:
+    """Silence Megatron-core's warnings about GPU-only kernels for a model on the CPU
+    (also on a machine with a GPU: the kernels would not serve it)."""
     with warnings.catch_warnings():
-        if not torch.cuda.is_available():
+        if device.type == "cpu":
             warnings.filterwarnings("ignore", message=_CPU_NOISE, category=UserWarning)
         yield
 
 
-def _init_parallel(backend: str | None) -> bool:
-    """Join or create the default group, then Megatron's groups (tensor and pipeline
-    parallel 1) unless set up already; whether this call set them up."""
+def _init_parallel(backend: str | None, device: torch.device) -> bool:
+    """Join or create the default group (NCCL when the model is on a GPU, gloo when it is
+    on the CPU, also on a machine with GPUs: NCCL reduces only GPU tensors), then
+    Megatron's groups (tensor and pipeline parallel 1) unless set up already; whether
+    this call set them up."""
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        cuda = torch.cuda.is_available()
-        init_default_group(backend or ("nccl" if cuda else "gloo"))
+        cuda = device.type == "cuda"
         if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device.index or int(os.environ.get("LOCAL_RANK", "0")))
+        init_default_group(backend or ("nccl" if cuda else "gloo"))
     if parallel_state.model_parallel_is_initialized():
         sizes = (
             parallel_state.get_tensor_model_parallel_world_size(),
@@ -299,8 +299,9 @@ def _init_parallel(backend: str | None) -> bool:
     return True
 
 
-def _build_gpt(shape: LlamaShape) -> torch.nn.Module:
-    """Megatron's GPT of ``shape``: local layer spec with RMSNorm and SDPA core attention."""
+def _build_gpt(shape: LlamaShape, dtype: torch.dtype) -> torch.nn.Module:
+    """Megatron's GPT of ``shape`` with ``dtype`` parameters: local layer spec with
+    RMSNorm and SDPA core attention."""
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -321,7 +322,9 @@ def _build_gpt(shape: LlamaShape) -> torch.nn.Module:
         add_qkv_bias=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        params_dtype=torch.float32,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
         use_cpu_initialization=True,
         perform_initialization=False,  # the Llama's weights are copied in
         transformer_impl="local",

@@ -34,7 +34,8 @@ class TorchUpdateEngine(TokenWeightedTrainer):
         version: int = 0,
         pad_id: int = 0,
     ) -> None:
-        super().__init__(as_causal_lm(model), version=version, pad_id=pad_id)
+        device = next(model.parameters()).device
+        super().__init__(as_causal_lm(model), version=version, pad_id=pad_id, device=device)
         self.model = model
         self.optim = optim or OptimConfig()
         self._optimizer = self.optim.adamw(model.parameters())

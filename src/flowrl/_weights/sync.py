@@ -210,15 +210,66 @@ def layout(
 
 
 def _copy_in(
-    flat: torch.Tensor, tensors: Sequence[torch.Tensor], entries: list[TensorEntry]
+    flat: torch.Tensor,
+    tensors: Sequence[torch.Tensor],
+    entries: list[TensorEntry],
+    from_gpu: _DeviceToHost | None = None,
 ) -> None:
-    """Write each tensor into its place of the uint8 buffer ``flat``, casting on the way."""
+    """Write each tensor into its place of the uint8 buffer ``flat``, casting on the way;
+    GPU tensors through ``from_gpu`` when it is given."""
     import torch
 
     with torch.no_grad():
         for t, e in zip(tensors, entries, strict=True):
-            if e.nbytes:
+            if not e.nbytes:
+                continue
+            if from_gpu is not None and t.is_cuda:
+                out = getattr(torch, e.dtype)
+                src = t.detach().to(out).contiguous().reshape(-1).view(torch.uint8)
+                from_gpu.copy(flat[e.offset : e.offset + e.nbytes], src)
+            else:
                 _view(flat, e).copy_(t)
+
+
+class _DeviceToHost:
+    """Copies GPU bytes into host memory through two reused page-locked buffers. A copy
+    from a GPU into pageable memory (a shared-memory arena) is staged by the driver a
+    small block at a time: about 1 GiB/s measured on an H200 host. Into page-locked
+    memory it runs at the bus's speed, and the next chunk's transfer overlaps this
+    chunk's copy into place."""
+
+    CHUNK = 64 << 20
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+        self._events: list[torch.cuda.Event] = []
+
+    def copy(self, dest: torch.Tensor, src: torch.Tensor) -> None:
+        """``dest[:] = src``: ``dest`` a uint8 host tensor, ``src`` a uint8 GPU tensor."""
+        import torch
+
+        if not self._buffers:
+            self._buffers = [
+                torch.empty(self.CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2)
+            ]
+            self._events = [torch.cuda.Event(), torch.cuda.Event()]
+        pending: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        with torch.cuda.device(src.device):
+            for k, start in enumerate(range(0, src.numel(), self.CHUNK)):
+                end = min(start + self.CHUNK, src.numel())
+                slot = k % 2
+                staged = self._buffers[slot][: end - start]
+                staged.copy_(src[start:end], non_blocking=True)
+                self._events[slot].record()
+                if pending is not None:
+                    self._finish(*pending)
+                pending = (slot, dest[start:end], staged)
+            if pending is not None:
+                self._finish(*pending)
+
+    def _finish(self, slot: int, dest: torch.Tensor, staged: torch.Tensor) -> None:
+        self._events[slot].synchronize()
+        dest.copy_(staged)
 
 
 def _view(flat: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
@@ -572,6 +623,7 @@ class WeightPublisher(BaseWeightPublisher):
         self._max_arenas = max_arenas
         self._wait_s = wait_s
         self._token = secrets.token_hex(4)
+        self._from_gpu = _DeviceToHost()
         self._count = 0
         self._arenas: list[_Arena] = []
         self._newest: _Arena | None = None
@@ -609,7 +661,7 @@ class WeightPublisher(BaseWeightPublisher):
     ) -> None:
         arena = self._free_arena(max(size, 1))
         try:
-            _copy_in(arena.flat, tensors, entries)
+            _copy_in(arena.flat, tensors, entries, self._from_gpu)
             header = WeightHeader(version, arena.path, tuple(entries))
             tmp = self._files.tmp_header(self._token)
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL

@@ -79,7 +79,7 @@ class MegatronUpdateEngine(TokenWeightedTrainer):
             self._owns_parallel_state = _init_parallel(backend, first.device)
             self._dp_group = parallel_state.get_data_parallel_group()
             self.model = _build_gpt(self.shape, first.dtype)
-        self.model.to(first.device)
+        self.model.to(first.device, first.dtype)  # Megatron makes its norms float32
         weights = hf_to_megatron(dict(module_weights(model)), self.shape)
         load_named(self.model, weights.items())
         self.optim = optim or OptimConfig()

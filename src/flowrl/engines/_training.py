@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, final
+from typing import TYPE_CHECKING, Any, final
 
 import msgspec
 import torch
+import torch.distributed as dist
 
 from flowrl.engines.base import LossFn, TrainBatch, UpdateEngine
 from flowrl.errors import ConfigError
@@ -99,11 +100,16 @@ class TokenWeightedTrainer(UpdateEngine):
     def _forward(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
         """The response tokens' log-probs, computed on the model's device and returned on
         the batch's (where the loss function's advantages and old log-probs are)."""
-        inputs = batch.model_inputs(self._pad_id)
-        if self._device is not None:
-            inputs = tuple(t.to(self._device) for t in inputs)
-        out = token_logprobs(self._lm, *inputs, temperature=temperature)
+        ids, mask, starts, cu = (t.to(self._device) for t in batch.model_inputs(self._pad_id))
+        out = token_logprobs(self._lm, ids, mask, starts, cu, temperature=temperature)
         return out.to(batch.responses.device)
+
+    def _sum_over_ranks(self, values: torch.Tensor, group: Any = None) -> torch.Tensor:
+        """``values`` summed over ``group``'s ranks, reduced on the model's device (NCCL
+        reduces GPU tensors only) and returned on ``values``' device."""
+        out = values.to(self._device, copy=True)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out.to(values.device)
 
     def train_step(
         self,

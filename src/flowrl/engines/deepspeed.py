@@ -86,7 +86,8 @@ class DeepSpeedUpdateEngine(TokenWeightedTrainer):
         self.model = model
         self.zero_stage = zero_stage
         lm: Any = HFCausalLM(engine) if self._uses_hf else engine  # forwards through DeepSpeed
-        super().__init__(cast(CausalLM, lm), version=version, pad_id=pad_id)
+        # DeepSpeed moves the model to its accelerator (the GPU wherever there is one)
+        super().__init__(cast(CausalLM, lm), version=version, pad_id=pad_id, device=engine.device)
 
     @property
     def rank(self) -> int:
@@ -108,9 +109,7 @@ class DeepSpeedUpdateEngine(TokenWeightedTrainer):
         return float("nan") if norm is None else float(norm)
 
     def _all_sum(self, values: torch.Tensor) -> torch.Tensor:
-        out = values.clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
-        return out
+        return self._sum_over_ranks(values)
 
     @property
     def _grad_scale(self) -> int:

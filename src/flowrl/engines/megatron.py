@@ -99,9 +99,7 @@ class MegatronUpdateEngine(TokenWeightedTrainer):
         loss.backward()
 
     def _all_sum(self, values: torch.Tensor) -> torch.Tensor:
-        out = values.to(self._device, copy=True)  # NCCL reduces GPU tensors only
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self._dp_group)
-        return out.to(values.device)
+        return self._sum_over_ranks(values, self._dp_group)
 
     def _apply(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

@@ -6,7 +6,7 @@ from typing import Literal, final
 
 import msgspec
 
-from flowrl._validate import is_int
+from flowrl._validate import int_in
 from flowrl.errors import ConfigError
 
 __all__ = ["HubConfig", "HubStats", "JournalConfig", "TaskStats", "UnitStats"]
@@ -85,12 +85,13 @@ class HubConfig(msgspec.Struct, frozen=True, kw_only=True):
     journal: JournalConfig | None = None
 
     def __post_init__(self) -> None:
-        if not is_int(self.capacity) or self.capacity < 1:
-            raise ConfigError(f"HubConfig.capacity must be a positive int, got {self.capacity!r}")
-        if not is_int(self.n_units) or not 1 <= self.n_units <= 1024:
-            raise ConfigError(
-                f"HubConfig.n_units must be an int in [1, 1024], got {self.n_units!r}"
-            )
+        # numpy integers (from arrays, configs) are taken and stored as ints
+        capacity = int_in(self.capacity, 1, "HubConfig.capacity must be a positive int")
+        msgspec.structs.force_setattr(self, "capacity", capacity)
+        n_units = int_in(
+            self.n_units, 1, "HubConfig.n_units must be an int in [1, 1024]", high=1024
+        )
+        msgspec.structs.force_setattr(self, "n_units", n_units)
         if (
             isinstance(self.lease_timeout, bool)
             or not isinstance(self.lease_timeout, int | float)

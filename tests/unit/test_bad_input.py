@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -391,6 +392,23 @@ def test_numpy_integers_are_accepted_where_ints_are(make_hub: Any) -> None:
     hub.drop(meta)
     rest = hub.claim("train", 10 * CAPACITY, min_n=np.int8(1), timeout=0)  # all that is ready
     assert len(rest) == 2
+
+
+def test_numpy_integers_configure_the_hub_and_its_samplers() -> None:
+    from flowrl import StalenessSampler
+
+    config = HubConfig(capacity=np.int64(8), n_units=np.int32(2))
+    assert (config.capacity, config.n_units) == (8, 2)
+    assert type(config.capacity) is int and type(config.n_units) is int  # encodable as is
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(config), type=HubConfig) == config
+    assert GroupSampler(np.int64(4)).group_size == 4
+    assert BalancedSampler(np.uint8(2)).dp_size == 2
+    assert StalenessSampler(np.int16(0)).max_staleness == 0
+    for bad in (True, np.int64(0), 2.0):
+        with pytest.raises(ConfigError, match="capacity must be a positive int"):
+            HubConfig(capacity=bad)
+    with pytest.raises(ConfigError, match=r"n_units must be an int in \[1, 1024\]"):
+        HubConfig(n_units=np.int64(1025))
 
 
 # -- a zmq client's own settings ---------------------------------------------------------

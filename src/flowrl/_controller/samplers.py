@@ -21,7 +21,7 @@ from typing import final
 
 import numpy as np
 
-from flowrl._validate import is_int
+from flowrl._validate import int_in
 from flowrl.errors import ConfigError
 
 __all__ = [
@@ -114,9 +114,7 @@ class GroupSampler(Sampler):
     """Whole GRPO groups only: a group is taken once all ``group_size`` members are ready."""
 
     def __init__(self, group_size: int) -> None:
-        if not is_int(group_size) or group_size < 1:
-            raise ConfigError(f"GroupSampler group_size must be a positive int, got {group_size!r}")
-        self.group_size = group_size
+        self.group_size = int_in(group_size, 1, "GroupSampler group_size must be a positive int")
 
     def quota(self, n: int) -> int:
         return n - n % self.group_size
@@ -150,11 +148,9 @@ class StalenessSampler(Sampler):
     """Only samples produced by a policy at most ``max_staleness`` versions old."""
 
     def __init__(self, max_staleness: int, inner: Sampler | None = None) -> None:
-        if not is_int(max_staleness) or max_staleness < 0:
-            raise ConfigError(
-                f"StalenessSampler max_staleness must be an int >= 0, got {max_staleness!r}"
-            )
-        self.max_staleness = max_staleness
+        self.max_staleness = int_in(
+            max_staleness, 0, "StalenessSampler max_staleness must be an int >= 0"
+        )
         self.inner = inner or FifoSampler()
 
     def quota(self, n: int) -> int:
@@ -180,9 +176,7 @@ class BalancedSampler(Sampler):
     """
 
     def __init__(self, dp_size: int, inner: Sampler | None = None) -> None:
-        if not is_int(dp_size) or dp_size < 1:
-            raise ConfigError(f"BalancedSampler dp_size must be a positive int, got {dp_size!r}")
-        self.dp_size = dp_size
+        self.dp_size = int_in(dp_size, 1, "BalancedSampler dp_size must be a positive int")
         self.inner = inner or FifoSampler()
 
     def window(self, n: int) -> int | None:

@@ -34,7 +34,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -362,6 +362,21 @@ def consumer_records(lines: list[list[str]]) -> Iterator[tuple[str, int, list[in
             keys[lease] = [int(k) for k in fields[2].split(",")] if len(fields) > 2 else []
         elif kind in ("A", "U", "X"):
             yield kind, lease, keys.pop(lease, [])
+
+
+def consumed_keys(records: Iterable[tuple[str, int, list[int]]]) -> list[int]:
+    """The keys one task consumed, from its consumers' settled leases: those acked
+    (``A``), and those of an unresolved ack (``U``) unless acked again elsewhere (then
+    its lease had expired first). A hub that lost or duplicated a sample shows either way."""
+    acked: list[int] = []
+    unresolved: list[int] = []
+    for outcome, _, keys in records:
+        if outcome == "A":
+            acked += keys
+        elif outcome == "U":
+            unresolved += keys
+    seen = set(acked)
+    return acked + [k for k in unresolved if k not in seen]
 
 
 if __name__ == "__main__":

@@ -8,11 +8,12 @@ a new short-lived thread (rounds of 16, all at once or one after another), --con
 consumers of two tasks (``train`` reads all three columns, ``score`` two), a
 ``WeightPublisher`` publishing a versioned 4 MB model (and announcing each version to
 the hub) and a ``WeightSubscriber`` reading it. Every --kill-every seconds for
---duration seconds one of them is SIGKILLed, the roles in turn (producer, churn,
-consumer, storage unit, controller, publisher, subscriber, shuffled each round): a killed
-role process is started again at once under the same name and resumes from its own
-log; a killed server is restarted by the supervisor. Then producers stop, the stream is
-ended and consumers drain it.
+--duration seconds (and until each role was killed once) one of them is SIGKILLed, the
+roles in turn (producer, churn, consumer, storage unit, controller, publisher,
+subscriber, shuffled each round; a role not yet recovered from its last kill waits its
+next turn): a killed role process is started again at once under the same name and
+resumes from its own log; a killed server is restarted by the supervisor. Once every
+role has recovered, producers stop, the stream is ended and consumers drain it.
 
 Each sample's data is a function of its key (producer, put sequence, position): a
 consumer checks what it reads and logs the keys it acked; one sample in 61 is big
@@ -43,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
+import itertools
 import json
 import os
 import random
@@ -58,14 +60,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parent))
+import _soak_roles as roles  # (this script's folder is on sys.path)
 
-import _soak_roles as roles  # noqa: E402
-
-import flowrl  # noqa: E402
-from flowrl import Column, HubConfig, JournalConfig  # noqa: E402
-from flowrl.errors import TransportError  # noqa: E402
-from flowrl.testing import account  # noqa: E402
+import flowrl
+from flowrl import Column, HubConfig, JournalConfig
+from flowrl.errors import TransportError
+from flowrl.testing import account
 
 COLUMNS = [
     Column.scalar("key", "int64"),
@@ -76,6 +76,7 @@ TASKS = {"train": ["key", "ids", "reward"], "score": ["key", "ids"]}
 KILLED_ROLES = ("producer", "churn", "consumer", "unit", "controller", "publisher", "subscriber")
 _SCRIPT = str(Path(__file__).with_name("_soak_roles.py"))
 _RPC_TIMEOUT = 5.0
+_PROBE_TIMEOUT = 0.5
 
 
 class Worker:
@@ -268,9 +269,8 @@ class Soak:
         while time.monotonic() < deadline:
             for w in self.workers:
                 w.restart_if_crashed()
-            if all(w.progress() for w in self.workers if w.role != "consumer"):
-                if all(w.progress() for w in self.of("consumer")):
-                    return
+            if all(w.progress() for w in self.workers):
+                return
             time.sleep(0.2)
 
     # the kills
@@ -296,18 +296,18 @@ class Soak:
         """Seconds from the kill until the server is back and a call through every
         server (statistics: the controller and each unit) succeeds."""
         deadline = killed_at + 120
-        while time.monotonic() < deadline:
-            if self.hub.servers.restarts > restarts:
-                entry.setdefault("respawned_s", round(time.monotonic() - killed_at, 3))
-                try:
-                    self.hub.statistics()
-                    return round(time.monotonic() - killed_at, 3)
-                except TransportError as exc:
-                    entry.setdefault("errors", []).append(
-                        f"{time.monotonic() - killed_at:.2f}s: {str(exc)[:100]}"
-                    )
-            time.sleep(0.02)
-        return None
+        self.hub.rpc_timeout = _PROBE_TIMEOUT  # (a finer grain than one rpc_timeout per try)
+        try:
+            while time.monotonic() < deadline:
+                if self.hub.servers.restarts > restarts:
+                    entry.setdefault("respawned_s", round(time.monotonic() - killed_at, 3))
+                    with contextlib.suppress(TransportError):
+                        self.hub.statistics()
+                        return round(time.monotonic() - killed_at, 3)
+                time.sleep(0.02)
+            return None
+        finally:
+            self.hub.rpc_timeout = _RPC_TIMEOUT
 
     def track_recoveries(self) -> set[str]:
         """A killed role process has recovered once its log moves again; returns the
@@ -333,9 +333,12 @@ class Soak:
     def chaos(self, monitor: Monitor) -> None:
         a = self.args
         end = time.monotonic() + a.duration
+        give_up = end + 300  # every role is killed at least once, however long it takes
         order: list[str] = []
         next_kill = time.monotonic() + a.kill_every
-        while time.monotonic() < end:
+        while time.monotonic() < give_up and (
+            time.monotonic() < end or {k["role"] for k in self.kills} != set(KILLED_ROLES)
+        ):
             for w in self.workers:
                 w.restart_if_crashed()
             waiting = self.track_recoveries()
@@ -417,25 +420,16 @@ def account_samples(soak: Soak) -> dict[str, Any]:
         for fields in roles.read_log(w.log):
             for seq in range(int(fields[0]), int(fields[1]) + 1):
                 produced += roles.keys_of(w.spec["index"], seq, batch)
-    consumed: dict[str, list[int]] = {t: [] for t in TASKS}
-    unresolved: dict[str, list[int]] = {t: [] for t in TASKS}
-    outcomes: Counter[str] = Counter()
+    records: dict[str, list[tuple[str, int, list[int]]]] = {t: [] for t in TASKS}
     corrupt = 0
     for w in soak.of("consumer"):
         lines = roles.read_log(w.log)
         corrupt += sum(int(f[2]) for f in lines if f[0] == "Z")
-        for outcome, _, keys in roles.consumer_records(lines):
-            outcomes[outcome] += 1
-            if outcome == "A":
-                consumed[w.spec["task"]] += keys
-            elif outcome == "U":
-                unresolved[w.spec["task"]] += keys
+        records[w.spec["task"]] += roles.consumer_records(lines)
+    outcomes = Counter(r[0] for task_records in records.values() for r in task_records)
+    consumed = {t: roles.consumed_keys(r) for t, r in records.items()}
     lost, duplicated = {}, {}
     for task in TASKS:
-        # an unresolved ack counts as landed unless its samples were acked again
-        # elsewhere (then its lease had expired): it can hide neither kind of error
-        acked = set(consumed[task])
-        consumed[task] += [k for k in unresolved[task] if k not in acked]
         lost[task], duplicated[task] = account(produced, consumed[task])
     return {
         "produced": len(produced),
@@ -459,7 +453,7 @@ def account_weights(soak: Soak) -> dict[str, Any]:
         "read": len(seen),
         "torn_reads": sum(bad > 0 for _, bad in seen),
         # a subscriber restarted from nothing reads the current version again
-        "went_back": sum(b < a for a, b in zip(versions, versions[1:], strict=False)),
+        "went_back": sum(b < a for a, b in itertools.pairwise(versions)),
     }
 
 
@@ -539,7 +533,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "weights": account_weights(soak),
         "kills": dict(Counter(k["role"] for k in soak.kills)),
         "recovery": recoveries(soak.kills),
-        "kill_log": [{k: v for k, v in e.items() if k not in ("worker", "before")} for e in soak.kills],
+        "kill_log": [
+            {k: v for k, v in e.items() if k not in ("worker", "before")} for e in soak.kills
+        ],
         "resources": monitor.summary(after_close),
         "series": monitor.series[::every],
         "hub_end": {"live": stats.live, "leases": stats.leases, "reserved": stats.reserved},
@@ -559,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--json", action="store_true", help="print one JSON object")
-    add("--duration", type=float, default=75.0, help="seconds of kills (after start-up)")
+    add("--duration", type=float, default=75.0, help="seconds of kills, at least (see above)")
     add("--kill-every", type=float, default=2.5, help="seconds between two kills")
     add("--producers", type=int, default=2, help="producer processes (besides churn)")
     add("--consumers", type=int, default=3, help="consumer processes (tasks in turn)")

@@ -367,7 +367,8 @@ def consumer_records(lines: list[list[str]]) -> Iterator[tuple[str, int, list[in
 def consumed_keys(records: Iterable[tuple[str, int, list[int]]]) -> list[int]:
     """The keys one task consumed, from its consumers' settled leases: those acked
     (``A``), and those of an unresolved ack (``U``) unless acked again elsewhere (then
-    its lease had expired first). A hub that lost or duplicated a sample shows either way."""
+    its lease had expired first). Exact without ``U``; each ``U`` is a lease for which a
+    loss or a duplicate by the hub would go unseen."""
     acked: list[int] = []
     unresolved: list[int] = []
     for outcome, _, keys in records:

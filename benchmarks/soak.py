@@ -20,17 +20,23 @@ consumer checks what it reads and logs the keys it acked; one sample in 61 is bi
 enough (72 KB) to go through the units' shared-memory arenas. The accounting compares
 the keys acked per task with the keys of the puts the producers saw answered — the
 processes' own logs, never the hub's counters: ``lost`` and ``duplicated`` must be 0.
-An ack whose outcome a consumer could not see is sent again after its restart (see
-``_soak_roles``); ``unresolved_acks`` counts those it still could not settle.
+An ack whose outcome a consumer could not see is sent again after its restart, which
+settles it while the lease's deadline (--lease-timeout, long for that reason) is ahead
+(see ``_soak_roles``); ``unresolved_acks`` counts those it could not settle, leases
+for which a loss or duplicate would go unseen: the accounting is exact when it is 0.
 
 What it reports (JSON with --json): samples produced / consumed per task / lost /
 duplicated / corrupt; kills per role and each role's recovery time (a server: from the
 kill until a call through it succeeds; a role process: until its log moves again);
 weight versions published and read, torn reads (must be 0); and, sampled every
---sample-every seconds, each role's open descriptors, sockets and threads (start: when
-every role had made progress; final: when the kills stopped), the hub's and the weight
-channel's files and bytes in ``/dev/shm`` (and what is left after close: must be 0), and
-the journal folder's size (bounded by compaction). ``ok`` is false, with ``problems``
+--sample-every seconds (``series``: t from the start, kills start at ``kills_from_s``),
+each role's open descriptors, sockets, threads and resident memory (the largest over
+the role's processes; start: when every role had made progress; final: when the kills
+stopped and every role had recovered), the hub's and the weight channel's files and
+bytes in ``/dev/shm`` (and what is left after close: must be 0), the controller's
+journal (log and snapshot: bounded by compaction) and the storage units' files beside
+it (each column's current segment grows to 64 MiB before a new one starts; a unit's
+restart drops what was evicted). ``ok`` is false, with ``problems``
 saying why, on any loss, duplicate, corrupt sample, torn read, crash, leftover, or a
 resource above its bound (--max-fds, --max-shm-files, --max-journal-mb).
 
@@ -77,6 +83,8 @@ KILLED_ROLES = ("producer", "churn", "consumer", "unit", "controller", "publishe
 _SCRIPT = str(Path(__file__).with_name("_soak_roles.py"))
 _RPC_TIMEOUT = 5.0
 _PROBE_TIMEOUT = 0.5
+#: what is sampled of each process (the largest over a role's processes)
+_PER_PROCESS = ("fds", "sockets", "threads", "rss_mib")
 
 
 class Worker:
@@ -112,8 +120,8 @@ class Worker:
 
 
 # -- resources -------------------------------------------------------------------------------
-def _proc_usage(pid: int) -> tuple[int, int, int] | None:
-    """(descriptors, sockets, threads) of a live process, None if it is gone."""
+def _proc_usage(pid: int) -> tuple[int, int, int, int] | None:
+    """(descriptors, sockets, threads, resident MiB) of a live process, None if gone."""
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
         sockets = 0
@@ -121,10 +129,11 @@ def _proc_usage(pid: int) -> tuple[int, int, int] | None:
             with contextlib.suppress(OSError):
                 sockets += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
         with open(f"/proc/{pid}/status") as f:
-            threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
-    except (OSError, StopIteration):
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+        threads, rss_kib = int(status["Threads"]), int(status["VmRSS"].split()[0])
+    except (OSError, KeyError):
         return None
-    return len(fds), sockets, threads
+    return len(fds), sockets, threads, rss_kib >> 10
 
 
 def _files(paths: list[str]) -> tuple[int, int]:
@@ -161,13 +170,13 @@ class Monitor:
             self.series.append(self.sample())
 
     def sample(self) -> dict[str, Any]:
-        usage: dict[str, list[tuple[int, int, int]]] = {}
+        usage: dict[str, list[tuple[int, int, int, int]]] = {}
         for role, pids in self.soak.pids().items():
             got = [u for u in map(_proc_usage, pids) if u is not None]
             if got:
                 usage[role] = got
-        point: dict[str, Any] = {"t": round(time.monotonic() - self.soak.t0, 2)}
-        for i, what in enumerate(("fds", "sockets", "threads")):
+        point: dict[str, Any] = {"t": round(time.monotonic() - self.soak.started, 2)}
+        for i, what in enumerate(_PER_PROCESS):
             point[what] = {role: max(u[i] for u in got) for role, got in usage.items()}
         point["shm_files"], point["shm_bytes"] = _files(self.soak.shm_paths())
         journal = self.soak.journal
@@ -184,7 +193,7 @@ class Monitor:
         first = self.start or (self.series[0] if self.series else {})
         last = self.final or (self.series[-1] if self.series else {})
         out: dict[str, Any] = {}
-        for what in ("fds", "sockets", "threads"):
+        for what in _PER_PROCESS:
             out[what] = {
                 role: {
                     "start": first.get(what, {}).get(role),
@@ -219,7 +228,7 @@ class Soak:
         self.hub = flowrl.launch_hub(COLUMNS, tasks=TASKS, config=config)
         self.hub.rpc_timeout = _RPC_TIMEOUT
         self.unit_arenas = [s.shm_folder for s in self.hub.servers.specs[:-1]]
-        self.t0 = time.monotonic()
+        self.started = self.t0 = time.monotonic()  # (t0: when the kills start)
         self.workers: list[Worker] = []
         self.kills: list[dict[str, Any]] = []
         self._lock = threading.Lock()
@@ -526,6 +535,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     every = max(1, len(monitor.series) // 40)
     report: dict[str, Any] = {
         "duration_s": args.duration,
+        "kills_from_s": round(soak.t0 - soak.started, 1),
         "wall_s": round(time.monotonic() - started, 1),
         "load_avg": {"before": load_before, "after": os.getloadavg()},
         "samples": account_samples(soak),
@@ -562,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     add("--batch", type=int, default=8, help="samples per put, at most")
     add("--pause", type=float, default=0.01, help="seconds a producer waits between puts")
     add("--capacity", type=int, default=2048, help="the hub's capacity")
-    add("--lease-timeout", type=float, default=10.0, help="the hub's lease timeout")
+    add("--lease-timeout", type=float, default=30.0, help="the hub's lease timeout")
     add("--sample-every", type=float, default=0.5, help="seconds between resource samples")
     add("--max-fds", type=int, default=512, help="bound on one process's descriptors")
     add("--max-shm-files", type=int, default=64, help="bound on the run's /dev/shm files")

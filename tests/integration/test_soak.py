@@ -1,9 +1,10 @@
-"""A bounded soak of a multi-process hub: many clients at once, exact accounting.
+"""Soaks of a multi-process hub with exact accounting: many clients at once, and kills.
 
-The scenario is ``flowrl.testing.run_soak`` (shared with ``benchmarks/soak.py``, which runs
-it longer and reports throughput and latency): a zmq hub, 64 client connections spread
-over two worker processes, producers putting for ``SOAK_SECONDS`` (default 20; set
-``FLOWRL_SOAK_SECONDS`` to soak longer), consumers of two tasks draining to end of stream.
+The first scenario is ``flowrl.testing.run_soak`` (shared with
+``benchmarks/soak_clients.py``, which runs it longer and reports throughput and latency):
+a zmq hub, 64 client connections spread over two worker processes, producers putting for
+``SOAK_SECONDS`` (default 20; set ``FLOWRL_SOAK_SECONDS`` to soak longer), consumers of
+two tasks draining to end of stream.
 
 Asserted: every sample produced was consumed exactly once by each task (0 lost, 0
 duplicated), with the data that belongs to it; every call returned or raised a typed
@@ -13,6 +14,9 @@ with an unknown outcome); the hub ends empty. No timing is asserted.
 The accounting is shown to fail when it should: a hub client that acks nothing while
 claiming to (the leases expire and the samples come back) yields duplicates; one that
 drops puts while claiming success yields losses.
+
+The second is ``benchmarks/soak.py`` (issue 26) for a few seconds: every role, the hub's
+servers included, SIGKILLed at least once; 0 lost, 0 duplicated, bounded resources.
 """
 
 from __future__ import annotations

@@ -203,7 +203,7 @@ def consume(spec: dict[str, Any]) -> None:
             continue
         log.write("C", meta.lease, repr(meta.deadline))
         try:
-            data = _retry(lambda m=meta: hub.get(m), TransportError, meta.deadline)
+            data = retry(lambda m=meta: hub.get(m), meta.deadline)
         except FlowRLError:
             continue  # not read in time: the lease expires, the samples come back
         keys = data.numpy("key").tolist()
@@ -221,11 +221,15 @@ def consume(spec: dict[str, Any]) -> None:
     hub.close()
 
 
-def _retry(call: Callable[[], Any], error: type[Exception], until: float) -> Any:
+def retry(call: Callable[[], Any], until: float) -> Any:
+    """``call()``, again after each ``TransportError`` (a server restarting) until the
+    wall-clock time ``until``."""
+    from flowrl.errors import TransportError
+
     while True:
         try:
             return call()
-        except error:
+        except TransportError:
             if time.time() > until:
                 raise
             time.sleep(0.1)

@@ -371,7 +371,7 @@ class Soak:
         Path(self.folder, "stop").touch()
         writers = [w for w in self.workers if w.role in ("producer", "churn")]
         problems += self._wait_exit(writers, 180)
-        _retry(self.hub.end_stream)
+        roles.retry(self.hub.end_stream, time.time() + 120)
         problems += self._wait_exit(self.of("consumer"), 180 + self.args.lease_timeout)
         problems += self._wait_exit(self.of("publisher") + self.of("subscriber"), 60)
         self.track_recoveries()
@@ -404,17 +404,6 @@ class Soak:
                 w.proc.kill()
                 w.proc.wait()
         self.hub.close()
-
-
-def _retry(call: Any) -> Any:
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            return call()
-        except TransportError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 # -- the accounting ----------------------------------------------------------------------------
@@ -527,7 +516,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         soak.t0 = time.monotonic()
         soak.chaos(monitor)
         drain_problems = soak.drain()
-        stats = _retry(soak.hub.statistics)
+        stats = roles.retry(soak.hub.statistics, time.time() + 120)
     finally:
         soak.close()
         monitor.stop()

@@ -4,7 +4,10 @@ Every chunk a unit stores is appended, as one record batch ``(index, value)``, t
 current segment of its column (``<column>.<segment>.arrows``), written straight to the
 operating system so a crashed process loses nothing. A segment is deleted once every
 chunk in it was evicted or overwritten; a new one starts when the current one is full
-and whenever a unit (re)starts, so a segment torn by a crash is never appended to.
+(``SEGMENT_BYTES`` or ``SEGMENT_CHUNKS``) and whenever a unit (re)starts, so a segment
+torn by a crash is never appended to. A restarted unit reads back every chunk of its
+files, evicted ones included: the chunk bound keeps that to about what is live, however
+small the puts (one chunk each) and however long the run.
 Evicted indices go to ``evicted.arrows`` so a restarted unit does not bring them back,
 and token appends to in-progress samples (partial rollouts) to ``partial-<column>.arrows``.
 
@@ -39,6 +42,8 @@ __all__ = [
 ]
 
 SEGMENT_BYTES = 64 << 20
+#: Chunks per segment at most: a restart reads about 0.05-0.3 ms per chunk.
+SEGMENT_CHUNKS = 1024
 #: IPC pieces smaller than this are gathered into one OS write; larger ones (a batch's
 #: payload buffers) go straight through, uncopied.
 WRITE_BUFFER_BYTES = 64 << 10
@@ -48,7 +53,7 @@ _INDEX_SCHEMA = pa.schema([("index", pa.int64())])
 
 
 class _Segment:
-    __slots__ = ("buffered", "chunks", "nbytes", "path", "sink", "writer")
+    __slots__ = ("buffered", "chunks", "nbytes", "path", "sink", "writer", "written")
 
     def __init__(self, path: str, schema: pa.Schema | None) -> None:
         self.path = path
@@ -60,6 +65,7 @@ class _Segment:
             self.buffered = pa.BufferedOutputStream(self.sink, WRITE_BUFFER_BYTES)
             self.writer = pa.ipc.new_stream(self.buffered, schema)
         self.chunks = 0  # live chunks stored in it
+        self.written = 0  # chunks ever written to it
         self.nbytes = 0
 
     def write(self, batch: pa.RecordBatch, fsync: bool) -> None:
@@ -70,6 +76,7 @@ class _Segment:
         if fsync:
             os.fsync(self.sink.fileno())
         self.nbytes += batch.nbytes
+        self.written += 1
 
     def close(self) -> None:
         if self.writer is not None and self.buffered is not None:
@@ -107,7 +114,7 @@ class ColumnLog:
 
     def append(self, chunk: int, indices: np.ndarray, array: pa.Array) -> None:
         seg = self._current
-        if seg is None or seg.nbytes >= SEGMENT_BYTES:
+        if seg is None or seg.nbytes >= SEGMENT_BYTES or seg.written >= SEGMENT_CHUNKS:
             seg = self._rotate()
         seg.write(
             pa.RecordBatch.from_arrays([numeric_array(indices), array], schema=self._schema),

@@ -450,7 +450,7 @@ def account_weights(soak: Soak) -> dict[str, Any]:
         "newest": max(published, default=0),
         "read": len(seen),
         "torn_reads": sum(bad > 0 for _, bad in seen),
-        # a subscriber restarted from nothing reads the current version again
+        # versions read, in order (a restarted subscriber starts at the newest): never older
         "went_back": sum(b < a for a, b in itertools.pairwise(versions)),
     }
 
@@ -479,7 +479,7 @@ def problems_of(report: dict[str, Any], args: argparse.Namespace) -> list[str]:
             problems.append(f"{task}: {s['lost'][task]} lost, {s['duplicated'][task]} duplicated")
     if s["corrupt"]:
         problems.append(f"{s['corrupt']} samples read with data not their key's")
-    if w["torn_reads"] or w["went_back"] > report["kills"].get("subscriber", 0):
+    if w["torn_reads"] or w["went_back"]:
         problems.append(f"weights: {w['torn_reads']} torn reads, went back {w['went_back']}x")
     if w["read"] == 0:
         problems.append("the subscriber read no weight version")

@@ -240,6 +240,33 @@ def test_a_stream_of_small_puts_keeps_few_chunks_on_disk(
     again.close()
 
 
+def test_the_eviction_log_keeps_only_what_the_files_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The eviction log grew by every evicted index until the unit restarted (8 bytes a
+    sample, for ever in a long run); it is rewritten without the indices no segment file
+    holds any more, and a restart still brings back exactly what was live."""
+    import pyarrow as pa
+
+    monkeypatch.setattr(persist, "SEGMENT_CHUNKS", 8)
+    monkeypatch.setattr(persist, "EVICTED_REWRITE", 16)
+    col = Column.scalar("r", "int64")
+    unit = StorageUnit(0, 16, folder=str(tmp_path))
+    for i in range(400):  # one sample per chunk, evicted once the next two are written
+        unit.write(np.array([i]), {"r": pa.array([i])}, {"r": col})
+        if i >= 2:
+            unit.evict(np.array([i - 2]))
+    evicted = persist.load_evicted(str(tmp_path))
+    assert 0 < evicted.size < 100, evicted.size  # (it held all 398)
+    unit.abandon()  # -- crash --
+    again = StorageUnit(0, 16, folder=str(tmp_path))
+    assert again.read(np.array([398, 399]), ("r",))["r"].to_pylist() == [398, 399]
+    for gone in (0, 390, 397):
+        with pytest.raises(flowrl.errors.UnknownIndexError):
+            again.read(np.array([gone]), ("r",))
+    again.close()
+
+
 def test_a_unit_restarted_alone_holds_what_it_held(tmp_path: Path) -> None:
     col = Column.tensor("x", "float32", (2, 3))
     unit = StorageUnit(0, 16, folder=str(tmp_path))

@@ -243,13 +243,14 @@ def test_a_stream_of_small_puts_keeps_few_chunks_on_disk(
 def test_the_eviction_log_keeps_only_what_the_files_hold(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The eviction log grew by every evicted index until the unit restarted (8 bytes a
-    sample, for ever in a long run); it is rewritten without the indices no segment file
-    holds any more, and a restart still brings back exactly what was live."""
+    """The eviction log grew by every evicted index until the unit restarted (about 200
+    bytes per eviction message, for ever in a long run); it is rewritten without the
+    indices no segment file holds any more, and a restart still brings back exactly what
+    was live."""
     import pyarrow as pa
 
     monkeypatch.setattr(persist, "SEGMENT_CHUNKS", 8)
-    monkeypatch.setattr(persist, "EVICTED_REWRITE", 16)
+    monkeypatch.setattr(persist, "EVICTED_REWRITE", 4096)  # bytes: about 20 appends
     col = Column.scalar("r", "int64")
     unit = StorageUnit(0, 16, folder=str(tmp_path))
     for i in range(400):  # one sample per chunk, evicted once the next two are written

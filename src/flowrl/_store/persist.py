@@ -11,7 +11,7 @@ small the puts (one chunk each) and however long the run.
 
 Evicted indices go to ``evicted.arrows`` so a restarted unit does not bring them back;
 the unit rewrites it without the indices below every segment's lowest one (no file
-holds them any more) once it has grown past ``EVICTED_REWRITE`` entries and twice what
+holds them any more) once it has grown past ``EVICTED_REWRITE`` bytes and twice what
 was kept, so it follows the segments rather than the run. Token appends to in-progress
 samples (partial rollouts) go to ``partial-<column>.arrows``.
 
@@ -49,8 +49,9 @@ __all__ = [
 SEGMENT_BYTES = 64 << 20
 #: Chunks per segment at most: a restart reads about 0.05-0.3 ms per chunk.
 SEGMENT_CHUNKS = 1024
-#: Evicted indices appended before the eviction log is rewritten (8 bytes each).
-EVICTED_REWRITE = 1 << 16
+#: Bytes appended to the eviction log before it is rewritten (an append of one index
+#: takes about 200).
+EVICTED_REWRITE = 1 << 20
 #: IPC pieces smaller than this are gathered into one OS write; larger ones (a batch's
 #: payload buffers) go straight through, uncopied.
 WRITE_BUFFER_BYTES = 64 << 10
@@ -186,21 +187,23 @@ class EvictionLog:
         path = os.path.join(folder, _EVICTED)
         self._segment = _Segment(path + ".tmp", _INDEX_SCHEMA)
         self.fsync = fsync
-        self.kept = self.entries = 0
         if keep.size:
             self.append(keep)
-        self.kept = self.entries
+        self._kept = self._size()
         os.replace(path + ".tmp", path)  # the compacted log replaces the old one atomically
 
     def append(self, indices: np.ndarray) -> None:
         self._segment.write(
             pa.RecordBatch.from_arrays([numeric_array(indices)], ["index"]), self.fsync
         )
-        self.entries += int(indices.size)
 
     @property
     def rewrite_due(self) -> bool:
-        return self.entries > EVICTED_REWRITE + 2 * self.kept
+        return self._size() > EVICTED_REWRITE + 2 * self._kept
+
+    def _size(self) -> int:
+        sink = self._segment.sink
+        return 0 if sink is None else sink.tell()
 
     def close(self) -> None:
         self._segment.close()

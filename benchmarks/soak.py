@@ -70,6 +70,7 @@ import _soak_roles as roles  # (this script's folder is on sys.path)
 
 import flowrl
 from flowrl import Column, HubConfig, JournalConfig
+from flowrl._weights.shm_files import ChannelFiles
 from flowrl.errors import TransportError
 from flowrl.testing import account
 
@@ -270,7 +271,7 @@ class Soak:
             return out
 
     def shm_paths(self) -> list[str]:
-        base = f"/dev/shm/flowrl-weights-u{os.geteuid()}-{self.channel}"
+        base = ChannelFiles(self.channel, "/dev/shm").base
         return [a for a in self.unit_arenas if a] + glob.glob(base + ".*")
 
     def wait_all_progressed(self, limit: float) -> None:

@@ -35,9 +35,8 @@ the role's processes; start: when every role had made progress; final: when the 
 stopped and every role had recovered), the hub's and the weight channel's files and
 bytes in ``/dev/shm`` (and what is left after close: must be 0), the controller's
 journal (log and snapshot: bounded by compaction) and the storage units' files beside
-it (each column's current segment grows to 64 MiB before a new one starts; a unit's
-restart drops what was evicted). ``ok`` is false, with ``problems``
-saying why, on any loss, duplicate, corrupt sample, torn read, crash, leftover, or a
+it (segments of 1,024 chunks per column, deleted once all evicted: about what is
+live). ``ok`` is false, with ``problems`` saying why, on any loss, duplicate, corrupt sample, torn read, crash, leftover, or a
 resource above its bound (--max-fds, --max-shm-files, --max-journal-mb).
 
 Read recovery times as figures for this machine and its load (``load_avg``); the

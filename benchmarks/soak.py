@@ -36,8 +36,9 @@ stopped and every role had recovered), the hub's and the weight channel's files 
 bytes in ``/dev/shm`` (and what is left after close: must be 0), the controller's
 journal (log and snapshot: bounded by compaction) and the storage units' files beside
 it (segments of 1,024 chunks per column, deleted once all evicted: about what is
-live). ``ok`` is false, with ``problems`` saying why, on any loss, duplicate, corrupt sample, torn read, crash, leftover, or a
-resource above its bound (--max-fds, --max-shm-files, --max-journal-mb).
+live). ``ok`` is false, with ``problems`` saying why, on any loss, duplicate, corrupt
+sample, torn read, crash, leftover, or a resource above its bound (--max-fds,
+--max-shm-files, --max-journal-mb).
 
 Read recovery times as figures for this machine and its load (``load_avg``); the
 accounting is exact whatever the load.

@@ -4,9 +4,16 @@ Every chunk a unit stores is appended, as one record batch ``(index, value)``, t
 current segment of its column (``<column>.<segment>.arrows``), written straight to the
 operating system so a crashed process loses nothing. A segment is deleted once every
 chunk in it was evicted or overwritten; a new one starts when the current one is full
-and whenever a unit (re)starts, so a segment torn by a crash is never appended to.
-Evicted indices go to ``evicted.arrows`` so a restarted unit does not bring them back,
-and token appends to in-progress samples (partial rollouts) to ``partial-<column>.arrows``.
+(``SEGMENT_BYTES`` or ``SEGMENT_CHUNKS``) and whenever a unit (re)starts, so a segment
+torn by a crash is never appended to. A restarted unit reads back every chunk of its
+files, evicted ones included: the chunk bound keeps that to about what is live, however
+small the puts (one chunk each) and however long the run.
+
+Evicted indices go to ``evicted.arrows`` so a restarted unit does not bring them back;
+the unit rewrites it without the indices below every segment's lowest one (no file
+holds them any more) once it has grown past ``EVICTED_REWRITE`` bytes and twice what
+was kept, so it follows the segments rather than the run. Token appends to in-progress
+samples (partial rollouts) go to ``partial-<column>.arrows``.
 
 The column's declaration travels in each segment's schema metadata, so a unit restarted
 alone knows its columns' types again.
@@ -17,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import sys
 from collections.abc import Iterator
 
 import msgspec
@@ -39,6 +47,11 @@ __all__ = [
 ]
 
 SEGMENT_BYTES = 64 << 20
+#: Chunks per segment at most: a restart reads about 0.05-0.3 ms per chunk.
+SEGMENT_CHUNKS = 1024
+#: Bytes appended to the eviction log before it is rewritten (an append of one index
+#: takes about 200).
+EVICTED_REWRITE = 1 << 20
 #: IPC pieces smaller than this are gathered into one OS write; larger ones (a batch's
 #: payload buffers) go straight through, uncopied.
 WRITE_BUFFER_BYTES = 64 << 10
@@ -48,7 +61,7 @@ _INDEX_SCHEMA = pa.schema([("index", pa.int64())])
 
 
 class _Segment:
-    __slots__ = ("buffered", "chunks", "nbytes", "path", "sink", "writer")
+    __slots__ = ("buffered", "chunks", "low", "nbytes", "path", "sink", "writer", "written")
 
     def __init__(self, path: str, schema: pa.Schema | None) -> None:
         self.path = path
@@ -60,6 +73,8 @@ class _Segment:
             self.buffered = pa.BufferedOutputStream(self.sink, WRITE_BUFFER_BYTES)
             self.writer = pa.ipc.new_stream(self.buffered, schema)
         self.chunks = 0  # live chunks stored in it
+        self.written = 0  # chunks ever written to it
+        self.low = sys.maxsize  # the lowest index of a chunk written to it (or loaded from it)
         self.nbytes = 0
 
     def write(self, batch: pa.RecordBatch, fsync: bool) -> None:
@@ -70,6 +85,7 @@ class _Segment:
         if fsync:
             os.fsync(self.sink.fileno())
         self.nbytes += batch.nbytes
+        self.written += 1
 
     def close(self) -> None:
         if self.writer is not None and self.buffered is not None:
@@ -92,12 +108,13 @@ class ColumnLog:
         self._segment_of: dict[int, _Segment] = {}  # chunk id -> the segment holding it
         self._adopted: dict[str, _Segment] = {}
 
-    def adopt(self, chunk: int, path: str) -> None:
+    def adopt(self, chunk: int, path: str, indices: np.ndarray) -> None:
         """A chunk loaded from an existing segment file (which is never appended to)."""
         seg = self._adopted.get(path)
         if seg is None:
             seg = self._adopted[path] = _Segment(path, None)
         seg.chunks += 1
+        seg.low = min(seg.low, int(indices.min(initial=sys.maxsize)))
         self._segment_of[chunk] = seg
 
     def forget_if_unused(self, path: str) -> None:
@@ -107,14 +124,23 @@ class ColumnLog:
 
     def append(self, chunk: int, indices: np.ndarray, array: pa.Array) -> None:
         seg = self._current
-        if seg is None or seg.nbytes >= SEGMENT_BYTES:
+        if seg is None or seg.nbytes >= SEGMENT_BYTES or seg.written >= SEGMENT_CHUNKS:
             seg = self._rotate()
         seg.write(
             pa.RecordBatch.from_arrays([numeric_array(indices), array], schema=self._schema),
             self.fsync,
         )
         seg.chunks += 1
+        seg.low = min(seg.low, int(indices.min(initial=sys.maxsize)))
         self._segment_of[chunk] = seg
+
+    def lowest_index(self) -> int:
+        """The lowest sample index in any of the column's files (``sys.maxsize``: none).
+        Every segment but the current one holds a live chunk (it is deleted without)."""
+        segments = set(self._segment_of.values())
+        if self._current is not None:
+            segments.add(self._current)
+        return min((seg.low for seg in segments), default=sys.maxsize)
 
     def drop(self, chunk: int) -> None:
         seg = self._segment_of.pop(chunk, None)
@@ -163,12 +189,21 @@ class EvictionLog:
         self.fsync = fsync
         if keep.size:
             self.append(keep)
+        self._kept = self._size()
         os.replace(path + ".tmp", path)  # the compacted log replaces the old one atomically
 
     def append(self, indices: np.ndarray) -> None:
         self._segment.write(
             pa.RecordBatch.from_arrays([numeric_array(indices)], ["index"]), self.fsync
         )
+
+    @property
+    def rewrite_due(self) -> bool:
+        return self._size() > EVICTED_REWRITE + 2 * self._kept
+
+    def _size(self) -> int:
+        sink = self._segment.sink
+        return 0 if sink is None else sink.tell()
 
     def close(self) -> None:
         self._segment.close()

@@ -22,6 +22,7 @@ without copying) and holds exactly what it held before, evictions included.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
@@ -133,7 +134,7 @@ class _ColumnStore:
         self.next_chunk += 1
         if self.log is not None:
             if loaded_from:
-                self.log.adopt(cid, loaded_from)
+                self.log.adopt(cid, loaded_from, indices)
             else:
                 self.log.append(cid, indices, array)
         return cid
@@ -464,6 +465,18 @@ class StorageUnit:
             self._evict(indices)
             if self._evictions is not None:
                 self._evictions.append(indices)
+                if self._evictions.rewrite_due:
+                    self._rewrite_evictions()
+
+    def _rewrite_evictions(self) -> None:
+        """Rewrite the eviction log without the indices below every file's lowest one:
+        no file holds them, so a restart cannot bring them back."""
+        assert self.folder is not None and self._evictions is not None  # (persistent)
+        logs = [s.log for s in self._columns.values() if s.log is not None]
+        floor = min((log.lowest_index() for log in logs), default=sys.maxsize)
+        evicted = load_evicted(self.folder)
+        self._evictions.close()
+        self._evictions = EvictionLog(self.folder, evicted[evicted >= floor], fsync=self.fsync)
 
     def _evict(self, indices: np.ndarray) -> None:
         slots = indices % self.capacity

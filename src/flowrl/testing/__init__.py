@@ -2,7 +2,7 @@
 
 ``run_soak`` drives a multi-process hub with many concurrent clients for a bounded time
 and accounts for every sample exactly: see :class:`SoakConfig` and :class:`SoakReport`
-(``benchmarks/soak.py`` runs it from the command line).
+(``benchmarks/soak_clients.py`` runs it from the command line).
 
 ``abandon`` lets go of an embedded hub as a crash would, to test recovery in one process.
 """

@@ -222,7 +222,7 @@ class _Servers:
         )
         assert proc.stdin is not None  # (stdin=PIPE)
         # (BrokenPipeError: it died at once; the launcher or the supervisor reports its exit)
-        with proc.stdin, contextlib.suppress(BrokenPipeError):
+        with contextlib.suppress(BrokenPipeError), proc.stdin:
             proc.stdin.write(msgspec.json.encode(spec))
         return proc
 

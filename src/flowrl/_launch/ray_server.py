@@ -11,7 +11,6 @@ import errno
 import os
 import threading
 import time
-from typing import Any
 
 import msgspec
 import zmq
@@ -19,6 +18,7 @@ import zmq
 from flowrl._launch.ports import is_free
 from flowrl._launch.processes import as_restarted
 from flowrl._launch.specs import ControllerSpec, ServerSpec
+from flowrl._transport.auth import bound_address
 from flowrl._transport.controller_server import ControllerServer
 from flowrl._transport.unit_server import UnitServer
 
@@ -63,10 +63,10 @@ class ServerHost:
         try:
             if isinstance(spec, ControllerSpec):
                 server = ControllerServer(**fields)
-                self.bound = [_bound(server.sock), _bound(server.pub)]
+                self.bound = [bound_address(server.sock), bound_address(server.pub)]
             else:
                 server = UnitServer(**fields)
-                self.bound = [_bound(server.sock), _bound(server.control)]
+                self.bound = [bound_address(server.sock), bound_address(server.control)]
         except Exception as exc:
             if self.restarted:
                 raise  # ends the actor: Ray does not restart a failed constructor
@@ -105,8 +105,3 @@ def _addresses(spec: ServerSpec) -> list[str]:
     if isinstance(spec, ControllerSpec):
         return [spec.address, spec.events_address]
     return [spec.address, spec.control_address]
-
-
-def _bound(sock: zmq.Socket) -> str:
-    endpoint: Any = sock.getsockopt(zmq.LAST_ENDPOINT)
-    return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)

@@ -42,6 +42,7 @@ __all__ = [
     "KEY_FILE_ENV",
     "Gate",
     "HubKey",
+    "bound_address",
     "check_private",
     "client_options",
     "is_local",
@@ -176,16 +177,22 @@ def check_private(folder: str) -> None:
         )
 
 
-def listen(sock: zmq.Socket, address: str, gate: Gate | None, *, data: bool = False) -> None:
+def listen(sock: zmq.Socket, address: str, gate: Gate | None, *, data: bool = False) -> str:
     """Bind a server socket: on ipc, in a private folder; elsewhere guarded by ``gate``
-    (``data``: a storage unit's payload socket). Binding TCP without a key is refused."""
+    (``data``: a storage unit's payload socket; None: no key, which only a benchmark
+    measuring its cost asks for on TCP). Returns the address bound."""
     if address.startswith("ipc://"):
         check_private(os.path.dirname(address.removeprefix("ipc://")) or ".")
-    elif not is_local(address):
-        if gate is None:
-            raise ConfigError(f"a hub server may listen on {address} only with a hub key")
+    elif gate is not None and not is_local(address):
         gate.guard(sock, data=data)
     sock.bind(address)
+    return bound_address(sock)
+
+
+def bound_address(sock: zmq.Socket) -> str:
+    """The address ``sock`` last bound (its port drawn, for ``tcp://ip:*``)."""
+    endpoint: Any = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
 
 
 def client_options(

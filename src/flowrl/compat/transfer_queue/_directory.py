@@ -225,13 +225,18 @@ class DirectoryServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         # on TCP, only holders of the hub's key are admitted (a free port for ":0")
-        gate = None if key is None else Gate(key, "TransferQueue key directory")
+        self._gate = None if key is None else Gate(key, "TransferQueue key directory")
         if address.endswith(":0"):
             address = address.removesuffix(":0") + ":*"
-        self.address = listen(self._sock, address, gate)
+        self.address = listen(self._sock, address, self._gate)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="flowrl-tq-directory", daemon=True)
         self._thread.start()
+
+    @property
+    def refused_peers(self) -> int:
+        """Peers without the hub's key that this server refused (on TCP)."""
+        return 0 if self._gate is None else self._gate.refused
 
     def _serve(self) -> None:
         while not self._stop.is_set():

@@ -43,6 +43,16 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
   -> unit -> controller -> producer), 3.5 echoes' worth, so that ratio is 1 / 3.5 = 0.29
   at the very best; ``stage_round_legs_vs_echo`` (the ratio times 3.5) is the share of
   the bare transport's speed the hub keeps per leg (1.0: no cost but the legs').
+* ``--auth-rounds N`` (zmq): the cost of the hub key. The hub listens on TCP loopback
+  (``launch_hub(host="127.0.0.1")``), with its key (commands CURVE-encrypted, storage
+  units' data sockets behind a PLAIN token) and without (the same servers taking any
+  peer, which only this benchmark starts), in N alternating rounds of ``put_get`` and
+  1,000 metadata round trips (claim + ack of one sample). ``auth_<figure>_ratio`` is the
+  median over rounds of with-key over without-key throughput (1.0: free; 0.9: 10% cost),
+  for ``get``, ``put``, ``consume`` and ``metadata_round_trips``; ``auth_per_round``
+  lists them. ``zmq_curve_large_echo_ratio``: bare pyzmq, how much slower a get-sized
+  message (--batch samples) echoes over TCP loopback under CURVE than in the clear: why
+  the data sockets use a token instead.
 * ``--peer``: runs the TransferQueue package on the same payload in a subprocess and
   reports ``peer`` figures and ``put_get_speedup_vs_transferqueue``: samples / (put time +
   consumer-loop time) for flowrl over the same for TransferQueue (its put, get_meta and
@@ -60,7 +70,7 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
   ``get_meta``, ``get_data``, ``kv_batch_put`` and ``kv_batch_get``.
 
 Read ratios from one run; absolute numbers drift on a shared 2-core machine.
-Usage: python benchmarks/hub_throughput.py --json [--transport zmq] [--peer]
+Usage: python benchmarks/hub_throughput.py --json [--transport zmq] [--peer] [--auth-rounds 5]
 """
 
 from __future__ import annotations
@@ -87,10 +97,13 @@ import flowrl
 from flowrl import Column, HubConfig, JournalConfig
 from flowrl._controller.controller import Controller
 from flowrl._controller.samplers import FifoSampler
+from flowrl._launch.processes import start_hub
 from flowrl._protocol.commands import Cell, Claim, Commit
+from flowrl._transport.auth import HubKey
 
 GIB = 1024**3
 GET_PASSES = 5
+META_ROUNDS = 1000  # claim + ack rounds put_get times (about; whole batches)
 COLUMNS = [
     Column.ragged("input_ids", "int64"),
     Column.ragged("logprobs", "float32"),
@@ -99,11 +112,18 @@ COLUMNS = [
 
 
 def make_hub(transport: str, capacity: int, journal: JournalConfig | None = None):
+    """An embedded hub (``inproc``), a launched one (``zmq``: ipc), or one on TCP loopback
+    with its key (``tcp+key``) or taking any peer (``tcp``)."""
     config = HubConfig(capacity=capacity, lease_timeout=600.0, journal=journal)
     tasks = {"train": ["input_ids", "logprobs", "reward"]}
     if transport == "inproc":
         return flowrl.Hub(COLUMNS, tasks=tasks, config=config)
-    return flowrl.launch_hub(COLUMNS, tasks=tasks, config=config)
+    if transport == "zmq":
+        return flowrl.launch_hub(COLUMNS, tasks=tasks, config=config)
+    key = HubKey.generate() if transport == "tcp+key" else None
+    return start_hub(
+        COLUMNS, tasks=tasks, config=config, startup_timeout=60.0, host="127.0.0.1", key=key
+    )
 
 
 def payload(batch: int, seq_len: int, rng: np.random.Generator) -> dict:
@@ -149,7 +169,15 @@ def put_get(
             hub.ack(meta)
         consume_s = time.perf_counter() - t0
         n = n_batches * batch
+        k = min(META_ROUNDS // batch, n_batches)
+        for i in range(k):  # then claim + ack one sample at a time: two round trips each
+            hub.put(batches[i % len(batches)])
+        t0 = time.perf_counter()
+        for _ in range(k * batch):
+            hub.ack(hub.claim("train", 1, timeout=10))
+        meta_rate = 2 * k * batch / (time.perf_counter() - t0)
         return {
+            "metadata_round_trips_per_s": meta_rate,
             "put_samples_per_s": n / put_s,
             "get_samples_per_s": n / get_s,
             "put_gib_per_s": n * sample_bytes / put_s / GIB,
@@ -161,6 +189,58 @@ def put_get(
         }
     finally:
         hub.close()
+
+
+def auth_rounds(samples: int, seq_len: int, batch: int, rounds: int) -> dict:
+    """``put_get`` over TCP loopback without and with the hub key, alternating."""
+    figures = ["get", "put", "consume"]
+    per_round = []
+    for _ in range(rounds):
+        off = put_get("tcp", samples, seq_len, batch)
+        on = put_get("tcp+key", samples, seq_len, batch)
+        ratios = {f: on[f"{f}_samples_per_s"] / off[f"{f}_samples_per_s"] for f in figures}
+        ratios["metadata_round_trips"] = (
+            on["metadata_round_trips_per_s"] / off["metadata_round_trips_per_s"]
+        )
+        per_round.append(ratios)
+    out: dict[str, Any] = {
+        f"auth_{f}_ratio": statistics.median(r[f] for r in per_round) for f in per_round[0]
+    }
+    out["auth_per_round"] = per_round
+    out["zmq_curve_large_echo_ratio"] = _curve_echo_ratio(batch * (seq_len * 12 + 4))
+    return out
+
+
+def _curve_echo_ratio(size: int, n: int = 50, rounds: int = 3) -> float:
+    """Seconds per echo of ``size`` bytes over TCP loopback under CURVE over in the clear
+    (bare pyzmq, one process; the median of alternating rounds)."""
+    ctx = zmq.Context.instance()
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    msg = os.urandom(size)
+
+    def echo(curve: bool) -> float:
+        server, client = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+        if curve:
+            server.curve_server = True
+            server.curve_secretkey, server.curve_publickey = server_secret, server_public
+            client.curve_serverkey = server_public
+            client.curve_publickey, client.curve_secretkey = client_public, client_secret
+        client.connect(f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}")
+        try:
+            t0 = 0.0
+            for i in range(n + 1):
+                if i == 1:
+                    t0 = time.perf_counter()  # (after the handshake)
+                client.send(msg, copy=False)
+                server.send_multipart(server.recv_multipart(copy=False), copy=False)
+                client.recv(copy=False)
+            return (time.perf_counter() - t0) / n
+        finally:
+            server.close(linger=0)
+            client.close(linger=0)
+
+    return statistics.median(echo(True) / echo(False) for _ in range(rounds))
 
 
 def _read_pass(hub: Any, metas: list[Any]) -> tuple[float, int]:
@@ -531,6 +611,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--peer", action="store_true", help="also run TransferQueue (needs .[peer])")
     ap.add_argument("--peer-rounds", type=int, default=5, help="alternating --peer rounds")
+    ap.add_argument(
+        "--auth-rounds", type=int, default=0, help="zmq: rounds with and without the hub key"
+    )
     args = ap.parse_args()
     result: dict = {
         "transport": args.transport,
@@ -551,6 +634,8 @@ def main() -> None:
         ratio = result["stage_rounds_per_s"] / result["zmq_echo_round_trips_per_s"]
         result["stage_round_vs_echo"] = ratio
         result["stage_round_legs_vs_echo"] = ratio * STAGE_ROUND_LEGS / 2
+        if args.auth_rounds:
+            result.update(auth_rounds(args.samples, args.seq_len, args.batch, args.auth_rounds))
     if args.peer:
         result.update(peer_rounds(args.samples, args.seq_len, args.batch, args.peer_rounds))
         tq = result["peer"]

@@ -25,7 +25,14 @@ from flowrl._launch.specs import ControllerSpec, ServerSpec, UnitSpec
 from flowrl._schema.columns import Column
 from flowrl._store.shm import SHM_PREFIX, shm_folder
 from flowrl._transport import wire
-from flowrl._transport.auth import KEY_ENV, KEY_FILE_ENV, HubKey, client_options, is_local
+from flowrl._transport.auth import (
+    KEY_ENV,
+    KEY_FILE_ENV,
+    HubKey,
+    client_options,
+    is_local,
+    require_key,
+)
 from flowrl._transport.remote import RPC_TIMEOUT_S, RemoteHub
 from flowrl._validate import check_seconds
 from flowrl.errors import ConfigError, TransportError
@@ -158,7 +165,9 @@ def connect(
     Ray cluster that launched it, the key the hub's controller actor holds."""
     if not isinstance(address, str) or "://" not in address:
         raise ConfigError(f"connect() expects a zmq address like 'ipc://...', got {address!r}")
-    return RemoteHub(address, unit_nodes=unit_nodes, node=node, key=_key_for(address, key))
+    found = _key_for(address, key)
+    require_key(address, found)
+    return RemoteHub(address, unit_nodes=unit_nodes, node=node, key=found)
 
 
 def _key_for(address: str, key: HubKey | str | None) -> HubKey | None:

@@ -47,6 +47,7 @@ __all__ = [
     "client_options",
     "is_local",
     "listen",
+    "require_key",
 ]
 
 log = logging.getLogger("flowrl.auth")
@@ -198,14 +199,10 @@ def bound_address(sock: zmq.Socket) -> str:
 def client_options(
     sock: zmq.Socket, address: str, key: HubKey | None, *, data: bool = False
 ) -> None:
-    """Set the options a client socket needs to connect to a hub server at ``address``."""
-    if is_local(address):
+    """Set the options a client socket needs to connect to a hub server at ``address``
+    (none on ipc, or without a key: see :func:`require_key`)."""
+    if key is None or is_local(address):
         return
-    if key is None:
-        raise ConfigError(
-            f"the hub at {address} admits only holders of its key: pass key= to "
-            f"flowrl.connect (the launcher's hub.key), or set {KEY_ENV} or {KEY_FILE_ENV}"
-        )
     if data:
         sock.plain_username = _PLAIN_USER
         sock.plain_password = key.token
@@ -213,6 +210,16 @@ def client_options(
         sock.curve_serverkey = key.server_public
         sock.curve_publickey = key.client_public
         sock.curve_secretkey = key.client_secret
+
+
+def require_key(address: str, key: HubKey | None) -> None:
+    """Refuse to connect to a hub on TCP without its key (the servers would drop every
+    request, and the caller would wait for answers that never come)."""
+    if key is None and not is_local(address):
+        raise ConfigError(
+            f"the hub at {address} admits only holders of its key: pass key= to "
+            f"flowrl.connect (the launcher's hub.key), or set {KEY_ENV} or {KEY_FILE_ENV}"
+        )
 
 
 class Gate:

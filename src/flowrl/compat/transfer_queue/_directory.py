@@ -22,7 +22,7 @@ import msgspec
 import zmq
 
 from flowrl._schema.columns import Column
-from flowrl._transport.auth import Gate, HubKey, client_options, listen
+from flowrl._transport.auth import Gate, HubKey, client_options, listen, require_key
 from flowrl.errors import ConfigError, TransportError
 
 __all__ = ["DirectoryServer", "KeyDirectory", "RemoteDirectory"]
@@ -277,15 +277,12 @@ class RemoteDirectory:
     def __init__(self, address: str, key: HubKey | None = None) -> None:
         if not isinstance(address, str) or "://" not in address:
             raise ConfigError(f"a key directory address looks like 'ipc://...', got {address!r}")
+        require_key(address, key)  # (on TCP: the hub's)
         self.address = address
         self._lock = threading.Lock()
         self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        try:
-            client_options(self._sock, address, key)  # (on TCP: the hub's key)
-        except ConfigError:
-            self._sock.close()
-            raise
+        client_options(self._sock, address, key)
         self._sock.connect(address)
 
     def _call(self, method: Method, *args: Any) -> Any:

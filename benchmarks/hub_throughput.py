@@ -43,15 +43,17 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
   -> unit -> controller -> producer), 3.5 echoes' worth, so that ratio is 1 / 3.5 = 0.29
   at the very best; ``stage_round_legs_vs_echo`` (the ratio times 3.5) is the share of
   the bare transport's speed the hub keeps per leg (1.0: no cost but the legs').
-* ``--auth-rounds N`` (zmq): the cost of the hub key. The hub listens on TCP loopback
-  (``launch_hub(host="127.0.0.1")``), with its key (commands CURVE-encrypted, storage
-  units' data sockets behind a PLAIN token) and without (the same servers taking any
-  peer, which only this benchmark starts), in N alternating rounds of ``put_get`` and
-  1,000 metadata round trips (claim + ack of one sample). ``auth_<figure>_ratio`` is the
-  median over rounds of with-key over without-key throughput (1.0: free; 0.9: 10% cost),
-  for ``get``, ``put``, ``consume`` and ``metadata_round_trips``; ``auth_per_round``
-  lists them. ``zmq_curve_large_echo_ratio``: bare pyzmq, how much slower a get-sized
-  message (--batch samples) echoes over TCP loopback under CURVE than in the clear: why
+* ``--auth-rounds N`` (zmq): the cost of the hub key. Two hubs listen on TCP loopback
+  (``launch_hub(host="127.0.0.1")``), one with its key (commands CURVE-encrypted, the
+  storage unit's data socket behind a PLAIN token) and one without (the same servers
+  taking any peer, which only this benchmark starts), both up at once. In each of N
+  rounds (the order flips each round) each hub gets --samples / N samples put in batches
+  of --batch and claimed, a read pass over every batch it holds (as ``get`` above, per
+  batch) and 200 claim + release round trip pairs. ``auth_<figure>_ratio`` is the median
+  over rounds of with-key over without-key throughput (1.0: free; 0.9: a 10% cost), for
+  ``get``, ``put`` and ``metadata_round_trips``; ``auth_per_round`` lists the rounds.
+  ``zmq_curve_large_echo_ratio``: bare pyzmq, how many times longer a get-sized message
+  (--batch samples) takes to echo over TCP loopback under CURVE than in the clear: why
   the data sockets use a token instead.
 * ``--peer``: runs the TransferQueue package on the same payload in a subprocess and
   reports ``peer`` figures and ``put_get_speedup_vs_transferqueue``: samples / (put time +
@@ -103,7 +105,8 @@ from flowrl._transport.auth import HubKey
 
 GIB = 1024**3
 GET_PASSES = 5
-META_ROUNDS = 1000  # claim + ack rounds put_get times (about; whole batches)
+META_ROUNDS = 200  # claim + release round pairs per --auth-rounds round
+FIGURES = ("get", "put", "metadata_round_trips")  # what --auth-rounds compares
 COLUMNS = [
     Column.ragged("input_ids", "int64"),
     Column.ragged("logprobs", "float32"),
@@ -169,15 +172,7 @@ def put_get(
             hub.ack(meta)
         consume_s = time.perf_counter() - t0
         n = n_batches * batch
-        k = min(META_ROUNDS // batch, n_batches)
-        for i in range(k):  # then claim + ack one sample at a time: two round trips each
-            hub.put(batches[i % len(batches)])
-        t0 = time.perf_counter()
-        for _ in range(k * batch):
-            hub.ack(hub.claim("train", 1, timeout=10))
-        meta_rate = 2 * k * batch / (time.perf_counter() - t0)
         return {
-            "metadata_round_trips_per_s": meta_rate,
             "put_samples_per_s": n / put_s,
             "get_samples_per_s": n / get_s,
             "put_gib_per_s": n * sample_bytes / put_s / GIB,
@@ -192,21 +187,39 @@ def put_get(
 
 
 def auth_rounds(samples: int, seq_len: int, batch: int, rounds: int) -> dict:
-    """``put_get`` over TCP loopback without and with the hub key, alternating."""
-    figures = ["get", "put", "consume"]
-    per_round = []
-    for _ in range(rounds):
-        off = put_get("tcp", samples, seq_len, batch)
-        on = put_get("tcp+key", samples, seq_len, batch)
-        ratios = {f: on[f"{f}_samples_per_s"] / off[f"{f}_samples_per_s"] for f in figures}
-        ratios["metadata_round_trips"] = (
-            on["metadata_round_trips_per_s"] / off["metadata_round_trips_per_s"]
-        )
-        per_round.append(ratios)
-    out: dict[str, Any] = {
-        f"auth_{f}_ratio": statistics.median(r[f] for r in per_round) for f in per_round[0]
-    }
-    out["auth_per_round"] = per_round
+    """The same work on two hubs on TCP loopback, one without the key and one with it,
+    both up at once, in alternating rounds (the order flips each round)."""
+    rng = np.random.default_rng(2)
+    batches = [payload(batch, seq_len, rng) for _ in range(min(8, max(1, samples // batch)))]
+    per_round = max(1, samples // batch // rounds)  # batches put per round and hub
+    hubs = {"off": make_hub("tcp", capacity=samples + 1024), "on": None}
+    try:
+        hubs["on"] = make_hub("tcp+key", capacity=samples + 1024)
+        for hub in hubs.values():  # one batch more than is held: for the round trips
+            hub.put(batches[0])
+        times: dict[str, dict[str, list[float]]] = {f: {"off": [], "on": []} for f in FIGURES}
+        held: dict[str, list[Any]] = {"off": [], "on": []}
+        for r in range(rounds):
+            for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                hub = hubs[name]
+                t0 = time.perf_counter()
+                for i in range(per_round):
+                    hub.put(batches[i % len(batches)])
+                times["put"][name].append(time.perf_counter() - t0)
+                held[name] += [hub.claim("train", batch, timeout=10) for _ in range(per_round)]
+                times["get"][name].append(_read_pass(hub, held[name])[0] / len(held[name]))
+                t0 = time.perf_counter()
+                for _ in range(META_ROUNDS):  # two round trips each, nothing consumed
+                    hub.release(hub.claim("train", 1, timeout=10))
+                times["metadata_round_trips"][name].append(time.perf_counter() - t0)
+    finally:
+        for hub in hubs.values():
+            if hub is not None:
+                hub.close()
+    # with-key throughput over without-key throughput, per round: off seconds / on seconds
+    ratios = {f: [a / b for a, b in zip(t["off"], t["on"], strict=True)] for f, t in times.items()}
+    out: dict[str, Any] = {f"auth_{f}_ratio": statistics.median(r) for f, r in ratios.items()}
+    out["auth_per_round"] = ratios
     out["zmq_curve_large_echo_ratio"] = _curve_echo_ratio(batch * (seq_len * 12 + 4))
     return out
 

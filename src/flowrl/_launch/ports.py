@@ -6,7 +6,7 @@ import errno
 import random
 import socket
 
-__all__ = ["PORTS", "Ports", "is_free"]
+__all__ = ["PORTS", "Ports", "is_free", "is_listening"]
 
 #: The servers' TCP ports are drawn from here, at launch: below Linux's ephemeral range
 #: (32768-60999), from which outgoing connections take theirs, and above Ray's worker
@@ -47,3 +47,24 @@ def is_free(address: str) -> bool:
                 return False
             raise
     return True
+
+
+def is_listening(address: str) -> bool:
+    """Whether a socket of this machine listens on the port of ``tcp://ip:port``, from
+    the kernel's tables (a probe by binding could take the port from a server binding it
+    at that moment, and a probe by connecting would count as a stranger)."""
+    port = int(address.rpartition(":")[2])
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()  # sl, local address (hex ip:port), remote, state, ...
+            if fields[3] == _LISTEN and int(fields[1].rpartition(":")[2], 16) == port:
+                return True
+    return False
+
+
+_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's state column

@@ -20,7 +20,7 @@ import msgspec
 from flowrl._client.tasks import checked_tasks
 from flowrl._config import HubConfig
 from flowrl._controller.journal import lock_journal
-from flowrl._launch.ports import Ports, is_free
+from flowrl._launch.ports import Ports, is_free, is_listening
 from flowrl._launch.specs import ControllerSpec, ServerSpec, UnitSpec
 from flowrl._schema.columns import Column
 from flowrl._store.shm import SHM_PREFIX, shm_folder
@@ -54,9 +54,9 @@ def launch_hub(
 
     By default they listen on ipc sockets in a private temporary folder (mode 0700):
     nothing leaves the machine, and only this user's processes may connect. With
-    ``host`` (an IP address of this machine, e.g. ``"127.0.0.1"`` or ``"0.0.0.0"``) they
-    listen on TCP ports of it instead, for processes on other machines, and admit only
-    holders of the hub's key, made here: ``hub.key`` (see docs/durability.md, "Security").
+    ``host`` (an IP address of this machine, the one other machines reach it at) they
+    listen on TCP ports of it instead, and admit only holders of the hub's key, made
+    here: ``hub.key`` (see docs/durability.md, "Security").
     Returns a client; its ``address`` lets other processes ``flowrl.connect`` to the same
     hub. Closing that client shuts the servers down.
     """
@@ -313,7 +313,7 @@ def _listening(address: str) -> bool:
     """Whether the server at ``address`` (of this machine) has bound it."""
     if address.startswith("ipc://"):
         return os.path.exists(address.removeprefix("ipc://"))
-    return not is_free(address)
+    return is_listening(address)
 
 
 def _name(spec: ServerSpec) -> str:

@@ -67,7 +67,7 @@ def test_a_key_file_others_may_read_or_a_link_is_refused(tmp_path: Path) -> None
     path = tmp_path / "hub.key"
     HubKey.generate().save(str(path))
     os.chmod(path, 0o644)
-    with pytest.raises(ConfigError, match="open to other users.*chmod 600"):
+    with pytest.raises(ConfigError, match=r"open to other users.*chmod 600"):
         HubKey.load(str(path))
     os.chmod(path, 0o600)
     link = tmp_path / "link.key"
@@ -82,7 +82,7 @@ def test_ipc_sockets_bind_only_in_a_folder_only_this_user_may_enter(tmp_path: Pa
     os.chmod(loose, 0o755)  # (whatever the umask)
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     try:
-        with pytest.raises(ConfigError, match="only this user may enter.*drwxr-xr-x"):
+        with pytest.raises(ConfigError, match=r"only this user may enter.*drwxr-xr-x"):
             listen(sock, f"ipc://{loose}/controller", None)
         assert not (loose / "controller").exists()  # nothing bound
         with pytest.raises(ConfigError, match="only this user may enter"):

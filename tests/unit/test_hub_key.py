@@ -5,6 +5,7 @@ directory on TCP admits only holders of the key, counting the peers it refuses."
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import time
@@ -95,7 +96,10 @@ def test_ipc_sockets_bind_only_in_a_folder_only_this_user_may_enter(tmp_path: Pa
         sock.close(linger=0)
 
 
-def test_the_key_directory_on_tcp_admits_only_holders_of_the_key() -> None:
+def test_the_key_directory_on_tcp_admits_only_holders_of_the_key(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="flowrl")
     key = HubKey.generate()
     server = DirectoryServer(KeyDirectory(), "tcp://127.0.0.1:0", key=key)
     raw = zmq.Context.instance().socket(zmq.DEALER)  # no key: what any process could do
@@ -122,6 +126,11 @@ def test_the_key_directory_on_tcp_admits_only_holders_of_the_key() -> None:
             assert not impostor._sock.poll(200)
             impostor.close()
         assert client_lookup(server.address, key) == [7, -1]
+        # each refusal logged in one line at most (1st, 2nd, 4th, ...), no traceback
+        records = [r for r in caplog.records if r.name.startswith("flowrl")]
+        assert records and all("refused a peer" in r.getMessage() for r in records)
+        assert all(r.exc_info is None and "\n" not in r.getMessage() for r in records)
+        assert len(records) <= server.refused_peers.bit_length()
     finally:
         raw.close()
         server.close()

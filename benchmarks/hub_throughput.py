@@ -49,9 +49,12 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
   taking any peer, which only this benchmark starts), both up at once. In each of N
   rounds (the order flips each round) each hub gets --samples / N samples put in batches
   of --batch and claimed, a read pass over every batch it holds (as ``get`` above, per
-  batch) and 200 claim + release round trip pairs. ``auth_<figure>_ratio`` is the median
+  batch) and 500 claim + release round trip pairs. ``auth_<figure>_ratio`` is the median
   over rounds of with-key over without-key throughput (1.0: free; 0.9: a 10% cost), for
-  ``get``, ``put`` and ``metadata_round_trips``; ``auth_per_round`` lists the rounds.
+  ``get``, ``put`` and ``metadata_round_trips``, and ``auth_<figure>_cpu_ratio`` the
+  same for the CPU time the client and the servers spent over all rounds (from /proc:
+  steadier than the wall clock on a loaded machine).
+  ``auth_per_round`` lists the rounds.
   ``zmq_curve_large_echo_ratio``: bare pyzmq, how many times longer a get-sized message
   (--batch samples) takes to echo over TCP loopback under CURVE than in the clear: why
   the data sockets use a token instead.
@@ -105,7 +108,7 @@ from flowrl._transport.auth import HubKey
 
 GIB = 1024**3
 GET_PASSES = 5
-META_ROUNDS = 200  # claim + release round pairs per --auth-rounds round
+META_ROUNDS = 500  # claim + release round pairs per --auth-rounds round
 FIGURES = ("get", "put", "metadata_round_trips")  # what --auth-rounds compares
 COLUMNS = [
     Column.ragged("input_ids", "int64"),
@@ -197,31 +200,52 @@ def auth_rounds(samples: int, seq_len: int, batch: int, rounds: int) -> dict:
         hubs["on"] = make_hub("tcp+key", capacity=samples + 1024)
         for hub in hubs.values():  # one batch more than is held: for the round trips
             hub.put(batches[0])
-        times: dict[str, dict[str, list[float]]] = {f: {"off": [], "on": []} for f in FIGURES}
+        # per figure and hub, per round: (wall seconds, CPU seconds of client and servers)
+        spent: dict[str, dict[str, list[tuple[float, float]]]] = {
+            f: {"off": [], "on": []} for f in FIGURES
+        }
         held: dict[str, list[Any]] = {"off": [], "on": []}
+
+        def put(hub: Any) -> None:
+            for i in range(per_round):
+                hub.put(batches[i % len(batches)])
+
+        def round_trips(hub: Any) -> None:
+            for _ in range(META_ROUNDS):  # two round trips each, nothing consumed
+                hub.release(hub.claim("train", 1, timeout=10))
+
         for r in range(rounds):
             for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
                 hub = hubs[name]
-                t0 = time.perf_counter()
-                for i in range(per_round):
-                    hub.put(batches[i % len(batches)])
-                times["put"][name].append(time.perf_counter() - t0)
+                spent["put"][name].append(_spent(hub, put))
                 held[name] += [hub.claim("train", batch, timeout=10) for _ in range(per_round)]
-                times["get"][name].append(_read_pass(hub, held[name])[0] / len(held[name]))
-                t0 = time.perf_counter()
-                for _ in range(META_ROUNDS):  # two round trips each, nothing consumed
-                    hub.release(hub.claim("train", 1, timeout=10))
-                times["metadata_round_trips"][name].append(time.perf_counter() - t0)
+                wall, cpu = _spent(hub, lambda h, metas=held[name]: _read_pass(h, metas))
+                spent["get"][name].append((wall / len(held[name]), cpu / len(held[name])))
+                spent["metadata_round_trips"][name].append(_spent(hub, round_trips))
     finally:
         for hub in hubs.values():
             if hub is not None:
                 hub.close()
     # with-key throughput over without-key throughput, per round: off seconds / on seconds
-    ratios = {f: [a / b for a, b in zip(t["off"], t["on"], strict=True)] for f, t in times.items()}
-    out: dict[str, Any] = {f"auth_{f}_ratio": statistics.median(r) for f, r in ratios.items()}
-    out["auth_per_round"] = ratios
+    # (CPU: the totals over every round, since a round may be shorter than a CPU tick)
+    out: dict[str, Any] = {"auth_per_round": {}}
+    for f, by_hub in spent.items():
+        ratios = [a[0] / b[0] for a, b in zip(by_hub["off"], by_hub["on"], strict=True)]
+        out[f"auth_{f}_ratio"] = statistics.median(ratios)
+        out["auth_per_round"][f] = ratios
+        out[f"auth_{f}_cpu_ratio"] = sum(c for _, c in by_hub["off"]) / max(
+            1e-9, sum(c for _, c in by_hub["on"])
+        )
     out["zmq_curve_large_echo_ratio"] = _curve_echo_ratio(batch * (seq_len * 12 + 4))
     return out
+
+
+def _spent(hub: Any, work: Any) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (this process and the hub's servers) ``work(hub)`` took."""
+    pids = [os.getpid(), *(p.pid for p in hub.servers.procs)]
+    cpu, t0 = sum(map(_cpu_s, pids)), time.perf_counter()
+    work(hub)
+    return time.perf_counter() - t0, sum(map(_cpu_s, pids)) - cpu
 
 
 def _curve_echo_ratio(size: int, n: int = 50, rounds: int = 3) -> float:

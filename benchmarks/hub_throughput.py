@@ -43,6 +43,21 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
   -> unit -> controller -> producer), 3.5 echoes' worth, so that ratio is 1 / 3.5 = 0.29
   at the very best; ``stage_round_legs_vs_echo`` (the ratio times 3.5) is the share of
   the bare transport's speed the hub keeps per leg (1.0: no cost but the legs').
+* ``--auth-rounds N`` (zmq): the cost of the hub key. Two hubs listen on TCP loopback
+  (``launch_hub(host="127.0.0.1")``), one with its key (commands CURVE-encrypted, the
+  storage unit's data socket behind a PLAIN token) and one without (the same servers
+  taking any peer, which only this benchmark starts), both up at once. In each of N
+  rounds (the order flips each round) each hub gets --samples / N samples put in batches
+  of --batch and claimed, a read pass over every batch it holds (as ``get`` above, per
+  batch) and 500 claim + release round trip pairs. ``auth_<figure>_ratio`` is the median
+  over rounds of with-key over without-key throughput (1.0: free; 0.9: a 10% cost), for
+  ``get``, ``put`` and ``metadata_round_trips``, and ``auth_<figure>_cpu_ratio`` the
+  same for the CPU time the client and the servers spent over all rounds (from /proc:
+  steadier than the wall clock on a loaded machine).
+  ``auth_per_round`` lists the rounds.
+  ``zmq_curve_large_echo_ratio``: bare pyzmq, how many times longer a get-sized message
+  (--batch samples) takes to echo over TCP loopback under CURVE than in the clear: why
+  the data sockets use a token instead.
 * ``--peer``: runs the TransferQueue package on the same payload in a subprocess and
   reports ``peer`` figures and ``put_get_speedup_vs_transferqueue``: samples / (put time +
   consumer-loop time) for flowrl over the same for TransferQueue (its put, get_meta and
@@ -60,7 +75,7 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
   ``get_meta``, ``get_data``, ``kv_batch_put`` and ``kv_batch_get``.
 
 Read ratios from one run; absolute numbers drift on a shared 2-core machine.
-Usage: python benchmarks/hub_throughput.py --json [--transport zmq] [--peer]
+Usage: python benchmarks/hub_throughput.py --json [--transport zmq] [--peer] [--auth-rounds 5]
 """
 
 from __future__ import annotations
@@ -87,10 +102,14 @@ import flowrl
 from flowrl import Column, HubConfig, JournalConfig
 from flowrl._controller.controller import Controller
 from flowrl._controller.samplers import FifoSampler
+from flowrl._launch.processes import start_hub
 from flowrl._protocol.commands import Cell, Claim, Commit
+from flowrl._transport.auth import HubKey
 
 GIB = 1024**3
 GET_PASSES = 5
+META_ROUNDS = 500  # claim + release round pairs per --auth-rounds round
+FIGURES = ("get", "put", "metadata_round_trips")  # what --auth-rounds compares
 COLUMNS = [
     Column.ragged("input_ids", "int64"),
     Column.ragged("logprobs", "float32"),
@@ -99,11 +118,18 @@ COLUMNS = [
 
 
 def make_hub(transport: str, capacity: int, journal: JournalConfig | None = None):
+    """An embedded hub (``inproc``), a launched one (``zmq``: ipc), or one on TCP loopback
+    with its key (``tcp+key``) or taking any peer (``tcp``)."""
     config = HubConfig(capacity=capacity, lease_timeout=600.0, journal=journal)
     tasks = {"train": ["input_ids", "logprobs", "reward"]}
     if transport == "inproc":
         return flowrl.Hub(COLUMNS, tasks=tasks, config=config)
-    return flowrl.launch_hub(COLUMNS, tasks=tasks, config=config)
+    if transport == "zmq":
+        return flowrl.launch_hub(COLUMNS, tasks=tasks, config=config)
+    key = HubKey.generate() if transport == "tcp+key" else None
+    return start_hub(
+        COLUMNS, tasks=tasks, config=config, startup_timeout=60.0, host="127.0.0.1", key=key
+    )
 
 
 def payload(batch: int, seq_len: int, rng: np.random.Generator) -> dict:
@@ -161,6 +187,97 @@ def put_get(
         }
     finally:
         hub.close()
+
+
+def auth_rounds(samples: int, seq_len: int, batch: int, rounds: int) -> dict:
+    """The same work on two hubs on TCP loopback, one without the key and one with it,
+    both up at once, in alternating rounds (the order flips each round)."""
+    rng = np.random.default_rng(2)
+    batches = [payload(batch, seq_len, rng) for _ in range(min(8, max(1, samples // batch)))]
+    per_round = max(1, samples // batch // rounds)  # batches put per round and hub
+    hubs = {"off": make_hub("tcp", capacity=samples + 1024), "on": None}
+    try:
+        hubs["on"] = make_hub("tcp+key", capacity=samples + 1024)
+        for hub in hubs.values():  # one batch more than is held: for the round trips
+            hub.put(batches[0])
+        # per figure and hub, per round: (wall seconds, CPU seconds of client and servers)
+        spent: dict[str, dict[str, list[tuple[float, float]]]] = {
+            f: {"off": [], "on": []} for f in FIGURES
+        }
+        held: dict[str, list[Any]] = {"off": [], "on": []}
+
+        def put(hub: Any) -> None:
+            for i in range(per_round):
+                hub.put(batches[i % len(batches)])
+
+        def round_trips(hub: Any) -> None:
+            for _ in range(META_ROUNDS):  # two round trips each, nothing consumed
+                hub.release(hub.claim("train", 1, timeout=10))
+
+        for r in range(rounds):
+            for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                hub = hubs[name]
+                spent["put"][name].append(_spent(hub, put))
+                held[name] += [hub.claim("train", batch, timeout=10) for _ in range(per_round)]
+                wall, cpu = _spent(hub, lambda h, metas=held[name]: _read_pass(h, metas))
+                spent["get"][name].append((wall / len(held[name]), cpu / len(held[name])))
+                spent["metadata_round_trips"][name].append(_spent(hub, round_trips))
+    finally:
+        for hub in hubs.values():
+            if hub is not None:
+                hub.close()
+    # with-key throughput over without-key throughput, per round: off seconds / on seconds
+    # (CPU: the totals over every round, since a round may be shorter than a CPU tick)
+    out: dict[str, Any] = {"auth_per_round": {}}
+    for f, by_hub in spent.items():
+        ratios = [a[0] / b[0] for a, b in zip(by_hub["off"], by_hub["on"], strict=True)]
+        out[f"auth_{f}_ratio"] = statistics.median(ratios)
+        out["auth_per_round"][f] = ratios
+        out[f"auth_{f}_cpu_ratio"] = sum(c for _, c in by_hub["off"]) / max(
+            1e-9, sum(c for _, c in by_hub["on"])
+        )
+    out["zmq_curve_large_echo_ratio"] = _curve_echo_ratio(batch * (seq_len * 12 + 4))
+    return out
+
+
+def _spent(hub: Any, work: Any) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (this process and the hub's servers) ``work(hub)`` took."""
+    pids = [os.getpid(), *(p.pid for p in hub.servers.procs)]
+    cpu, t0 = sum(map(_cpu_s, pids)), time.perf_counter()
+    work(hub)
+    return time.perf_counter() - t0, sum(map(_cpu_s, pids)) - cpu
+
+
+def _curve_echo_ratio(size: int, n: int = 50, rounds: int = 3) -> float:
+    """Seconds per echo of ``size`` bytes over TCP loopback under CURVE over in the clear
+    (bare pyzmq, one process; the median of alternating rounds)."""
+    ctx = zmq.Context.instance()
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    msg = os.urandom(size)
+
+    def echo(curve: bool) -> float:
+        server, client = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+        if curve:
+            server.curve_server = True
+            server.curve_secretkey, server.curve_publickey = server_secret, server_public
+            client.curve_serverkey = server_public
+            client.curve_publickey, client.curve_secretkey = client_public, client_secret
+        client.connect(f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}")
+        try:
+            t0 = 0.0
+            for i in range(n + 1):
+                if i == 1:
+                    t0 = time.perf_counter()  # (after the handshake)
+                client.send(msg, copy=False)
+                server.send_multipart(server.recv_multipart(copy=False), copy=False)
+                client.recv(copy=False)
+            return (time.perf_counter() - t0) / n
+        finally:
+            server.close(linger=0)
+            client.close(linger=0)
+
+    return statistics.median(echo(True) / echo(False) for _ in range(rounds))
 
 
 def _read_pass(hub: Any, metas: list[Any]) -> tuple[float, int]:
@@ -531,6 +648,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--peer", action="store_true", help="also run TransferQueue (needs .[peer])")
     ap.add_argument("--peer-rounds", type=int, default=5, help="alternating --peer rounds")
+    ap.add_argument(
+        "--auth-rounds", type=int, default=0, help="zmq: rounds with and without the hub key"
+    )
     args = ap.parse_args()
     result: dict = {
         "transport": args.transport,
@@ -551,6 +671,8 @@ def main() -> None:
         ratio = result["stage_rounds_per_s"] / result["zmq_echo_round_trips_per_s"]
         result["stage_round_vs_echo"] = ratio
         result["stage_round_legs_vs_echo"] = ratio * STAGE_ROUND_LEGS / 2
+        if args.auth_rounds:
+            result.update(auth_rounds(args.samples, args.seq_len, args.batch, args.auth_rounds))
     if args.peer:
         result.update(peer_rounds(args.samples, args.seq_len, args.batch, args.peer_rounds))
         tq = result["peer"]

@@ -47,6 +47,7 @@ if typing.TYPE_CHECKING:
     from flowrl._pipeline.stage import Rows, StageContext, StageSpec, stage
     from flowrl._schema.columns import Column
     from flowrl._schema.ragged import RaggedArray
+    from flowrl._transport.auth import HubKey
     from flowrl._transport.remote import RemoteHub
     from flowrl._weights.object_store import RayWeightPublisher, RayWeightSubscriber
     from flowrl._weights.sync import (
@@ -80,6 +81,7 @@ __all__ = [
     "GroupSampler",
     "Hub",
     "HubConfig",
+    "HubKey",
     "HubStats",
     "JournalConfig",
     "Loader",
@@ -142,6 +144,7 @@ _HOMES: dict[str, str] = {
     "GroupSampler": "flowrl._controller.samplers",
     "Hub": "flowrl._client.inproc",
     "HubConfig": "flowrl._config",
+    "HubKey": "flowrl._transport.auth",
     "HubStats": "flowrl._config",
     "JournalConfig": "flowrl._config",
     "Loader": "flowrl._pipeline.loader",

@@ -122,6 +122,8 @@ class UnitStats(msgspec.Struct, frozen=True):
     samples: int
     chunks: int
     nbytes: int
+    # peers without the hub's key that the unit's TCP sockets refused (docs/durability.md)
+    refused_peers: int = 0
 
 
 @final
@@ -143,3 +145,6 @@ class HubStats(msgspec.Struct, frozen=True, kw_only=True):
     # re-sent idempotent puts (a producer's seq the hub held) dropped since the controller
     # started
     duplicate_puts: int = 0
+    # peers without the hub's key that the controller's TCP sockets refused (each unit
+    # counts its own in ``units``)
+    refused_peers: int = 0

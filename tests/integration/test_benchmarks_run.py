@@ -40,7 +40,8 @@ def test_partial_rollouts_benchmark_reports_every_setting() -> None:
 
 @pytest.mark.parametrize("transport", ["inproc", "zmq"])
 def test_hub_throughput_benchmark_reports_the_issue_figures(transport: str) -> None:
-    report = run("hub_throughput.py", "--transport", transport, "--samples", "256")
+    auth = ["--auth-rounds", "2"] if transport == "zmq" else []
+    report = run("hub_throughput.py", "--transport", transport, "--samples", "256", *auth)
     figures = [
         "put_samples_per_s",
         "get_samples_per_s",
@@ -66,6 +67,10 @@ def test_hub_throughput_benchmark_reports_the_issue_figures(transport: str) -> N
             "stage_round_vs_echo",
             "stage_round_cpu_ms",
             "stage_round_legs_vs_echo",
+            "auth_get_ratio",  # the hub key's cost (issue 26, item 4)
+            "auth_put_ratio",
+            "auth_metadata_round_trips_ratio",
+            "zmq_curve_large_echo_ratio",
         ]
     assert all(report[f] > 0 for f in figures), {f: report.get(f) for f in figures}
     assert report["transport"] == transport and report["samples"] == 256

@@ -167,9 +167,10 @@ def test_a_failing_worker_process_surfaces_with_indices() -> None:
         hub.close()
 
 
-def test_staleness_and_max_samples_are_shared_by_source_processes() -> None:
+@pytest.mark.parametrize("host", [None, "127.0.0.1"])  # on TCP, workers need the hub key
+def test_staleness_and_max_samples_are_shared_by_source_processes(host: str | None) -> None:
     pipe = Pipeline([endless], staleness=Staleness(max_staleness=0, samples_per_version=8))
-    hub = flowrl.launch_hub(pipe.columns)
+    hub = flowrl.launch_hub(pipe.columns, host=host)
     try:
         loader = Loader(hub, task="train", columns=["x"], batch_size=8, timeout=60)
         lags = []

@@ -289,3 +289,34 @@ def test_a_new_hub_on_an_old_journal_gives_back_the_old_leases_or_refuses_it(
     other = HubConfig(capacity=2048, journal=JournalConfig(path=str(tmp_path)))
     with pytest.raises(flowrl.errors.ConfigError, match="capacity"):
         flowrl.launch_ray_hub(COLS, tasks=TASKS, config=other, nodes=nodes[:1])
+
+
+def test_a_peer_without_the_hub_key_is_refused_and_counted(nodes: list[str]) -> None:
+    """The actors listen on TCP: only holders of the hub's key get in (Ray tasks of the
+    cluster get it from the controller's actor, as ``produce`` does)."""
+    import zmq
+
+    from flowrl._transport import wire
+
+    hub = flowrl.launch_ray_hub([X, NODE], tasks={"read": ["x", "node"]})
+    socks = []
+    try:
+        assert hub.key is not None and all(a.startswith("tcp://") for a in hub.unit_addresses)
+        for address in (hub.address, *hub.unit_addresses):
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            sock.send_multipart([b"1" * 8, wire.encode(wire.Shutdown())])
+            socks.append(sock)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            stats = hub.statistics()
+            if stats.refused_peers and all(u.refused_peers for u in stats.units):
+                break
+            time.sleep(0.05)
+        assert stats.refused_peers and all(u.refused_peers for u in stats.units), stats
+        assert ray.get(produce.remote(hub.address, list(hub.unit_nodes), 0, 2)) == [0, 1]
+    finally:
+        for sock in socks:
+            sock.close()
+        hub.close()

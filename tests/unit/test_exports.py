@@ -97,6 +97,7 @@ def test_submodule_all_is_sorted_and_resolves(module: types.ModuleType) -> None:
         flowrl.BatchMeta,
         flowrl.RaggedArray,
         flowrl.HubConfig,
+        flowrl.HubKey,
     ],
     ids=lambda c: c.__name__,
 )

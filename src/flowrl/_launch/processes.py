@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import glob
 import logging
 import os
@@ -18,15 +20,24 @@ import msgspec
 from flowrl._client.tasks import checked_tasks
 from flowrl._config import HubConfig
 from flowrl._controller.journal import lock_journal
+from flowrl._launch.ports import Ports, is_free, is_listening
 from flowrl._launch.specs import ControllerSpec, ServerSpec, UnitSpec
 from flowrl._schema.columns import Column
 from flowrl._store.shm import SHM_PREFIX, shm_folder
 from flowrl._transport import wire
+from flowrl._transport.auth import (
+    KEY_ENV,
+    KEY_FILE_ENV,
+    HubKey,
+    client_options,
+    is_local,
+    require_key,
+)
 from flowrl._transport.remote import RPC_TIMEOUT_S, RemoteHub
 from flowrl._validate import check_seconds
 from flowrl.errors import ConfigError, TransportError
 
-__all__ = ["as_restarted", "connect", "launch_hub"]
+__all__ = ["as_restarted", "connect", "launch_hub", "request_shutdown", "start_hub"]
 
 log = logging.getLogger("flowrl.launch")
 
@@ -37,13 +48,41 @@ def launch_hub(
     tasks: Mapping[str, Sequence[str]] | None = None,
     config: HubConfig | None = None,
     startup_timeout: float = 30.0,
+    host: str | None = None,
 ) -> RemoteHub:
     """Start the controller and ``config.n_units`` storage units as processes.
 
-    They listen on ipc sockets in a private temporary folder (nothing leaves the machine).
+    By default they listen on ipc sockets in a private temporary folder (mode 0700):
+    nothing leaves the machine, and only this user's processes may connect. With
+    ``host`` (an IP address of this machine, the one other machines reach it at) they
+    listen on TCP ports of it instead, and admit only holders of the hub's key, made
+    here: ``hub.key`` (see docs/durability.md, "Security").
     Returns a client; its ``address`` lets other processes ``flowrl.connect`` to the same
     hub. Closing that client shuts the servers down.
     """
+    if host is not None and (not isinstance(host, str) or not host or "/" in host):
+        raise ConfigError(f"launch_hub() host must be an IP address of this machine, got {host!r}")
+    return start_hub(
+        columns,
+        tasks=tasks,
+        config=config,
+        startup_timeout=startup_timeout,
+        host=host,
+        key=None if host is None else HubKey.generate(),
+    )
+
+
+def start_hub(
+    columns: Iterable[Column],
+    *,
+    tasks: Mapping[str, Sequence[str]] | None,
+    config: HubConfig | None,
+    startup_timeout: float,
+    host: str | None,
+    key: HubKey | None,
+) -> RemoteHub:
+    """``launch_hub``, its key given: ``host`` with no ``key`` starts TCP servers that
+    take any peer, which only a benchmark measuring the key's cost asks for."""
     cols, config = checked_args(columns, config)
     checked = checked_tasks(tasks, cols, config)
     if check_seconds(startup_timeout, "launch_hub() startup_timeout", allow_zero=False) is None:
@@ -52,33 +91,41 @@ def launch_hub(
         # Refuse a journal another process holds here, naming it (the controller process
         # would fail on it just the same, but its error stays in that process).
         lock_journal(config.journal).release()
-    folder = tempfile.mkdtemp(prefix="flowrl-")
-    addr = f"ipc://{folder}/controller"
-    units = [f"ipc://{folder}/unit{u}" for u in range(config.n_units)]
-    controls = [f"ipc://{folder}/unit{u}-ctl" for u in range(config.n_units)]
+    folder = tempfile.mkdtemp(prefix="flowrl-")  # (mode 0700: the ipc sockets' gate)
+    if host is None:
+        endpoint = functools.partial("ipc://{}/{}".format, folder)
+    else:
+        ports = Ports({"": host})
+        endpoint = functools.partial(_free_port, ports)
+    addr = endpoint("controller")
+    units = [endpoint(f"unit{u}") for u in range(config.n_units)]
+    controls = [endpoint(f"unit{u}-ctl") for u in range(config.n_units)]
     arenas = [shm_folder(_arena_name(folder, str(u))) for u in range(config.n_units)]
+    text = None if key is None else key.export()
     specs: list[ControllerSpec | UnitSpec] = [
-        UnitSpec(u, config.capacity, units[u], controls[u], config.journal, arenas[u])
+        UnitSpec(u, config.capacity, units[u], controls[u], config.journal, arenas[u], text)
         for u in range(config.n_units)
     ]
     specs.append(
         ControllerSpec(
             addr,
-            f"ipc://{folder}/events",
+            endpoint("events"),
             units,
             controls,
             cols,
             {t: list(c) for t, c in checked.items()},
             config,
+            key=text,
         )
     )
     servers = _Servers(specs)
+    stop = functools.partial(_stop, servers, folder, [addr], units, key)
     deadline = time.monotonic() + startup_timeout
-    while not os.path.exists(f"{folder}/controller"):
+    while not _listening(addr):
         exits = [(s, p.poll()) for s, p in zip(specs, servers.procs, strict=True)]
         dead = [(s, code) for s, code in exits if code is not None]
         if time.monotonic() > deadline or dead:
-            _stop(servers, folder, units)
+            stop()
             why = (
                 f"none listened within {startup_timeout}s"
                 if not dead
@@ -90,24 +137,56 @@ def launch_hub(
             )
         time.sleep(0.002)
     try:
-        client = RemoteHub(addr, rpc_timeout=startup_timeout)
+        client = RemoteHub(addr, rpc_timeout=startup_timeout, key=key)
     except Exception:
-        _stop(servers, folder, units)
+        stop()
         raise
     client.rpc_timeout = RPC_TIMEOUT_S
-    client._on_close.append(lambda: _stop(servers, folder, [addr, *units]))
+    client._on_close.append(stop)
     client.servers = servers
     servers.supervise(restart=config.journal is not None)
     return client
 
 
-def connect(address: str, *, unit_nodes: Sequence[str] = (), node: str = "") -> RemoteHub:
+def connect(
+    address: str,
+    *,
+    unit_nodes: Sequence[str] = (),
+    node: str = "",
+    key: HubKey | str | None = None,
+) -> RemoteHub:
     """A client of a hub that ``launch_hub`` or ``launch_ray_hub`` started (pass its
     ``.address``). ``unit_nodes`` (the hub's ``.unit_nodes``) and ``node`` (this process's
-    Ray node id) make new samples go to a storage unit on this node: see ``RemoteHub``."""
+    Ray node id) make new samples go to a storage unit on this node: see ``RemoteHub``.
+
+    A hub on TCP admits only holders of its key: ``key`` (the launcher's ``hub.key`` or
+    its ``export()`` text), else the ``FLOWRL_HUB_KEY`` environment variable (the text), else
+    ``FLOWRL_HUB_KEY_FILE`` (a 0600 file from ``hub.key.save``), else, in a process of the
+    Ray cluster that launched it, the key the hub's controller actor holds."""
     if not isinstance(address, str) or "://" not in address:
         raise ConfigError(f"connect() expects a zmq address like 'ipc://...', got {address!r}")
-    return RemoteHub(address, unit_nodes=unit_nodes, node=node)
+    found = _key_for(address, key)
+    require_key(address, found)
+    return RemoteHub(address, unit_nodes=unit_nodes, node=node, key=found)
+
+
+def _key_for(address: str, key: HubKey | str | None) -> HubKey | None:
+    """The key to connect to ``address`` with (None: none found, or none needed)."""
+    if is_local(address):
+        return None
+    if key is not None:
+        return HubKey.parse(key, "connect() key")
+    text = os.environ.get(KEY_ENV)
+    if text:
+        return HubKey.parse(text, KEY_ENV)
+    path = os.environ.get(KEY_FILE_ENV)
+    if path:
+        return HubKey.load(path)
+    if "ray" in sys.modules:  # (a stage worker of a Ray-placed hub)
+        from flowrl._launch.ray_hub import key_on_ray
+
+        return key_on_ray(address)
+    return None
 
 
 def checked_args(
@@ -144,18 +223,17 @@ class _Servers:
 
     @staticmethod
     def _spawn(spec: ControllerSpec | UnitSpec) -> subprocess.Popen:
-        return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "flowrl._launch.serve",
-                msgspec.json.encode(spec).decode(),
-                str(os.getpid()),
-            ],
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flowrl._launch.serve", str(os.getpid())],
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE,  # the spec (it may hold the key: never on the command line)
             stdout=subprocess.DEVNULL,  # servers log to stderr; never hold the caller's stdout
         )
+        assert proc.stdin is not None  # (stdin=PIPE)
+        # (BrokenPipeError: it died at once; the launcher or the supervisor reports its exit)
+        with contextlib.suppress(BrokenPipeError), proc.stdin:
+            proc.stdin.write(msgspec.json.encode(spec))
+        return proc
 
     def supervise(self, *, restart: bool, interval: float = 0.05) -> None:
         self._watch = threading.Thread(
@@ -203,10 +281,12 @@ def as_restarted(spec: ServerSpec) -> ServerSpec:
     return spec
 
 
-def _stop(servers: _Servers, folder: str, addresses: list[str]) -> None:
+def _stop(
+    servers: _Servers, folder: str, controller: list[str], units: list[str], key: HubKey | None
+) -> None:
     """Ask every server to shut down (acknowledged requests), then reap; kill stragglers."""
     servers.stop_supervising()
-    if not request_shutdown(addresses):
+    if not request_shutdown(controller, key, units=units):
         for p in servers.procs:  # (this process is out of sockets: signal them instead)
             p.terminate()
     for p in servers.procs:
@@ -220,6 +300,22 @@ def _stop(servers: _Servers, folder: str, addresses: list[str]) -> None:
         shutil.rmtree(arena, ignore_errors=True)  # a unit killed before it could
 
 
+def _free_port(ports: Ports, name: str) -> str:
+    """A TCP address on the hub's host whose port is free now (``name``: which server)."""
+    for _ in range(100):
+        address = ports.draw("")
+        if is_free(address):
+            return address
+    raise TransportError(f"found no free TCP port for the hub's {name} on {ports.ips['']}")
+
+
+def _listening(address: str) -> bool:
+    """Whether the server at ``address`` (of this machine) has bound it."""
+    if address.startswith("ipc://"):
+        return os.path.exists(address.removeprefix("ipc://"))
+    return is_listening(address)
+
+
 def _name(spec: ServerSpec) -> str:
     return "the controller" if isinstance(spec, ControllerSpec) else f"storage unit {spec.unit_id}"
 
@@ -229,19 +325,23 @@ def _arena_name(folder: str, unit: str) -> str:
     return f"{os.path.basename(folder).removeprefix('flowrl-')}-unit{unit}"
 
 
-def request_shutdown(addresses: Sequence[str]) -> bool:
-    """Ask the servers at ``addresses`` to leave their loops; wait (2 s at most, for all of
-    them together) for their acknowledgements. A server that is gone already just does not
-    answer. False if this process could not open a socket to ask them all."""
+def request_shutdown(
+    addresses: Sequence[str], key: HubKey | None = None, *, units: Sequence[str] = ()
+) -> bool:
+    """Ask the servers at ``addresses`` (controllers) and ``units`` (storage units' data
+    sockets) to leave their loops; wait (2 s at most, for all of them together) for their
+    acknowledgements. A server that is gone already just does not answer. False if this
+    process could not open a socket to ask them all."""
     import zmq
 
     zctx: zmq.Context = zmq.Context.instance()
     socks = []
     try:
-        for addr in addresses:
+        for addr, data in [*((a, False) for a in addresses), *((u, True) for u in units)]:
             s = zctx.socket(zmq.DEALER)
             socks.append(s)
             s.setsockopt(zmq.LINGER, 0)
+            client_options(s, addr, key, data=data)
             s.connect(addr)
             s.send_multipart([b"shutdown", wire.encode(wire.Shutdown())])
     except zmq.ZMQError as exc:

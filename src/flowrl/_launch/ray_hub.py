@@ -28,7 +28,6 @@ slots from the stage workers.
 from __future__ import annotations
 
 import functools
-import random
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, final
 
@@ -36,18 +35,18 @@ import msgspec
 
 from flowrl._client.tasks import checked_tasks
 from flowrl._config import HubConfig
+from flowrl._launch.ports import PORTS, Ports
 from flowrl._launch.processes import checked_args, request_shutdown
 from flowrl._launch.specs import ControllerSpec, ServerSpec, UnitSpec
 from flowrl._schema.columns import Column
+from flowrl._transport.auth import HubKey
 from flowrl._transport.remote import RPC_TIMEOUT_S, RemoteHub
 from flowrl.errors import ConfigError, TransportError
 
-__all__ = ["PORTS", "PORT_TRIES", "RayServers", "import_ray", "launch_ray_hub"]
+__all__ = ["PORTS", "PORT_TRIES", "RayServers", "import_ray", "key_on_ray", "launch_ray_hub"]
 
-#: The servers' TCP ports are drawn from here, at launch: below Linux's ephemeral range
-#: (32768-60999), from which outgoing connections take theirs, and above Ray's worker
-#: ports (10002-19999), so the port of a dead server stays free for its restart.
-PORTS = range(20000, 32768)
+#: The Ray namespace of the hub's named actors.
+RAY_NAMESPACE = "flowrl"
 #: Launch attempts with fresh ports when a drawn port turns out to be taken.
 PORT_TRIES = 5
 
@@ -96,12 +95,20 @@ def launch_ray_hub(
     # Ray restarts a dead server actor only where that brings its state back: from the
     # journal (controller) and the Arrow files (storage units) on its node's disk.
     max_restarts = -1 if config.journal is not None else 0
+    key = HubKey.generate()  # (travels to the actors through Ray, which authenticates them)
     actors: list[Any] = []
     try:
         for _ in range(PORT_TRIES):
-            ports = _Ports(ips)
+            ports = Ports(ips)
             units = [
-                UnitSpec(u, config.capacity, ports.draw(n), ports.draw(n), config.journal)
+                UnitSpec(
+                    u,
+                    config.capacity,
+                    ports.draw(n),
+                    ports.draw(n),
+                    config.journal,
+                    key=key.export(),
+                )
                 for u, n in enumerate(unit_nodes)
             ]
             controller = ControllerSpec(
@@ -112,6 +119,7 @@ def launch_ray_hub(
                 cols,
                 tasks_,
                 config,
+                key=key.export(),
             )
             # Every actor's process starts at once: the addresses are known up front.
             specs: list[ServerSpec] = [*units, controller]
@@ -119,23 +127,45 @@ def launch_ray_hub(
             bound = ray.get([a.addresses.remote() for a in actors], timeout=startup_timeout)
             if not any(isinstance(b, str) for b in bound):
                 break
-            _stop(actors, [])  # a drawn port was taken on its node: draw again
+            _stop(actors)  # a drawn port was taken on its node: draw again
         else:
             raise TransportError(
                 f"the hub's servers found their ports taken {PORT_TRIES} times in a row: "
                 f"last {[b for b in bound if isinstance(b, str)]}"
             )
         address = controller.address
-        client = RemoteHub(address, rpc_timeout=startup_timeout, unit_nodes=unit_nodes, node=here)
+        client = RemoteHub(
+            address, rpc_timeout=startup_timeout, unit_nodes=unit_nodes, node=here, key=key
+        )
     except Exception as exc:
-        _stop(actors, [])
+        _stop(actors)
         if isinstance(exc, ConfigError | TransportError):
             raise
         raise TransportError(f"the hub's Ray actors failed to start: {exc!r}") from exc
     client.rpc_timeout = RPC_TIMEOUT_S
     client.servers = RayServers(actors, nodes_)
-    client._on_close.append(lambda: _stop(actors, [address, *(s.address for s in units)]))
+    client._on_close.append(
+        functools.partial(_stop, actors, [address], [s.address for s in units], key)
+    )
     return client
+
+
+def key_on_ray(address: str) -> HubKey | None:
+    """The key of the Ray-placed hub whose controller is at ``address``, from its actor
+    (None if this process is not connected to that hub's Ray cluster)."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    try:
+        actor = ray.get_actor(_controller_name(address), namespace=RAY_NAMESPACE)
+    except ValueError:
+        return None
+    return HubKey.parse(ray.get(actor.hub_key.remote(), timeout=RPC_TIMEOUT_S))
+
+
+def _controller_name(address: str) -> str:
+    return f"flowrl-hub-controller {address}"
 
 
 @final
@@ -175,24 +205,6 @@ class RayServers:
         return [state.actor_table(a._actor_id.hex()) for a in self.actors]
 
 
-class _Ports:
-    """Draws distinct ports at random from ``PORTS`` for each node's IP address."""
-
-    def __init__(self, ips: dict[str, str]) -> None:
-        self.ips = ips
-        self.used: dict[str, set[int]] = {}
-        self.rng = random.SystemRandom()
-
-    def draw(self, node: str) -> str:
-        ip = self.ips[node]
-        used = self.used.setdefault(ip, set())
-        port = self.rng.choice(PORTS)
-        while port in used:
-            port = self.rng.choice(PORTS)
-        used.add(port)
-        return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
-
-
 def import_ray() -> Any:
     """The ray module, connected to a cluster (``ray.init()`` if this process is not yet)."""
     try:
@@ -222,25 +234,32 @@ def _check_nodes(nodes: Sequence[str] | None, ips: dict[str, str]) -> list[str]:
 
 def _host(node: str, spec: ServerSpec, max_restarts: int) -> Any:
     """A server host actor serving ``spec``, pinned to ``node`` (hard affinity: restarts
-    too, since its journal and files are on that node's disk)."""
+    too, since its journal and files are on that node's disk). The controller's is named
+    after its address: the cluster's processes ask it for the hub key (``key_on_ray``)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    strategy = NodeAffinitySchedulingStrategy(node, soft=False)
-    return (
-        _server_actor()
-        .options(scheduling_strategy=strategy, max_restarts=max_restarts)
-        .remote(msgspec.json.encode(spec))
-    )
+    options: dict[str, Any] = {
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False),
+        "max_restarts": max_restarts,
+    }
+    if isinstance(spec, ControllerSpec):
+        options.update(name=_controller_name(spec.address), namespace=RAY_NAMESPACE)
+    return _server_actor().options(**options).remote(msgspec.json.encode(spec))
 
 
-def _stop(actors: list[Any], addresses: list[str]) -> None:
+def _stop(
+    actors: list[Any],
+    controller: Sequence[str] = (),
+    units: Sequence[str] = (),
+    key: HubKey | None = None,
+) -> None:
     """Let the servers leave their loops (so they answer waiting clients and close their
     files), then end the actors. After ``ray.shutdown()`` they are gone already."""
     import ray
 
     if not ray.is_initialized():
         return
-    request_shutdown(addresses)
+    request_shutdown(controller, key, units=units)
     for actor in actors:
         ray.kill(actor)  # no_restart: an actor ended on purpose stays dead
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import errno
 import os
-import socket
 import threading
 import time
-from typing import Any
 
 import msgspec
 import zmq
 
+from flowrl._launch.ports import is_free
 from flowrl._launch.processes import as_restarted
 from flowrl._launch.specs import ControllerSpec, ServerSpec
+from flowrl._transport.auth import bound_address
 from flowrl._transport.controller_server import ControllerServer
 from flowrl._transport.unit_server import UnitServer
 
@@ -45,12 +45,13 @@ class ServerHost:
         self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         if self.restarted:
             spec = as_restarted(spec)  # the controller keeps the live clients' leases
+        self.key = spec.key
         self.busy: str | None = None
         self.failed: Exception | None = None
         self.bound: list[str] = []
         wanted = _addresses(spec)
         deadline = time.monotonic() + (BIND_WAIT_S if self.restarted else 0.0)
-        while (taken := next((a for a in wanted if not _free(a)), None)) is not None:
+        while (taken := next((a for a in wanted if not is_free(a)), None)) is not None:
             if time.monotonic() >= deadline:
                 if not self.restarted:
                     self.busy = taken
@@ -62,10 +63,10 @@ class ServerHost:
         try:
             if isinstance(spec, ControllerSpec):
                 server = ControllerServer(**fields)
-                self.bound = [_bound(server.sock), _bound(server.pub)]
+                self.bound = [bound_address(server.sock), bound_address(server.pub)]
             else:
                 server = UnitServer(**fields)
-                self.bound = [_bound(server.sock), _bound(server.control)]
+                self.bound = [bound_address(server.sock), bound_address(server.control)]
         except Exception as exc:
             if self.restarted:
                 raise  # ends the actor: Ray does not restart a failed constructor
@@ -85,6 +86,10 @@ class ServerHost:
             raise self.failed
         return self.busy if self.busy is not None else self.bound
 
+    def hub_key(self) -> str | None:
+        """The hub key's text (the Ray cluster's processes connect with it)."""
+        return self.key
+
     def pid(self) -> int:
         """This actor's process (a test kills it to simulate a crash)."""
         return os.getpid()
@@ -100,25 +105,3 @@ def _addresses(spec: ServerSpec) -> list[str]:
     if isinstance(spec, ControllerSpec):
         return [spec.address, spec.events_address]
     return [spec.address, spec.control_address]
-
-
-def _free(address: str) -> bool:
-    """Whether ``tcp://ip:port`` can be bound (as zmq binds it: with SO_REUSEADDR, so the
-    connections of a dead server in TIME_WAIT do not keep its port)."""
-    host, _, port = address.removeprefix("tcp://").rpartition(":")
-    host = host.strip("[]")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, int(port)))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return False
-            raise
-    return True
-
-
-def _bound(sock: zmq.Socket) -> str:
-    endpoint: Any = sock.getsockopt(zmq.LAST_ENDPOINT)
-    return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)

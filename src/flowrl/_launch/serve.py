@@ -1,7 +1,8 @@
-"""Process entry point: ``python -m flowrl._launch.serve <json spec> <launcher pid>``.
+"""Process entry point: ``python -m flowrl._launch.serve <launcher pid>``, its spec on stdin.
 
 Runs the controller or one storage unit until a Shutdown request arrives. Started by
-``flowrl.launch_hub``; the spec is a msgspec JSON document (no pickle).
+``flowrl.launch_hub``; the spec is a msgspec JSON document (no pickle), read from stdin
+because it may hold the hub key (a command line is visible to every user).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ def _exit_with_parent(parent: int, leftovers: str | None, interval: float = 1.0)
 
 
 def main(argv: list[str]) -> None:
-    spec = msgspec.json.decode(argv[0], type=ServerSpec)
-    _exit_with_parent(int(argv[1]), getattr(spec, "shm_folder", None))
+    spec = msgspec.json.decode(sys.stdin.buffer.read(), type=ServerSpec)
+    _exit_with_parent(int(argv[0]), getattr(spec, "shm_folder", None))
     fields = {f: getattr(spec, f) for f in spec.__struct_fields__}
     if isinstance(spec, ControllerSpec):
         from flowrl._transport.controller_server import serve_controller

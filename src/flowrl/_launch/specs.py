@@ -1,4 +1,5 @@
-"""Specs of the server processes, passed as JSON on their command line."""
+"""Specs of the server processes, passed as JSON on their stdin (a hub key must not show
+on a command line, which every user of the machine may read)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class ControllerSpec(msgspec.Struct, frozen=True, tag="controller"):
     tasks: dict[str, list[str]]
     config: HubConfig
     restarted: bool = False  # a supervisor restart: clients survived, keep their leases
+    key: str | None = None  # the hub key's text: TCP sockets admit only its holders
 
 
 class UnitSpec(msgspec.Struct, frozen=True, tag="unit"):
@@ -28,6 +30,7 @@ class UnitSpec(msgspec.Struct, frozen=True, tag="unit"):
     control_address: str
     journal: JournalConfig | None = None
     shm_folder: str | None = None  # the unit's shared-memory arena (same-machine readers)
+    key: str | None = None  # the hub key's text: TCP sockets admit only its holders
 
 
 ServerSpec = ControllerSpec | UnitSpec

@@ -15,6 +15,7 @@ import math
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -27,6 +28,7 @@ from flowrl._protocol import commands as cmd
 from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
 from flowrl._transport import wire
+from flowrl._transport.auth import Gate, HubKey, client_options, listen
 from flowrl._transport.pools import ahead_cap
 from flowrl._transport.sockio import has_input, poll_in, recv_parts, send_parts
 from flowrl.errors import ConfigError, FlowRLError, HubFull, NothingReady, SchemaError, Timeout
@@ -65,6 +67,7 @@ class ControllerServer:
         tasks: dict[str, list[str]],
         config: HubConfig,
         restarted: bool = False,
+        key: str | None = None,
     ) -> None:
         self.config = config
         infer = config.infer_columns if config.infer_columns is not None else not columns
@@ -78,16 +81,19 @@ class ControllerServer:
         self.unit_addresses = unit_addresses
         self.events_address = events_address
         self.zctx: zmq.Context = zmq.Context.instance()
+        hub_key = None if key is None else HubKey.parse(key)
+        self.gate = None if hub_key is None else Gate(hub_key, "controller")
         self.sock = self.zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(address)
+        listen(self.sock, address, self.gate)
         self.pub = self.zctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind(events_address)
+        listen(self.pub, events_address, self.gate)
         self.unit_push = []
         for addr in unit_control_addresses:
             s = self.zctx.socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, 1000)
+            client_options(s, addr, hub_key)
             s.connect(addr)
             self.unit_push.append(s)
         self.ctl.on_evict = self._evict
@@ -234,7 +240,10 @@ class ControllerServer:
             parked = any(p.rid == msg.rid and p.ident == ident for p in self.parked)
             return wire.Pong(parked=parked)
         if isinstance(msg, wire.Stats):
-            return wire.StatsReply(stats=ctl.statistics())
+            stats = ctl.statistics()
+            if self.gate is not None:
+                stats = msgspec.structs.replace(stats, refused_peers=self.gate.refused)
+            return wire.StatsReply(stats=stats)
         if isinstance(msg, wire.PublishHello):
             self._subscribed = True
             self.pub.send_multipart([b"h", msg.token.to_bytes(8, "little")])

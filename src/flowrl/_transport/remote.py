@@ -17,6 +17,7 @@ from flowrl._client.base import HubClient
 from flowrl._config import HubConfig
 from flowrl._schema.schema import Schema
 from flowrl._transport import wire
+from flowrl._transport.auth import HubKey
 from flowrl._transport.remote_control import RemoteControl
 from flowrl._transport.remote_data import RemoteData
 from flowrl._transport.session import RPC_TIMEOUT_S, Session
@@ -36,6 +37,7 @@ class RemoteHub(HubClient):
     ``unit_nodes``: the node each storage unit runs on (Ray node ids for a Ray-placed hub)
     and ``node``: the node of this client. New samples then go to a storage unit on the
     client's own node when it has one (data locality); without them, the controller picks.
+    ``key``: the hub's key, which a hub on TCP requires (``key`` holds it for others).
     """
 
     _data: RemoteData
@@ -47,13 +49,15 @@ class RemoteHub(HubClient):
         rpc_timeout: float = RPC_TIMEOUT_S,
         unit_nodes: Sequence[str] = (),
         node: str = "",
+        key: HubKey | None = None,
     ) -> None:
         if isinstance(unit_nodes, str) or not all(isinstance(n, str) for n in unit_nodes):
             raise ConfigError(f"unit_nodes must be a list of node ids, got {unit_nodes!r}")
         if not isinstance(node, str):
             raise ConfigError(f"node must be a node id (str), got {node!r}")
         self.address = address
-        self._session = Session(address, _rpc_timeout(rpc_timeout))
+        self.key = key
+        self._session = Session(address, _rpc_timeout(rpc_timeout), key)
         self.servers: Any = None  # launch_hub's server processes (None after connect())
         self._on_close: list[Callable[[], None]] = []  # (launch_hub's: stop the servers)
         welcome = self._session.call(None, wire.Hello())[0]

@@ -23,6 +23,7 @@ from typing import Any
 import zmq
 
 from flowrl._transport import wire
+from flowrl._transport.auth import HubKey, client_options
 from flowrl._transport.frames import ZERO_COPY_MIN_BYTES
 from flowrl._transport.sockio import poll_in, recv_parts, send_parts
 from flowrl._transport.thread_sockets import FDS_NEEDED, ThreadSockets, descriptors_left
@@ -65,9 +66,10 @@ class _NoAnswerNoDescriptors(NoAnswer, ResourceExhausted):
 class Session:
     """Requests to the controller (``unit`` None) and to storage units, and their replies."""
 
-    def __init__(self, address: str, rpc_timeout: float) -> None:
+    def __init__(self, address: str, rpc_timeout: float, key: HubKey | None = None) -> None:
         self.address = address
         self.rpc_timeout = rpc_timeout
+        self.key = key  # a TCP hub's key (None on ipc)
         self.unit_addresses: list[str] = []  # known once the controller welcomed us
         self.zctx: zmq.Context = zmq.Context.instance()
         self.local = threading.local()
@@ -121,7 +123,9 @@ class Session:
             sock.setsockopt(zmq.LINGER, 0)
             if unit is None:  # named, so a storage unit can have the controller answer it
                 sock.setsockopt(zmq.ROUTING_ID, b"f" + secrets.token_bytes(15))
-            sock.connect(self.address if unit is None else self.unit_addresses[unit])
+            address = self.address if unit is None else self.unit_addresses[unit]
+            client_options(sock, address, self.key, data=unit is not None)
+            sock.connect(address)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
             raise self.socket_error(exc) from None

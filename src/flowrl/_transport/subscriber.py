@@ -15,6 +15,7 @@ import zmq
 
 from flowrl._controller.eventlog import EventLog
 from flowrl._transport import wire
+from flowrl._transport.auth import client_options
 from flowrl._transport.session import Session
 from flowrl._transport.sockio import poll_in, recv_parts
 from flowrl.errors import TransportError
@@ -35,6 +36,7 @@ class EventRelay:
         sub = session.zctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        client_options(sub, events_address, session.key)
         sub.connect(events_address)
         # PUB/SUB drops messages until the connection is up: handshake before returning.
         token = next(session.counter)

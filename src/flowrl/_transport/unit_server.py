@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
+import msgspec
 import numpy as np
 import pyarrow as pa
 import zmq
@@ -41,6 +42,7 @@ from flowrl._store.partial import VERSIONS
 from flowrl._store.shm import SHM_MIN_BYTES, ShmArena
 from flowrl._store.unit import StorageUnit
 from flowrl._transport import wire
+from flowrl._transport.auth import Gate, HubKey, client_options, listen
 from flowrl._transport.frames import (
     ZERO_COPY_MIN_BYTES,
     ArrayHeader,
@@ -78,17 +80,20 @@ class UnitServer:
         control_address: str,
         journal: JournalConfig | None = None,
         shm_folder: str | None = None,
+        key: str | None = None,
     ) -> None:
         self.unit = StorageUnit.open(unit_id, capacity, journal)
         self.arena = None if shm_folder is None else ShmArena(shm_folder)
         self.columns: dict[str, Column] = dict(self.unit.declared)
         self.zctx: zmq.Context = zmq.Context.instance()
+        self.key = None if key is None else HubKey.parse(key)
+        self.gate = None if self.key is None else Gate(self.key, f"storage unit {unit_id}")
         self.sock = self.zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(address)
+        listen(self.sock, address, self.gate, data=True)
         self.control = self.zctx.socket(zmq.PULL)
         self.control.setsockopt(zmq.LINGER, 0)
-        self.control.bind(control_address)
+        listen(self.control, control_address, self.gate)
         self.controllers: dict[str, zmq.Socket] = {}  # address -> DEALER, for commits
         # staged writes by the time their verdict is given up on; requests that wait for one
         self._staged: collections.deque[tuple[float, int]] = collections.deque()
@@ -259,6 +264,7 @@ class UnitServer:
                 self.controllers.pop(next(iter(self.controllers))).close()
             sock = self.zctx.socket(zmq.DEALER)  # send-only: the producer gets the reply
             sock.setsockopt(zmq.LINGER, 0)
+            client_options(sock, address, self.key)
             sock.connect(address)
             self.controllers[address] = sock
         return sock
@@ -383,7 +389,10 @@ class UnitServer:
             self.unit.discard(wire.ints(msg.indices), tuple(msg.columns))
             return wire.Done()
         if isinstance(msg, wire.UnitStatsReq):
-            return wire.UnitStatsReply(stats=self.unit.statistics())
+            stats = self.unit.statistics()
+            if self.gate is not None:
+                stats = msgspec.structs.replace(stats, refused_peers=self.gate.refused)
+            return wire.UnitStatsReply(stats=stats)
         if isinstance(msg, wire.Shutdown):
             self.running = False
             return wire.Done()

@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from flowrl._pipeline.result import RunResult
     from flowrl._pipeline.stage import StageSpec
     from flowrl._schema.columns import Column
+    from flowrl._transport.auth import HubKey
 
 __all__ = ["ProcessExecutor"]
 
@@ -112,9 +113,10 @@ class ProcessExecutor(Executor):
         pipeline.register(hub)
         stop = self._stop
         results = self._ctx.Queue()
-        helper = self._helper(address, pipeline.staleness)
+        key = getattr(hub, "key", None)  # (a hub on TCP admits only holders of its key)
+        helper = self._helper(address, pipeline.staleness, key)
         try:
-            open_hub = functools.partial(connect, address)
+            open_hub = functools.partial(connect, address, key=key)
             workers = _Workers(
                 functools.partial(self._ctx.Process, target=worker_main, daemon=True),
                 (open_hub, stop, results, *helper[1:]),
@@ -162,13 +164,15 @@ class ProcessExecutor(Executor):
 
         return launch_hub(columns)
 
-    def _helper(self, address: str, staleness: Staleness | None) -> tuple[Any, Any, Any]:
+    def _helper(
+        self, address: str, staleness: Staleness | None, key: HubKey | None
+    ) -> tuple[Any, Any, Any]:
         """(manager, admission proxy, quota proxy); a manager only when one is needed."""
         if staleness is None and self.max_samples is None:
             return None, None, None
         manager = _Shared(ctx=self._ctx)
         manager.start()
-        admission = manager.Admission(address, staleness) if staleness else None  # type: ignore[attr-defined]
+        admission = manager.Admission(address, staleness, key) if staleness else None  # type: ignore[attr-defined]
         quota = (
             manager.Quota(self.max_samples) if self.max_samples is not None else None  # type: ignore[attr-defined]
         )
@@ -250,10 +254,10 @@ class _Shared(BaseManager):
     """Serves the admission controller and the quota to every worker process."""
 
 
-def _admission(address: str, staleness: Staleness) -> AdmissionController:
+def _admission(address: str, staleness: Staleness, key: HubKey | None) -> AdmissionController:
     from flowrl._launch.processes import connect
 
-    return AdmissionController(connect(address), staleness)
+    return AdmissionController(connect(address, key=key), staleness)
 
 
 _Shared.register("Admission", callable=_admission)

@@ -214,7 +214,7 @@ def _start(
     if isinstance(hub, Hub):
         return hub, directory, runner
     if placement == "ray":
-        server = DirectoryServer(directory, f"tcp://{_node_ip()}:0", runner)
+        server = DirectoryServer(directory, f"tcp://{_node_ip()}:0", runner, hub.key)  # type: ignore[attr-defined]
     else:
         folder = tempfile.mkdtemp(prefix="flowrl-tq-")
         server = DirectoryServer(directory, f"ipc://{folder}/directory", runner)
@@ -252,8 +252,8 @@ def _join(placement: str) -> tuple[HubClient, RemoteDirectory] | None:
         addresses = _find_on_ray()
     if addresses is None:
         return None
-    directory = RemoteDirectory(addresses["directory"])
-    return connect(addresses["hub"]), directory
+    hub = connect(addresses["hub"])  # (a hub on Ray: its key, from its controller actor)
+    return hub, RemoteDirectory(addresses["directory"], hub.key)
 
 
 def _refuse_a_private_hub_in_a_ray_worker(conf: Any) -> None:

@@ -22,6 +22,7 @@ import msgspec
 import zmq
 
 from flowrl._schema.columns import Column
+from flowrl._transport.auth import Gate, HubKey, client_options, listen, require_key
 from flowrl.errors import ConfigError, TransportError
 
 __all__ = ["DirectoryServer", "KeyDirectory", "RemoteDirectory"]
@@ -215,21 +216,27 @@ class DirectoryServer:
     """Serves a :class:`KeyDirectory` on a zmq ROUTER socket from a daemon thread, and the
     hub's sampler (a ``SamplerRunner``, if ``tq.init`` was given one)."""
 
-    def __init__(self, directory: KeyDirectory, address: str, runner: Any = None) -> None:
+    def __init__(
+        self, directory: KeyDirectory, address: str, runner: Any = None, key: HubKey | None = None
+    ) -> None:
         self.directory = directory
         self.runner = runner
         self._ctx: zmq.Context = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        if address.endswith(":0"):  # tcp on a free port
-            port = self._sock.bind_to_random_port(address.rsplit(":", 1)[0])
-            address = f"{address.rsplit(':', 1)[0]}:{port}"
-        else:
-            self._sock.bind(address)
-        self.address = address
+        # on TCP, only holders of the hub's key are admitted (a free port for ":0")
+        self._gate = None if key is None else Gate(key, "TransferQueue key directory")
+        if address.endswith(":0"):
+            address = address.removesuffix(":0") + ":*"
+        self.address = listen(self._sock, address, self._gate)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="flowrl-tq-directory", daemon=True)
         self._thread.start()
+
+    @property
+    def refused_peers(self) -> int:
+        """Peers without the hub's key that this server refused (on TCP)."""
+        return 0 if self._gate is None else self._gate.refused
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -267,13 +274,15 @@ class DirectoryServer:
 class RemoteDirectory:
     """A :class:`KeyDirectory` in another process (same methods), one request at a time."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, key: HubKey | None = None) -> None:
         if not isinstance(address, str) or "://" not in address:
             raise ConfigError(f"a key directory address looks like 'ipc://...', got {address!r}")
+        require_key(address, key)  # (on TCP: the hub's)
         self.address = address
         self._lock = threading.Lock()
         self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        client_options(self._sock, address, key)
         self._sock.connect(address)
 
     def _call(self, method: Method, *args: Any) -> Any:

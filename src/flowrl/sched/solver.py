@@ -17,12 +17,17 @@
 - :func:`solve_relaxed` — the LP relaxation of the full MILP picks a mode *mix* (fractional
   node counts per mode, rounded by largest remainder), plus the current and every
   homogeneous layout as starts, each brought within the GPU budget by :func:`fit_budget`
-  (nodes step down to modes on fewer GPUs — a half node — before any goes off); every mix
-  is given to the nodes it suits by :func:`assign_roles` (an assignment problem: switches
-  and migration) and scored by the greedy's makespan, its switches and the migration it
-  needs at the least; a local search moves one, half or all of a mode's nodes (or of the
-  off nodes) to another mode, repairing the budget by stepping other nodes down, or
-  switches one node off (at most ``max_evals`` mixes); the best ``finalists`` mixes get
+  (nodes step down to modes on fewer GPUs — a half node — before any goes off). A descent
+  over layouts follows: every layout one or two node changes away (any node to any
+  candidate mode or off, nodes represented per class of current and present mode) and
+  every group move (one, half or all of a mode's nodes) is ranked by a fluid estimate of
+  its objective (:func:`flowrl.sched._mix_score.fluid_scores`, vectorised over thousands
+  of layouts); the ``probe`` best get :func:`assign_roles` (which node takes which mode:
+  an assignment problem over switches and migration) and the greedy assignment, scored
+  by its makespan, switches and the migration the layout needs at the least; the search
+  moves to the best while it improves (at most ``max_evals`` greedy assignments). Two
+  changes at once is what crossing the GPU budget needs: a half node traded for a node
+  off, a slow mode taken off for a fast one kept. The best ``finalists`` layouts get
   :func:`assign_lp`'s treatment and the best plan wins.
 - :func:`solve_milp` — the full MILP (binary modes and bucket-presence indicators, integer
   counts) with HiGHS branch-and-cut, optionally warm-started, under a time limit. The
@@ -30,8 +35,9 @@
   with :func:`flowrl.sched.oracle.solve_exact` instead, written and solved independently.
 
 Quality (``tests/unit/test_sched_planner_exact.py``, ``benchmarks/sched_sim.py``):
-:func:`solve_relaxed` is a heuristic with no proven bound; on generated half-node instances
-of 8-128 GPUs and the simulator's tail snapshots it is within 1.03x of the exact optimum.
+:func:`solve_relaxed` is a heuristic with no proven bound; measured within 1.03x of the
+exact optimum on generated half-node instances of 8-128 GPUs and on the simulator's tail
+snapshots.
 
 Every budget but :func:`solve_milp`'s is counted (bisection rounds, evaluated mixes, simplex
 iterations), never timed, so a plan depends only on its inputs.

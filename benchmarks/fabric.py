@@ -19,9 +19,17 @@ generation, 90 s training, 1.34 TB), both one-step off-policy, and ``moe-671B-on
 0.05 s (3D MEMS) and 3 s (a slow switch, more than the 2 s optimizer slack before the
 weight sync, less than the 5 s before the first gradient all-reduce).
 
-Read ``step_vs_fat_tree`` (steady step time over the non-blocking fat-tree's), the mean
-weight-sync and all-reduce transfer times, ``reconfigurations`` over 6 steps (the first
-profiles), ``stall_s`` (delay the slack did not hide) and ``slack_used_s``.
+Step time cannot tell these fabrics apart (a few hundred milliseconds of core traffic
+against minutes of compute); the per-phase transfer times can. Read ``phases_s`` (mean
+seconds per step of each kind of core traffic: ``weight_sync``, ``allreduce``,
+``kv_migration`` — the balancer's KV moves between generation PoDs — and ``data_hub`` —
+rollouts from generation to training PoDs; the last two run during generation over the
+circuits then in place, and are timed as if each step's bytes went at once),
+``phases_vs_fat_tree`` (the same over the non-blocking fat-tree's), ``ports`` (core ports
+per PoD and in total, electrical vs optical), ``step_vs_fat_tree`` (steady step time over
+the fat-tree's), ``reconfigurations`` over 6 steps (the first profiles), ``stall_s`` (delay
+the slack did not hide) and ``slack_used_s``. ``summary`` gives, per fabric, the worst
+(largest) ratio to the fat-tree of each phase over every workload, delay and scale.
 
 Usage: ``python benchmarks/fabric.py [--json] [--quick]``; deterministic, seconds to run.
 """
@@ -36,11 +44,22 @@ from flowrl.sched import FabricPolicy, FabricSpec, materialize, phase_demand
 from flowrl.sched.fabric import empty
 from flowrl.sim import FabricWorkload, run_fabric
 
+# DeepSeek-V3's MLA caches 70 KB a token (61 layers x 576 values x 2 bytes), not 320 KB:
+# the same 250 migrated requests of 4 k tokens per PoD move 72 GB
+MLA_KV_BYTES = 72e9
+PHASES = {
+    "weight_sync": "sync_s",
+    "allreduce": "allreduce_s",
+    "kv_migration": "kv_s",
+    "data_hub": "hub_s",
+}
 WORKLOADS = {
     "dense-72B": FabricWorkload(),
-    "moe-671B": FabricWorkload(gen_s=60.0, grad_bytes=1.34e12, weight_bytes=1.34e12),
+    "moe-671B": FabricWorkload(
+        gen_s=60.0, grad_bytes=1.34e12, weight_bytes=1.34e12, kv_bytes=MLA_KV_BYTES
+    ),
     "moe-671B-onpolicy": FabricWorkload(
-        gen_s=60.0, grad_bytes=1.34e12, weight_bytes=1.34e12, staleness=0
+        gen_s=60.0, grad_bytes=1.34e12, weight_bytes=1.34e12, kv_bytes=MLA_KV_BYTES, staleness=0
     ),
 }
 SCALES = (1024, 4096, 16384, 32768)
@@ -75,14 +94,26 @@ def fabrics(gpus: int, delay: float, work: FabricWorkload) -> list[dict[str, obj
             name="rfabric+",
         ),
     ]
-    base = runs[0].step_s
+    base = runs[0]
+    pods = full.pods
     return [
         {
             "fabric": r.fabric,
             "step_s": r.step_s,
-            "step_vs_fat_tree": r.step_s / base,
+            "step_vs_fat_tree": r.step_s / base.step_s,
             "sync_s": r.sync_s,
             "allreduce_s": r.allreduce_s,
+            "phases_s": {k: getattr(r, f) for k, f in PHASES.items()},
+            "phases_vs_fat_tree": {
+                k: getattr(r, f) / getattr(base, f) if getattr(base, f) > 0 else 1.0
+                for k, f in PHASES.items()
+            },
+            "ports": {
+                "electrical_per_pod": r.eps_ports,
+                "optical_per_pod": r.ocs_ports,
+                "electrical": r.eps_ports * pods,
+                "optical": r.ocs_ports * pods,
+            },
             "exposed_s": r.exposed_s,
             "reconfigurations": r.reconfigurations,
             "stall_s": r.stall_s,
@@ -90,6 +121,22 @@ def fabrics(gpus: int, delay: float, work: FabricWorkload) -> list[dict[str, obj
         }
         for r in runs
     ]
+
+
+def summarise(rows: list[dict[str, object]]) -> dict[str, object]:
+    """Per fabric: the worst ratio to the fat-tree of each phase, and its ports per PoD."""
+    out: dict[str, object] = {}
+    for r in rows:
+        cur = out.setdefault(r["fabric"], {"ports_per_pod": {}, "worst_vs_fat_tree": {}})
+        ports = r["ports"]
+        cur["ports_per_pod"] = {  # type: ignore[index]
+            "electrical": ports["electrical_per_pod"],  # type: ignore[index]
+            "optical": ports["optical_per_pod"],  # type: ignore[index]
+        }
+        worst = cur["worst_vs_fat_tree"]  # type: ignore[index]
+        for k, v in r["phases_vs_fat_tree"].items():  # type: ignore[attr-defined]
+            worst[k] = round(max(worst.get(k, 0.0), v), 3)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
@@ -105,18 +152,22 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             for gpus in scales:
                 for r in fabrics(gpus, delay, WORKLOADS[w]):
                     rows.append({"workload": w, "ocs_delay_s": delay, "gpus": gpus, **r})
-    out = {"rows": rows}
+    out = {"rows": rows, "summary": summarise(rows)}
     if args.json:
         json.dump(out, sys.stdout, indent=1)
         print()
     else:
         for r in rows:
+            ph = r["phases_s"]
             print(
                 f"{r['workload']:10} delay {r['ocs_delay_s']:4} {r['gpus']:6} {r['fabric']:13} "
-                f"step x{r['step_vs_fat_tree']:.4f} sync {r['sync_s']:.3f} s "
-                f"allreduce {r['allreduce_s']:.3f} s reconf {r['reconfigurations']} "
+                f"step x{r['step_vs_fat_tree']:.4f} sync {ph['weight_sync']:.3f} s "
+                f"allreduce {ph['allreduce']:.3f} s kv {ph['kv_migration']:.3f} s "
+                f"hub {ph['data_hub']:.4f} s reconf {r['reconfigurations']} "
                 f"stall {r['stall_s']:.2f} s slack {r['slack_used_s']:.2f} s"
             )
+        for name, s in out["summary"].items():
+            print(f"{name:13} {s}")
     return out
 
 

@@ -48,6 +48,32 @@ def test_phase_demands_have_the_expected_volumes() -> None:
     assert sync[:, :4].sum() == 0
 
 
+def test_generation_traffic_demands_have_the_expected_volumes() -> None:
+    spec = FabricSpec(gpus=2048)  # 8 PoDs, 4 train
+    kv = phase_demand(spec, "kv", 90.0)
+    assert kv[4:, 4:].sum(axis=1) == pytest.approx([90.0] * 4)  # each gen PoD sends its bytes
+    assert kv[:4].sum() == 0 and kv[:, :4].sum() == 0 and np.diag(kv).sum() == 0
+    hub = phase_demand(spec, "hub", 80.0)
+    assert hub[4:, :4].sum(axis=1) == pytest.approx([80.0] * 4)  # rollouts to the trainers
+    assert hub[:4].sum() == 0 and hub[:, 4:].sum() == 0
+    with pytest.raises(ConfigError, match="unknown traffic"):
+        phase_demand(spec, "gen", 1.0)  # type: ignore[arg-type]
+
+
+def test_generation_traffic_runs_over_the_circuits_in_place() -> None:
+    """KV migration between generation PoDs gets no circuits from either phase's layout
+    (the EPS slice carries it); the data hub's rollouts ride the weight-sync tree."""
+    work = FabricWorkload(kv_bytes=64e9, hub_bytes=64e9)
+    full = FabricSpec(gpus=2048)
+    hybrid = FabricSpec(gpus=2048, eps_ports=32)
+    ideal = run_fabric(full, work, static=empty(full))
+    sync_tree = run_fabric(hybrid, work, static=template(hybrid, "sync"))
+    assert sync_tree.kv_s == pytest.approx(ideal.kv_s * 256 / 32)
+    assert ideal.hub_s <= sync_tree.hub_s < ideal.hub_s * 256 / 32
+    assert (ideal.eps_ports, ideal.ocs_ports) == (256, 0)
+    assert (sync_tree.eps_ports, sync_tree.ocs_ports) == (32, 224)
+
+
 def test_flow_time_single_flow_and_fair_sharing() -> None:
     spec = FabricSpec(gpus=1024, uplinks=4, eps_ports=2, link_bw=10.0)  # 4 PoDs
     d = np.zeros((4, 4))
@@ -150,12 +176,12 @@ def test_bad_input_is_refused() -> None:
     with pytest.raises(ConfigError, match="eps_ports"):
         FabricSpec(gpus=1024, eps_ports=300)
     spec = FabricSpec(gpus=1024)
-    with pytest.raises(ConfigError, match="phase"):
-        phase_demand(spec, "gen", 1.0)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="rule"):
         FabricPolicy(spec, VOLUMES, rule="always")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="exactly one"):
         run_fabric(spec, FabricWorkload())
+    with pytest.raises(ConfigError, match="volumes"):
+        FabricWorkload(kv_bytes=-1.0)
     bad = np.zeros((4, 4), dtype=np.int64)
     bad[0, 1] = 1
     with pytest.raises(ConfigError, match="symmetric"):

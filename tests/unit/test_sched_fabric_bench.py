@@ -17,11 +17,24 @@ def test_quick_run_compares_every_fabric(
     rows = bench.main(["--quick", "--json"])["rows"]
     capsys.readouterr()
     fabrics = {r["fabric"] for r in rows}
+    ports = {
+        r["fabric"]: (r["ports"]["electrical_per_pod"], r["ports"]["optical_per_pod"]) for r in rows
+    }
+    assert ports == {
+        "fat-tree 1:1": (256, 0),
+        "fat-tree 3:1": (85, 0),
+        "static OCS": (32, 224),
+        "rfabric": (32, 224),
+        "rfabric+": (32, 224),
+    }
     assert fabrics == {"fat-tree 1:1", "fat-tree 3:1", "static OCS", "rfabric", "rfabric+"}
     for r in rows:
         assert r["step_vs_fat_tree"] >= 1.0 - 1e-9
-        if r["fabric"] == "fat-tree 3:1":
+        assert set(r["phases_s"]) == {"weight_sync", "allreduce", "kv_migration", "data_hub"}
+        assert all(v > 0 for v in r["phases_s"].values())
+        if r["fabric"] == "fat-tree 3:1":  # a third of the ports: every phase slower
             assert r["sync_s"] > 0 and r["step_vs_fat_tree"] > 1.0
+            assert all(v > 1.0 for v in r["phases_vs_fat_tree"].values())
         if r["fabric"] == "rfabric+":
             assert r["stall_s"] == 0.0
             slow = [

@@ -35,3 +35,20 @@ def test_clairvoyant_probe_runs_every_request_once_and_ends_in_tp8(bench: Module
     assert (placed["node"][np.setdiff1d(np.arange(400), longest)] == 1).all()
     tp8 = sim.c.mode_index("tp8")
     assert (sim.node_mode == tp8).all() and result.steps[0].makespan > 0
+
+
+def test_blind_probe_starts_in_tp2_everywhere_and_ends_in_tp8(bench: ModuleType) -> None:
+    """No dedicated nodes: the blind policy sees only how many requests finished."""
+    sim = bench.clairvoyant_sim(0, 0.0, 0.2, seed=3, gpus=16, requests=400)
+    modes: list[np.ndarray] = []
+    replan = sim._replan
+
+    def spy(s: int, t: float, total: int, finished: int) -> None:
+        replan(s, t, total, finished)
+        if not modes:
+            modes.append(sim.node_mode.copy())
+
+    sim._replan = spy  # type: ignore[method-assign]
+    result = sim.run()
+    assert (modes[0] == sim.c.mode_index("tp2")).all()
+    assert (sim.node_mode == sim.c.mode_index("tp8")).all() and result.steps[0].makespan > 0

@@ -13,6 +13,11 @@ Intra-PoD traffic (TP, PP, EP within a PoD) is the same under every fabric and n
   the weights once, from the training PoDs evenly (the multicast tree's inter-PoD edges).
   Generation traffic stays inside its PoDs (TP, EP, AFD) and the responses streamed back are
   small: the EPS ports carry them. :func:`phase_demand` builds each PoD-by-PoD byte matrix.
+  Two more kinds of traffic cross the core during generation, and no policy reconfigures
+  for them (they run over whatever circuits are in place): ``kv`` — KV caches of requests
+  the balancer migrates between generation PoDs (each sends its bytes evenly to the other
+  generation PoDs); ``hub`` — the data hub's rollout columns, from the generation PoDs that
+  produce them to the training PoDs that consume them (evenly).
 - Templates (Figure 8): :func:`template` gives the paper's circuit layout per phase —
   a uniform mesh over the training PoDs (train), a bipartite tree from training to
   generation PoDs (sync).
@@ -73,6 +78,8 @@ F64 = NDArray[np.float64]
 I64 = NDArray[np.int64]
 Phase = Literal["train", "sync"]
 PHASES: tuple[Phase, ...] = ("train", "sync")
+Traffic = Literal["train", "sync", "kv", "hub"]
+TRAFFIC: tuple[Traffic, ...] = (*PHASES, "kv", "hub")
 
 
 @final
@@ -145,9 +152,11 @@ def empty(spec: FabricSpec, name: str = "static") -> Topology:
     return Topology(np.zeros((spec.pods, spec.pods), dtype=np.int64), spec.eps_ports, name)
 
 
-def phase_demand(spec: FabricSpec, phase: Phase, nbytes: float) -> F64:
-    """Inter-PoD bytes of a phase; ``nbytes``: gradient bytes (train), weight bytes (sync)."""
+def phase_demand(spec: FabricSpec, phase: Traffic, nbytes: float) -> F64:
+    """Inter-PoD bytes of a kind of traffic (module docstring); ``nbytes``: gradient bytes
+    (train), weight bytes (sync), bytes each generation PoD sends (kv, hub)."""
     p, t = spec.pods, spec.n_train
+    g = p - t
     d = np.zeros((p, p))
     train, gen = slice(0, t), slice(t, p)
     if phase == "train":
@@ -156,8 +165,14 @@ def phase_demand(spec: FabricSpec, phase: Phase, nbytes: float) -> F64:
             np.fill_diagonal(d, 0.0)
     elif phase == "sync":
         d[train, gen] = nbytes / t  # every generation PoD receives the weights once
+    elif phase == "kv":
+        if g > 1:
+            d[gen, gen] = nbytes / (g - 1)  # migrations between generation PoDs, evenly
+            np.fill_diagonal(d, 0.0)
+    elif phase == "hub":
+        d[gen, train] = nbytes / t  # rollouts to the trainers that consume them
     else:
-        raise ConfigError(f"unknown phase {phase!r}; expected one of {PHASES}")
+        raise ConfigError(f"unknown traffic {phase!r}; expected one of {TRAFFIC}")
     return d
 
 

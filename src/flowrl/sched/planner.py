@@ -66,6 +66,7 @@ from flowrl.sched.forecast import RemainingEstimate
 from flowrl.sched.problem import Evaluation, PlanProblem, build_problem, evaluate, feasible
 from flowrl.sched.snapshot import ClusterSnapshot
 from flowrl.sched.solver import (
+    MAX_EVALS,
     Solution,
     assign_greedy,
     fit_budget,
@@ -93,7 +94,7 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True):
     min_gain: float = 0.03
     method: Literal["greedy", "lp", "milp"] = "lp"
     time_limit: float = 1.0
-    max_evals: int = 60
+    max_evals: int = MAX_EVALS
     lp_iterations: int = 20000
     gpu_budget: int | None = None
     keep_modes: int = 1

@@ -17,12 +17,17 @@
 - :func:`solve_relaxed` — the LP relaxation of the full MILP picks a mode *mix* (fractional
   node counts per mode, rounded by largest remainder), plus the current and every
   homogeneous layout as starts, each brought within the GPU budget by :func:`fit_budget`
-  (nodes step down to modes on fewer GPUs — a half node — before any goes off); every mix
-  is given to the nodes it suits by :func:`assign_roles` (an assignment problem: switches
-  and migration) and scored by the greedy's makespan, its switches and the migration it
-  needs at the least; a local search moves one, half or all of a mode's nodes (or of the
-  off nodes) to another mode, repairing the budget by stepping other nodes down, or
-  switches one node off (at most ``max_evals`` mixes); the best ``finalists`` mixes get
+  (nodes step down to modes on fewer GPUs — a half node — before any goes off). A descent
+  over layouts follows: every layout one or two node changes away (any node to any
+  candidate mode or off, nodes represented per class of current and present mode) and
+  every group move (one, half or all of a mode's nodes) is ranked by a fluid estimate of
+  its objective (:func:`flowrl.sched._mix_score.fluid_scores`, vectorised over thousands
+  of layouts); the ``probe`` best get :func:`assign_roles` (which node takes which mode:
+  an assignment problem over switches and migration) and the greedy assignment, scored
+  by its makespan, switches and the migration the layout needs at the least; the search
+  moves to the best while it improves (at most ``max_evals`` greedy assignments). Two
+  changes at once is what crossing the GPU budget needs: a half node traded for a node
+  off, a slow mode taken off for a fast one kept. The best ``finalists`` layouts get
   :func:`assign_lp`'s treatment and the best plan wins.
 - :func:`solve_milp` — the full MILP (binary modes and bucket-presence indicators, integer
   counts) with HiGHS branch-and-cut, optionally warm-started, under a time limit. The
@@ -30,8 +35,9 @@
   with :func:`flowrl.sched.oracle.solve_exact` instead, written and solved independently.
 
 Quality (``tests/unit/test_sched_planner_exact.py``, ``benchmarks/sched_sim.py``):
-:func:`solve_relaxed` is a heuristic with no proven bound; on generated half-node instances
-of 8-128 GPUs and the simulator's tail snapshots it is within 1.03x of the exact optimum.
+:func:`solve_relaxed` is a heuristic with no proven bound; measured within 1.03x of the
+exact optimum on generated half-node instances of 8-128 GPUs and on the simulator's tail
+snapshots.
 
 Every budget but :func:`solve_milp`'s is counted (bisection rounds, evaluated mixes, simplex
 iterations), never timed, so a plan depends only on its inputs.
@@ -50,6 +56,7 @@ from scipy import sparse
 from scipy.optimize import linear_sum_assignment
 
 from flowrl.sched import _highs
+from flowrl.sched._mix_score import fluid_scores
 from flowrl.sched.problem import PlanProblem, evaluate, feasible, moved_counts, node_times
 
 __all__ = [
@@ -66,6 +73,7 @@ __all__ = [
 F64 = NDArray[np.float64]
 I64 = NDArray[np.int64]
 BISECTION_ROUNDS = 12
+MAX_EVALS = 60  # mixes the search gives the greedy assignment (PlannerConfig.max_evals)
 
 
 @final
@@ -813,14 +821,98 @@ def _coarsen(p: PlanProblem, groups: int) -> PlanProblem:
     )
 
 
+def _moves(p: PlanProblem, mode: I64) -> I64:
+    """Layouts one or two node changes away from ``mode`` (rows), budget not yet checked.
+
+    Nodes are represented per class (same current mode, same mode): the two holding fewest
+    requests, so a layout over many identical nodes has few neighbours. One change: a node
+    to any candidate mode or off. Two: any two such changes together (one steps down or
+    off, the other takes the GPUs it freed: a half node traded for an off one, a slow mode
+    for a fast one), and every group move of :func:`_neighbours`.
+    """
+    held = p.holdings.sum(axis=1)
+    reps: list[int] = []
+    for cls in np.unique(np.stack([p.current, mode], axis=1), axis=0):
+        members = np.nonzero((p.current == cls[0]) & (mode == cls[1]))[0]
+        reps += members[np.argsort(held[members], kind="stable")[:2]].tolist()
+    targets = [*p.cand.tolist(), -1]
+    single = [(i, m) for i in reps for m in targets if m != mode[i]]
+    single = [(i, m) for i, m in single if m < 0 or p.allowed[i, m]]
+    rows = []
+    for i, m in single:
+        r = mode.copy()
+        r[i] = m
+        rows.append(r)
+    for a, (i, mi) in enumerate(single):
+        for j, mj in single[a + 1 :]:
+            if i != j:
+                r = mode.copy()
+                r[i], r[j] = mi, mj
+                rows.append(r)
+    rows += _neighbours(p, mode)
+    return np.array(rows, dtype=np.int64).reshape(-1, p.n_nodes)
+
+
+def _search_mixes(
+    p: PlanProblem, starts: list[I64], *, max_evals: int, probe: int
+) -> list[tuple[float, I64, I64]]:
+    """Descent over mode layouts: every layout one or two node changes away
+    (:func:`_moves`) is ranked by the fluid estimate (:func:`fluid_scores`), the ``probe``
+    best not yet seen get the greedy assignment, and the search moves to the best of them
+    while that improves; at most ``max_evals`` greedy assignments (starts included).
+
+    A layout's score is the greedy's makespan, its switches and the migration it needs at
+    the least (not what the greedy moves: the finalists' assignment handles that).
+    """
+    tried: list[tuple[float, I64, I64]] = []
+    seen: set[bytes] = set()
+
+    def score(md: I64) -> tuple[float, I64, I64] | None:
+        md = assign_roles(p, md)
+        key = md.tobytes()
+        if key in seen or len(seen) >= max_evals:
+            return None
+        seen.add(key)
+        c = assign_greedy(p, md)
+        if c is None:
+            return None
+        ev = evaluate(p, md, c)
+        e = (ev.makespan + p.switch_weight * ev.switch_s + _migration_floor(p, md), md, c)
+        tried.append(e)
+        return e
+
+    # the starts are ranked by the fluid estimate too: only the best few get the greedy
+    ranked = np.argsort(fluid_scores(p, np.array(starts)), kind="stable")
+    for k in ranked[: max(probe, 1)]:
+        score(starts[int(k)])
+    while tried and len(seen) < max_evals:
+        best = min(tried, key=lambda e: e[0])
+        cand = _moves(p, best[1])
+        if not len(cand):
+            break
+        fl = fluid_scores(p, cand)
+        got: list[tuple[float, I64, I64]] = []
+        for k in np.argsort(fl, kind="stable"):
+            if not np.isfinite(fl[k]) or len(got) >= probe or len(seen) >= max_evals:
+                break
+            e = score(cand[int(k)])
+            if e is not None:
+                got.append(e)
+        if not got or min(e[0] for e in got) >= best[0] - 1e-9:
+            break
+    tried.sort(key=lambda e: e[0])
+    return tried
+
+
 def solve_relaxed(
     p: PlanProblem,
     *,
-    max_evals: int = 40,
+    max_evals: int = MAX_EVALS,
     lp_iterations: int = 20000,
     lp_buckets: int = 32,
     polish: bool = True,
     finalists: int = 3,
+    probe: int = 4,
 ) -> Solution | None:
     """LP relaxation -> mode-mix rounding -> greedy local search -> LP polish (see module).
 
@@ -835,45 +927,20 @@ def solve_relaxed(
         starts.insert(0, _round_mix(p, res.x[: lay.c0].reshape(p.n_nodes, lay.mc)))
     for m in p.cand:  # homogeneous layouts: cheap, and often where the optimum sits
         starts.append(fit_budget(p, np.where(p.allowed[:, m], m, -1).astype(np.int64)))
-    tried: list[tuple[float, I64, I64]] = []
-    seen: set[bytes] = set()
-    for mode in starts:
-        frontier = [mode]
-        while frontier and len(seen) < max_evals:
-            nxt = []
-            for md in frontier:
-                md = assign_roles(p, md)
-                key = md.tobytes()
-                if key in seen:
-                    continue
-                seen.add(key)
-                c = assign_greedy(p, md)
-                if c is None:
-                    continue
-                ev = evaluate(p, md, c)
-                obj = ev.makespan + p.switch_weight * ev.switch_s + _migration_floor(p, md)
-                if not tried or obj < min(e[0] for e in tried) - 1e-9:
-                    nxt = _neighbours(p, md)
-                tried.append((obj, md, c))
-                if len(seen) >= max_evals:
-                    break
-            frontier = nxt
-    # scored by what migration they need, not by what the greedy moves: the best few mixes
-    # get the full treatment
-    tried.sort(key=lambda e: e[0])
+    tried = _search_mixes(p, starts, max_evals=max_evals, probe=probe)
+    # the best few mixes get three assignments each (the greedy's, the LP polish, keep what
+    # you hold), each improved by single moves
     out: tuple[float, I64, I64, str] | None = None
     for _, mode, c in tried[: finalists if polish else 1]:
-        options = [(c, "greedy")]
+        found = [(c, "greedy")]
         if polish:
-            c_lp = _polish(p, mode, c)
-            c_keep = _keep_start(p, mode)
-            options = [(refine(p, mode, c), "greedy")]
-            options += [
-                (refine(p, mode, x), how)
-                for x, how in ((c_lp, "lp"), (c_keep, "keep"))
+            found += [
+                (x, how)
+                for x, how in ((_polish(p, mode, c), "lp"), (_keep_start(p, mode), "keep"))
                 if x is not None
             ]
-        for cc, how in options:
+        for x, how in found:
+            cc = refine(p, mode, x) if polish else x
             obj = evaluate(p, mode, cc).objective
             if out is None or obj < out[0] - 1e-9:
                 out = (obj, mode, cc, how)

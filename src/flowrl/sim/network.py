@@ -15,7 +15,11 @@
   backward the weights are published and broadcast to the generation PoDs. The hub's events
   (``Claimed`` and ``Acked`` of ``train``, ``VersionPublished``) go to the policy, which
   reconfigures the optical core; a reconfiguration the slack does not hide stalls the phase.
-  Static fabrics run the same loop with fixed circuits.
+  Static fabrics run the same loop with fixed circuits. During each generation the
+  balancer's KV migrations (``kv_bytes`` per generation PoD) and the data hub's rollout
+  traffic (``hub_bytes``) cross the core over the circuits then in place; their transfer
+  times are reported as if each step's bytes went at once (they spread over the generation,
+  which hides them; the figure is the fabric's capacity for them, not a delay of the step).
 
 Invariants (asserted by tests): ``flow_time`` equals bytes/bandwidth for a single flow and
 never exceeds the time with the EPS alone; a non-blocking fabric (``eps_ports ==
@@ -88,7 +92,13 @@ def flow_time(spec: FabricSpec, topo: Topology, demand: F64) -> float:
 
 @final
 class FabricWorkload(msgspec.Struct, frozen=True, kw_only=True):
-    """Per-step times (seconds) and volumes (bytes) of the phases that use the core."""
+    """Per-step times (seconds) and volumes (bytes) of the phases that use the core.
+
+    ``kv_bytes`` and ``hub_bytes`` are what each generation PoD sends per step. Defaults, a
+    72B dense model on 256-GPU PoDs: 8 k requests per PoD, 3 % migrated (the simulator's
+    balancer), 4 k tokens of context at 320 KB of KV per token -> 335 GB; the hub carries
+    token ids and three log-prob columns, 16 bytes a token over 4 k tokens -> 0.5 GB.
+    """
 
     gen_s: float = 120.0
     train_s: float = 90.0
@@ -97,12 +107,16 @@ class FabricWorkload(msgspec.Struct, frozen=True, kw_only=True):
     optimizer_s: float = 2.0
     grad_bytes: float = 144e9
     weight_bytes: float = 144e9
+    kv_bytes: float = 335e9
+    hub_bytes: float = 0.5e9
     staleness: int = 1
     steps: int = 6
 
     def __post_init__(self) -> None:
         if min(self.gen_s, self.train_s, self.first_comm_s, self.optimizer_s) < 0:
             raise ConfigError("FabricWorkload times must be >= 0")
+        if min(self.grad_bytes, self.weight_bytes, self.kv_bytes, self.hub_bytes) < 0:
+            raise ConfigError("FabricWorkload volumes must be >= 0")
         if not 0 <= self.overlap <= 1 or self.steps < 3 or self.staleness < 0:
             raise ConfigError(
                 "FabricWorkload needs 0 <= overlap <= 1, steps >= 3 and staleness >= 0"
@@ -113,17 +127,24 @@ class FabricWorkload(msgspec.Struct, frozen=True, kw_only=True):
 @dataclass(frozen=True, slots=True)
 class FabricRun:
     """``step_s``: mean time per step over the steady steps (after the first two);
-    ``sync_s``/``allreduce_s``: mean transfer times; ``stall_s``: reconfiguration time the
-    slack did not hide; ``slack_used_s``: reconfiguration time the slack did hide."""
+    ``sync_s``/``allreduce_s``/``kv_s``/``hub_s``: mean transfer times (weight sync, gradient
+    all-reduce, KV migration, data-hub traffic); ``stall_s``: reconfiguration time the
+    slack did not hide; ``slack_used_s``: reconfiguration time the slack did hide;
+    ``eps_ports``/``ocs_ports``: core ports per PoD on the electrical and optical cores (a
+    static fabric without circuits has no optical core: 0)."""
 
     fabric: str
     step_s: float
     sync_s: float
     allreduce_s: float
+    kv_s: float
+    hub_s: float
     exposed_s: float
     reconfigurations: int
     stall_s: float
     slack_used_s: float
+    eps_ports: int
+    ocs_ports: int
 
 
 def run_fabric(
@@ -166,11 +187,16 @@ def run_fabric(
 
     grad = phase_demand(spec, "train", work.grad_bytes)
     weights = phase_demand(spec, "sync", work.weight_bytes)
+    kv = phase_demand(spec, "kv", work.kv_bytes)
+    hub = phase_demand(spec, "hub", work.hub_bytes)
     gen_end: list[float] = []
     sync_end: list[float] = []
     train_end = 0.0
     syncs, reduces, exposed_all, stalls, hidden_all, ends = [], [], [], [], [], []
+    kvs, hubs = [], []
     for s in range(work.steps):
+        kvs.append(flow_time(spec, topology(), kv))  # during generation: circuits in place
+        hubs.append(flow_time(spec, topology(), hub))
         start = gen_end[-1] if gen_end else 0.0
         if s > work.staleness:  # generation of s uses the weights of step s - 1 - staleness
             start = max(start, sync_end[s - 1 - work.staleness])
@@ -210,8 +236,12 @@ def run_fabric(
         step_s=span,
         sync_s=float(np.mean(syncs[steady])),
         allreduce_s=float(np.mean(reduces[steady])),
+        kv_s=float(np.mean(kvs[steady])),
+        hub_s=float(np.mean(hubs[steady])),
         exposed_s=float(np.mean(exposed_all[steady])),
         reconfigurations=policy.reconfigurations if policy is not None else 0,
         stall_s=float(np.sum(stalls)),
         slack_used_s=float(np.sum(hidden_all)),
+        eps_ports=spec.eps_ports,
+        ocs_ports=spec.ocs_ports if policy is not None or topology().circuits.any() else 0,
     )

@@ -188,6 +188,26 @@ def test_killed_worker_leases_expire_and_go_to_another_worker(cluster: Any) -> N
         ray.kill(mailbox)
 
 
+def test_ray_workers_reach_a_tcp_hub_launched_outside_ray_with_its_key(cluster: Any) -> None:
+    # launch_hub(host=) admits only holders of its key: the workers and the run's shared
+    # admission actor (staleness) get it from the executor
+    # (a window of 64 admits all 40 and the source's last, empty call: no version is published)
+    pipe = Pipeline(
+        [ids, double], staleness=flowrl.Staleness(max_staleness=0, samples_per_version=64)
+    )
+    hub = flowrl.launch_hub(pipe.columns, host="127.0.0.1")
+    try:
+        loader = Loader(hub, task="check", columns=["id", "y"], batch_size=4, timeout=120)
+        with pipe.start(hub, executor="ray", timeout=120, loaders=[loader]) as run:
+            seen, _ = _drain(loader, ("id", "y"))
+        assert run.result().completed
+        assert Counter(seen["id"]) == Counter(range(40))
+        assert seen["y"] == [2 * i for i in seen["id"]]
+        assert hub.statistics().refused_peers == 0
+    finally:
+        hub.close()
+
+
 def test_stage_error_reraises_with_stage_and_indices(cluster: Any) -> None:
     with pytest.raises(StageError) as info:
         Pipeline([ids, fragile]).run(executor="ray", timeout=120)

@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from flowrl._pipeline.result import RunResult
     from flowrl._pipeline.stage import StageSpec
     from flowrl._schema.columns import Column
+    from flowrl._transport.auth import HubKey
 
 __all__ = ["RayExecutor"]
 
@@ -113,9 +114,11 @@ class RayExecutor(Executor):
         import_ray()
         pipeline.register(hub)
         stop = self._stop
-        shared = _shared(address, pipeline, self.max_samples)
+        key = getattr(hub, "key", None)  # a hub on TCP admits only holders of its key
+        shared = _shared(address, key, pipeline, self.max_samples)
         run = _Run(
             address=address,
+            key=key,
             unit_nodes=tuple(getattr(hub, "unit_nodes", ())),
             path=list(sys.path),
             stop=stop,
@@ -196,6 +199,7 @@ class _Run:
     """The actors of one run, and how the driver hears from them."""
 
     address: str
+    key: HubKey | None
     unit_nodes: tuple[str, ...]
     path: list[str]
     stop: _Broadcast
@@ -258,6 +262,7 @@ class _Run:
             slot.worker,
             self.path,
             self.address,
+            self.key,
             self.unit_nodes,
             self.admission,
             self.quota,
@@ -342,6 +347,7 @@ class StageWorker:
         worker: int,
         path: list[str],
         address: str,
+        key: HubKey | None,
         unit_nodes: tuple[str, ...],
         admission: Any,
         quota: Any,
@@ -354,7 +360,7 @@ class StageWorker:
         sys.path.extend(p for p in path if p not in sys.path)
         spec: StageSpec = pickle.loads(pickled)  # imports the stage's module
         node = ray.get_runtime_context().get_node_id()
-        open_hub = functools.partial(connect, address, unit_nodes=unit_nodes, node=node)
+        open_hub = functools.partial(connect, address, key=key, unit_nodes=unit_nodes, node=node)
         result = _Result()
         worker_main(
             spec,
@@ -377,7 +383,7 @@ class _Result:
         self.data = data
 
 
-def _shared(address: str, pipeline: Pipeline, max_samples: int | None) -> Any:
+def _shared(address: str, key: HubKey | None, pipeline: Pipeline, max_samples: int | None) -> Any:
     """The helper actor of the source workers (None when nothing is shared)."""
     if pipeline.staleness is None and max_samples is None:
         return None
@@ -385,17 +391,23 @@ def _shared(address: str, pipeline: Pipeline, max_samples: int | None) -> Any:
 
     sources = sum(s.workers for s in pipeline.stages if s.is_source)
     helper = ray.remote(Shared).options(num_cpus=0, max_concurrency=sources + 1)
-    return helper.remote(address, pipeline.staleness, max_samples)
+    return helper.remote(address, key, pipeline.staleness, max_samples)
 
 
 class Shared:
     """The admission controller and the sample quota of a run, for every source worker."""
 
-    def __init__(self, address: str, staleness: Staleness | None, max_samples: int | None):
+    def __init__(
+        self,
+        address: str,
+        key: HubKey | None,
+        staleness: Staleness | None,
+        max_samples: int | None,
+    ):
         from flowrl._launch.processes import connect
 
         self._admission = (
-            None if staleness is None else AdmissionController(connect(address), staleness)
+            None if staleness is None else AdmissionController(connect(address, key=key), staleness)
         )
         self._quota = None if max_samples is None else SampleQuota(max_samples)
 

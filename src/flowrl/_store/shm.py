@@ -31,6 +31,7 @@ import mmap
 import os
 import secrets
 import shutil
+import stat
 import threading
 import weakref
 from typing import Any, NamedTuple
@@ -46,6 +47,7 @@ __all__ = [
     "ShmArena",
     "ShmMaps",
     "ShmUnavailable",
+    "map_lent",
     "shm_folder",
     "sweep_dead_arenas",
 ]
@@ -125,17 +127,23 @@ class ShmArena:
     def copy_in(self, data: Any) -> Placed | None:
         """A copy of ``data`` in shared memory, and where it lies; None if there is no room."""
         with memoryview(data) as src:
-            size = src.nbytes
-            seg = self._current
-            if seg is None or seg.size - seg.used < size:
-                seg = self._new_segment(size)
-                if seg is None:
-                    return None
-            start = seg.used
-            view = memoryview(seg.map)[start : start + size]
-            view[:] = src.cast("B")
+            placed = self.allocate(src.nbytes)
+            if placed is not None:
+                placed.view[:] = src.cast("B")
+        return placed
+
+    def allocate(self, size: int) -> Placed | None:
+        """``size`` fresh bytes of one segment, never handed out before (a client on this
+        machine writes a put's payload there itself: see ``unit_server``'s grants); None
+        if there is no room. The view keeps the segment alive."""
+        seg = self._current
+        if seg is None or seg.size - seg.used < size:
+            seg = self._new_segment(size)
+            if seg is None:
+                return None
+        start = seg.used
         seg.used = -(-(start + size) // _ALIGN) * _ALIGN
-        return Placed(view, seg.path, start)
+        return Placed(memoryview(seg.map)[start : start + size], seg.path, start)
 
     def locate(self, address: int, size: int) -> tuple[str, int] | None:
         """(segment path, offset) of ``size`` bytes at ``address`` if the arena holds them."""
@@ -225,6 +233,27 @@ def _alive(pid: int, start: int) -> bool:
         pass  # another user's process: alive
     now = _start_time(pid)
     return now != -1 and (start == 0 or now in (start, 0))
+
+
+def map_lent(path: str) -> mmap.mmap:
+    """A storage unit's segment mapped for writing: the bytes the unit lent this client
+    (``unit_server``'s grants). Only a regular file of this user under ``SHM_PREFIX``;
+    ShmUnavailable otherwise (another machine's /dev/shm, another user's unit)."""
+    if not path.startswith(SHM_PREFIX) or os.path.normpath(path) != path:
+        raise ShmUnavailable(path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        raise ShmUnavailable(path) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            raise ShmUnavailable(path)
+        return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED)
+    except (OSError, ValueError):
+        raise ShmUnavailable(path) from None
+    finally:
+        os.close(fd)
 
 
 class ShmUnavailable(Exception):

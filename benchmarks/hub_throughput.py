@@ -443,10 +443,14 @@ PEER_CLIENTS = {
     "transferqueue": ["--client", "transferqueue"],
     "inproc": ["--client", "compat", "--placement", "inproc"],
     "zmq": ["--client", "compat", "--placement", "zmq"],
+    "native": ["--client", "native"],
 }
+#: What the native client's calls are compared with: its put with TransferQueue's put,
+#: its consumer loop (claim + get + ack) with TransferQueue's (get_meta + get_data).
+NATIVE_CALLS = {"put": "put_s", "consume": "get_s"}
 
 
-def peer_rounds(samples: int, seq_len: int, batch: int, rounds: int) -> dict:
+def peer_rounds(samples: int, seq_len: int, batch: int, rounds: int, busy: int = 0) -> dict:
     """TransferQueue and the compat client (per placement) in alternating rounds.
 
     Each client runs in its own process (``_transferqueue_peer.py --serve``: each starts
@@ -472,11 +476,12 @@ def peer_rounds(samples: int, seq_len: int, batch: int, rounds: int) -> dict:
             )
             info[name] = _peer_line(procs[name])
         live = [name for name in procs if "error" not in info[name]]
-        for r in range(rounds):
-            for name in live[r % len(live) :] + live[: r % len(live)]:
-                procs[name].stdin.write("round\n")  # type: ignore[union-attr]
-                procs[name].stdin.flush()  # type: ignore[union-attr]
-                runs[name].append(_peer_line(procs[name]))
+        with busy_processes(busy):
+            for r in range(rounds):
+                for name in live[r % len(live) :] + live[: r % len(live)]:
+                    procs[name].stdin.write("round\n")  # type: ignore[union-attr]
+                    procs[name].stdin.flush()  # type: ignore[union-attr]
+                    runs[name].append(_peer_line(procs[name]))
     finally:
         for proc in procs.values():
             with contextlib.suppress(OSError):
@@ -503,7 +508,36 @@ def peer_rounds(samples: int, seq_len: int, batch: int, rounds: int) -> dict:
                 got[f"{call}_speedup_vs_transferqueue"] = statistics.median(per_round)
                 got[f"{call}_speedup_lowest_round"] = min(per_round)
                 got[f"{call}_speedup_per_round"] = per_round
-    return {"peer": tq, "compat": compat}
+    native = {**info["native"], **_medians(runs["native"])}
+    pairs = list(zip(runs["transferqueue"], runs["native"], strict=False))
+    for call, key in NATIVE_CALLS.items():  # the median and the lowest round
+        if pairs:
+            per_round = [t[key] / c[key] for t, c in pairs]
+            native[f"{call}_speedup_vs_transferqueue"] = statistics.median(per_round)
+            native[f"{call}_speedup_lowest_round"] = min(per_round)
+            native[f"{call}_speedup_per_round"] = per_round
+    return {"peer": tq, "compat": compat, "native": native, "busy_processes": busy}
+
+
+@contextlib.contextmanager
+def busy_processes(n: int):
+    """``n`` processes spinning on the CPU while the block runs (the load other jobs put
+    on a shared machine, the same for every client of the alternating rounds)."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_spin, daemon=True) for _ in range(n)]
+    for proc in procs:
+        proc.start()
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join()
+
+
+def _spin() -> None:
+    while True:
+        pass
 
 
 def _peer_line(proc: subprocess.Popen) -> dict:
@@ -531,6 +565,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--peer", action="store_true", help="also run TransferQueue (needs .[peer])")
     ap.add_argument("--peer-rounds", type=int, default=5, help="alternating --peer rounds")
+    ap.add_argument(
+        "--busy", type=int, default=0, help="CPU-bound processes to run during --peer rounds"
+    )
     args = ap.parse_args()
     result: dict = {
         "transport": args.transport,
@@ -552,7 +589,9 @@ def main() -> None:
         result["stage_round_vs_echo"] = ratio
         result["stage_round_legs_vs_echo"] = ratio * STAGE_ROUND_LEGS / 2
     if args.peer:
-        result.update(peer_rounds(args.samples, args.seq_len, args.batch, args.peer_rounds))
+        result.update(
+            peer_rounds(args.samples, args.seq_len, args.batch, args.peer_rounds, args.busy)
+        )
         tq = result["peer"]
         if "put_samples_per_s" in tq:
             tq_rate = 1 / (1 / tq["put_samples_per_s"] + 1 / tq["get_samples_per_s"])

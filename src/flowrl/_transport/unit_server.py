@@ -95,7 +95,7 @@ class UnitServer:
         shm_folder: str | None = None,
     ) -> None:
         self.unit = StorageUnit.open(unit_id, capacity, journal)
-        self.arena = None if shm_folder is None else ShmArena(shm_folder)
+        self.arena = None if shm_folder is None else ShmArena(shm_folder, spare=True)
         self.columns: dict[str, Column] = dict(self.unit.declared)
         self.zctx: zmq.Context = zmq.Context.instance()
         self.sock = self.zctx.socket(zmq.ROUTER)

@@ -446,8 +446,10 @@ PEER_CLIENTS = {
     "native": ["--client", "native"],
 }
 #: What the native client's calls are compared with: its put with TransferQueue's put,
-#: its consumer loop (claim + get + ack) with TransferQueue's (get_meta + get_data).
-NATIVE_CALLS = {"put": "put_s", "consume": "get_s"}
+#: its consumer loop (a Loader claiming ahead; by hand: claim + get + ack) with
+#: TransferQueue's (get_meta + get_data).
+NATIVE_CALLS = {"put": ("put_s", "put_s"), "consume": ("get_s", "get_s"),
+                "consume_loop": ("get_s", "loop_s")}  # fmt: skip
 
 
 def peer_rounds(samples: int, seq_len: int, batch: int, rounds: int, busy: int = 0) -> dict:
@@ -510,9 +512,9 @@ def peer_rounds(samples: int, seq_len: int, batch: int, rounds: int, busy: int =
                 got[f"{call}_speedup_per_round"] = per_round
     native = {**info["native"], **_medians(runs["native"])}
     pairs = list(zip(runs["transferqueue"], runs["native"], strict=False))
-    for call, key in NATIVE_CALLS.items():  # the median and the lowest round
+    for call, (tq_key, key) in NATIVE_CALLS.items():  # the median and the lowest round
         if pairs:
-            per_round = [t[key] / c[key] for t, c in pairs]
+            per_round = [t[tq_key] / c[key] for t, c in pairs]
             native[f"{call}_speedup_vs_transferqueue"] = statistics.median(per_round)
             native[f"{call}_speedup_lowest_round"] = min(per_round)
             native[f"{call}_speedup_per_round"] = per_round

@@ -34,7 +34,10 @@ def hub() -> Iterator[Any]:
 def batch(n: int, start: int = 0) -> dict[str, Any]:
     cu = np.arange(n + 1, dtype=np.int64) * SEQ
     ids = np.arange(start * SEQ, (start + n) * SEQ, dtype=np.int64)
-    return {"ids": flowrl.RaggedArray(ids, cu), "reward": np.arange(start, start + n, dtype=np.float32)}
+    return {
+        "ids": flowrl.RaggedArray(ids, cu),
+        "reward": np.arange(start, start + n, dtype=np.float32),
+    }
 
 
 def test_a_large_put_goes_through_lent_memory_and_reads_back(hub: Any) -> None:

@@ -43,6 +43,10 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
   -> unit -> controller -> producer), 3.5 echoes' worth, so that ratio is 1 / 3.5 = 0.29
   at the very best; ``stage_round_legs_vs_echo`` (the ratio times 3.5) is the share of
   the bare transport's speed the hub keeps per leg (1.0: no cost but the legs').
+  ``stage_rounds_pipelined_per_s`` / ``stage_round_pipelined_vs_echo``: the same rounds
+  pipelined as a stage worker over processes runs them (the next input claimed and read
+  by a thread, each output put with ``put_async`` and answered during the next round):
+  no longer bound by 3.5 echoes a round.
 * ``--peer``: runs the TransferQueue package on the same payload in a subprocess and
   reports ``peer`` figures and ``put_get_speedup_vs_transferqueue``: samples / (put time +
   consumer-loop time) for flowrl over the same for TransferQueue (its put, get_meta and
@@ -87,6 +91,7 @@ import flowrl
 from flowrl import Column, HubConfig, JournalConfig
 from flowrl._controller.controller import Controller
 from flowrl._controller.samplers import FifoSampler
+from flowrl._pipeline.prefetch import Prefetcher
 from flowrl._protocol.commands import Cell, Claim, Commit
 
 GIB = 1024**3
@@ -342,10 +347,10 @@ def stage_rounds(rounds: int = 2000) -> dict:
     hub = flowrl.launch_hub(
         [Column.scalar("x", "int64"), Column.scalar("y", "float32")],
         tasks={"stage": ["x"], "sink": ["y"]},
-        config=HubConfig(capacity=rounds + 1024, lease_timeout=600.0),
+        config=HubConfig(capacity=2 * rounds + 1024, lease_timeout=600.0),
     )
     try:
-        hub.put({"x": np.arange(rounds + 200, dtype=np.int64)})
+        hub.put({"x": np.arange(2 * rounds + 201, dtype=np.int64)})
         out = np.ones(1, dtype=np.float32)
 
         def one_round() -> None:
@@ -363,10 +368,24 @@ def stage_rounds(rounds: int = 2000) -> dict:
             one_round()
             times[i] = time.perf_counter() - t0
         cpu = time.process_time() + sum(_cpu_s(pid) for pid in pids) - cpu0
+        # Pipelined, as a stage worker over processes runs them: a thread claims and reads
+        # the next round's input while this one's output is put with put_async.
+        ahead = Prefetcher(hub, lambda: hub.claim("stage", 1, timeout=10), 1, hub.ack)
+        sent = None
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            meta, _ = ahead.take()
+            if sent is not None:
+                sent.result()
+            sent = hub.put_async({"y": out}, indices=meta, ack=meta)
+        sent.result()  # type: ignore[union-attr]
+        pipelined_s = time.perf_counter() - t0
+        ahead.close()
         return {
             "stage_rounds_per_s": rounds / times.sum(),
             "stage_round_p50_ms": float(np.median(times) * 1e3),
             "stage_round_cpu_ms": cpu / rounds * 1e3,
+            "stage_rounds_pipelined_per_s": rounds / pipelined_s,
         }
     finally:
         hub.close()
@@ -590,6 +609,9 @@ def main() -> None:
         ratio = result["stage_rounds_per_s"] / result["zmq_echo_round_trips_per_s"]
         result["stage_round_vs_echo"] = ratio
         result["stage_round_legs_vs_echo"] = ratio * STAGE_ROUND_LEGS / 2
+        result["stage_round_pipelined_vs_echo"] = (
+            result["stage_rounds_pipelined_per_s"] / result["zmq_echo_round_trips_per_s"]
+        )
     if args.peer:
         result.update(
             peer_rounds(args.samples, args.seq_len, args.batch, args.peer_rounds, args.busy)

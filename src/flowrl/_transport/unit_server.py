@@ -2,7 +2,10 @@
 
 Writes arrive as a header frame followed by one frame per Arrow buffer; the arrays are
 built over the received frames without copying and kept as they are (a large write is
-copied once, whole, into the unit's shared memory instead). Reads answer with the same
+copied once, whole, into the unit's shared memory instead). A client on this machine
+writes a large put into shared memory the unit lent it (``Grant``; see
+``flowrl._transport.lanes``) and the write names where the bytes lie: the unit builds
+its arrays over them as they are. Reads answer with the same
 layout, sending Arrow memory zero-copy; a reader on the same machine is told where the
 bytes lie in shared memory instead, and for rows that one put wrote (the usual FIFO read)
 the unit names each column's whole chunk and the first row, which the reader slices: the

@@ -114,3 +114,19 @@ def test_a_batched_put_reserves_the_next_ones_indices_and_close_gives_them_back(
         producer.close()  # gives back what the last put reserved
     stats = hub.statistics()
     assert stats.reserved == stats.reserved_ahead == 0 and stats.live == 64
+
+
+def test_a_lane_idle_for_half_the_units_patience_asks_for_a_new_grant(hub: Any) -> None:
+    """A unit lets go of grants idle for GRANT_IDLE_S (a dead client's would keep its
+    segment): a client asks anew after half that, so its puts never name a dropped one."""
+    from flowrl._transport.lanes import GRANT_IDLE_S
+
+    hub.put(batch(4))
+    lane = hub._data._lanes._local.lanes[0]
+    hub.put(batch(4, start=4))
+    assert hub._data._lanes._local.lanes[0].grant == lane.grant  # still the same grant
+    lane.used -= GRANT_IDLE_S / 2
+    hub.put(batch(4, start=8))
+    assert hub._data._lanes._local.lanes[0].grant != lane.grant
+    meta = hub.claim("train", 12, timeout=5)
+    assert hub.get(meta)["reward"].tolist() == list(range(12))

@@ -9,7 +9,9 @@ carrying them. The unit builds its arrays over those bytes as they are: one copy
 and the socket carries a few hundred bytes.
 
 Each lent byte is written once (the thread moves on, and the unit refuses a write naming
-bytes before the last one named), so stored arrays never change under a reader. The
+bytes before the last one named), so stored arrays never change under a reader. A unit
+keeps a client socket's latest grant only, and lets go of one idle for ``GRANT_IDLE_S``
+(a dead client's would keep its segment); a client asks anew after half that. The
 segments are the unit's: mode 0600, mapped only by processes of the same user, which
 could write each other's memory anyway. Where a unit lends nothing (no ``/dev/shm``, no
 room, another machine), puts send frames as before.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,17 +29,20 @@ from flowrl._store.shm import SHM_MIN_BYTES, ShmUnavailable, map_lent
 from flowrl._transport import wire
 from flowrl._transport.session import Session
 
-__all__ = ["GRANT_BYTES", "Lanes"]
+__all__ = ["GRANT_BYTES", "GRANT_IDLE_S", "Lanes"]
 
 #: Shared memory a unit lends a client thread at a time (more for a larger put).
 GRANT_BYTES = 16 << 20
+#: A unit lets go of a grant no write named for this long (its client may be gone: the
+#: grant keeps its segment); a client asks for a new one after half of it.
+GRANT_IDLE_S = 60.0
 _ALIGN = 64  # each buffer starts on a cache line
 
 
 class _Lane:
     """A thread's current grant on one unit: the mapped segment and the bytes left."""
 
-    __slots__ = ("end", "grant", "map", "next", "path", "view")
+    __slots__ = ("end", "grant", "map", "next", "path", "used", "view")
 
     def __init__(self, grant: wire.Granted, seg: mmap.mmap) -> None:
         self.grant = grant.grant
@@ -45,6 +51,7 @@ class _Lane:
         self.view = memoryview(seg)
         self.next = grant.offset  # segment offset of the first free byte
         self.end = grant.offset + grant.size
+        self.used = time.monotonic()
 
 
 class Lanes:
@@ -79,12 +86,19 @@ class Lanes:
         lane.next = base + total
         return {"grant": lane.grant, "refs": refs}
 
+    def close(self) -> None:
+        """Unmap every thread's lanes (the client closes: the segments can go)."""
+        self._local = threading.local()
+        self._usable = [False] * len(self._usable)
+
     def _lane(self, unit: int, need: int) -> _Lane | None:
         lanes: dict[int, _Lane] | None = getattr(self._local, "lanes", None)
         if lanes is None:
             lanes = self._local.lanes = {}
         lane = lanes.get(unit)
-        if lane is not None and lane.end - lane.next >= need:
+        now = time.monotonic()
+        if lane is not None and lane.end - lane.next >= need and now - lane.used < GRANT_IDLE_S / 2:
+            lane.used = now
             return lane
         granted = self._session.call(unit, wire.Grant(size=max(GRANT_BYTES, need)))[0]
         if not isinstance(granted, wire.Granted) or granted.grant == 0:

@@ -207,6 +207,7 @@ class RemoteData(DataPort):
 
     def close(self) -> None:
         self._shm_maps.clear()
+        self._lanes.close()
 
     def _write_request(
         self,

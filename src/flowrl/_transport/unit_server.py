@@ -53,6 +53,7 @@ from flowrl._transport.frames import (
     split_frames,
     to_frames_all,
 )
+from flowrl._transport.lanes import GRANT_IDLE_S
 from flowrl._transport.sockio import NOBLOCK, poll_in, recv_parts, send_parts
 from flowrl.errors import FlowRLError, SchemaError, TransportError, UnknownIndexError
 
@@ -66,7 +67,7 @@ MAX_CONTROLLERS = 4
 STAGED_TTL_S = 120.0
 #: Grants of shared memory a unit keeps (the least recently used goes: its client's next
 #: write there is refused, and a dead client's grant does not keep a segment for ever).
-MAX_GRANTS = 256
+MAX_GRANTS = 64
 
 
 class _InShm(NamedTuple):
@@ -85,6 +86,7 @@ class _Lent(NamedTuple):
     path: str
     offset: int
     cursor: list[int]
+    used: list[float]  # when a write last named it (monotonic)
 
 
 class UnitServer:
@@ -303,11 +305,17 @@ class UnitServer:
         # A client socket writes to its latest grant only (its earlier writes, sent on the
         # same socket, arrived first): the one before is let go, and with it its segment.
         self._lent.pop(self._grant_of.pop(ident, 0), None)
-        self._lent[grant] = _Lent(ident, placed.view, placed.path, placed.offset, [0])
+        now = time.monotonic()
+        self._lent[grant] = _Lent(ident, placed.view, placed.path, placed.offset, [0], [now])
         self._grant_of[ident] = grant
-        if len(self._lent) > MAX_GRANTS:
+        # Grants of clients gone (or idle: a client asks anew after GRANT_IDLE_S / 2) go.
+        while len(self._lent) > MAX_GRANTS or self._oldest_idle(now):
             self._grant_of.pop(self._lent.popitem(last=False)[1].ident, None)
         return wire.Granted(grant=grant, path=placed.path, offset=placed.offset, size=size)
+
+    def _oldest_idle(self, now: float) -> bool:
+        oldest = next(iter(self._lent.values()))
+        return now - oldest.used[0] > GRANT_IDLE_S
 
     def _lent_buffers(self, ident: bytes, msg: wire.Write, payload: list[Any]) -> list[Any]:
         """The buffers a write names in lent memory (each after the previous, none named
@@ -320,6 +328,7 @@ class UnitServer:
                 f"{MAX_GRANTS}), or sends frames as well"
             )
         self._lent.move_to_end(msg.grant)
+        lent.used[0] = time.monotonic()
         bufs = []
         cursor, size = lent.cursor[0], lent.view.nbytes
         for ref in msg.refs:

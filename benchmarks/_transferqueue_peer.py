@@ -58,7 +58,15 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["Peer", "payload_bytes", "run_transferqueue", "start_compat", "start_transferqueue"]
+__all__ = [
+    "NativePeer",
+    "Peer",
+    "payload_bytes",
+    "run_transferqueue",
+    "start_compat",
+    "start_native",
+    "start_transferqueue",
+]
 
 _FIELDS = ("input_ids", "logprobs", "reward")
 _PARTITION = "flowrl_bench"
@@ -330,6 +338,123 @@ def start_compat(
         tq.close()
 
 
+#: Micro-batches the native client's Loader claims ahead.
+PREFETCH = 4
+
+
+class NativePeer:
+    """flowrl's own API over zmq (``launch_hub``) on the same payload and round shape:
+    ``put`` of every batch (``put_s``), then one consumer reading every column of each
+    micro-batch into numpy until all are consumed (``get_s``, the figure a trainer sees):
+    a ``Loader`` claiming ``PREFETCH`` micro-batches ahead (claim, get and ack), and the
+    same loop by hand, one claim + get + ack at a time (``loop_s``)."""
+
+    def __init__(self, samples: int, seq_len: int, batch: int) -> None:
+        import numpy as np
+
+        import flowrl
+        from flowrl import Column, HubConfig
+
+        self.samples, self.seq_len, self.batch = samples, seq_len, batch
+        self.hub = flowrl.launch_hub(
+            [
+                Column.ragged("input_ids", "int64"),
+                Column.ragged("logprobs", "float32"),
+                Column.scalar("reward", "float32"),
+            ],
+            tasks={_CONSUMER_TASK: list(_FIELDS)},
+            config=HubConfig(capacity=2 * samples + batch, lease_timeout=600.0),
+        )
+        rng = np.random.default_rng(1234)
+        self.batches = []
+        for start in range(0, samples, batch):
+            n = min(batch, samples - start)
+            cu = np.arange(n + 1, dtype=np.int64) * seq_len
+            self.batches.append(
+                {
+                    "input_ids": flowrl.RaggedArray(
+                        rng.integers(0, 151_936, n * seq_len, dtype=np.int64), cu
+                    ),
+                    "logprobs": flowrl.RaggedArray(
+                        rng.standard_normal(n * seq_len, dtype=np.float32), cu
+                    ),
+                    "reward": rng.standard_normal(n, dtype=np.float32),
+                }
+            )
+        self.hub.put(self.batches[0])  # warm-up: connections, first calls
+        self._consume(self.batches[0]["reward"].size)
+
+    def _consume(self, n: int) -> int:
+        """Claim, read and ack ``n`` samples, micro-batch by micro-batch; a checksum."""
+        hub, checksum = self.hub, 0
+        while n > 0:
+            meta = hub.claim(_CONSUMER_TASK, min(self.batch, n), timeout=60)
+            checksum += _read(hub.get(meta))
+            hub.ack(meta)
+            n -= len(meta)
+        return checksum
+
+    def _load(self, n: int) -> int:
+        """``n`` samples through a Loader claiming ahead; a checksum."""
+        from flowrl import Loader
+
+        checksum = 0
+        loader = Loader(
+            self.hub,
+            task=_CONSUMER_TASK,
+            columns=list(_FIELDS),
+            batch_size=self.batch,
+            timeout=60,
+            prefetch=PREFETCH,
+        )
+        for batch in loader:
+            checksum += _read(batch)
+            n -= len(batch)
+            if n <= 0:
+                break
+        loader.close()
+        return checksum
+
+    def round(self) -> dict[str, Any]:
+        times = {}
+        for consume, key in ((self._load, "get_s"), (self._consume, "loop_s")):
+            t0 = time.perf_counter()
+            for data in self.batches:
+                self.hub.put(data)
+            times.setdefault("put_s", time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            consume(self.samples)
+            times[key] = time.perf_counter() - t0
+        nbytes = payload_bytes(self.samples, self.seq_len)
+        return {
+            **times,
+            "put_gib_per_s": nbytes / times["put_s"] / _GIB,
+            "get_gib_per_s": nbytes / times["get_s"] / _GIB,
+            "loop_gib_per_s": nbytes / times["loop_s"] / _GIB,
+        }
+
+    def close(self) -> None:
+        self.hub.close()
+
+
+def _read(batch: Any) -> int:
+    """Every column of a batch into numpy, as a trainer reads it; a checksum."""
+    ids, _ = batch.packed("input_ids")
+    lps, _ = batch.packed("logprobs")
+    return int(ids[-1]) + int(lps.size) + int(batch["reward"].size)
+
+
+@contextlib.contextmanager
+def start_native(samples: int, seq_len: int, batch: int) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """flowrl's own client over zmq: the peer and ``startup_s``."""
+    t0 = time.perf_counter()
+    peer = NativePeer(samples, seq_len, batch)
+    try:
+        yield peer, {"client": "native", "startup_s": time.perf_counter() - t0}
+    finally:
+        peer.close()
+
+
 def run_transferqueue(
     samples: int, seq_len: int, batch: int, *, storage_units: int = 1
 ) -> dict[str, Any]:
@@ -391,7 +516,9 @@ def _verify(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--client", choices=["transferqueue", "compat"], default="transferqueue")
+    parser.add_argument(
+        "--client", choices=["transferqueue", "compat", "native"], default="transferqueue"
+    )
     parser.add_argument("--placement", choices=["inproc", "zmq"], default="zmq", help="compat only")
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--seq-len", type=int, default=1024)
@@ -409,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
             started = start_transferqueue(
                 args.samples, args.seq_len, args.batch, storage_units=args.storage_units
             )
+        elif args.client == "native":
+            started = start_native(args.samples, args.seq_len, args.batch)
         else:
             started = start_compat(args.samples, args.seq_len, args.batch, placement=args.placement)
         with started as (peer, info):

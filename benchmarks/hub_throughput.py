@@ -58,6 +58,12 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
   ``zmq_curve_large_echo_ratio``: bare pyzmq, how many times longer a get-sized message
   (--batch samples) takes to echo over TCP loopback under CURVE than in the clear: why
   the data sockets use a token instead.
+    )
+    ap.add_argument(
+  ``stage_rounds_pipelined_per_s`` / ``stage_round_pipelined_vs_echo``: the same rounds
+  pipelined as a stage worker over processes runs them (the next input claimed and read
+  by a thread, each output put with ``put_async`` and answered during the next round):
+  no longer bound by 3.5 echoes a round.
 * ``--peer``: runs the TransferQueue package on the same payload in a subprocess and
   reports ``peer`` figures and ``put_get_speedup_vs_transferqueue``: samples / (put time +
   consumer-loop time) for flowrl over the same for TransferQueue (its put, get_meta and
@@ -103,6 +109,7 @@ from flowrl import Column, HubConfig, JournalConfig
 from flowrl._controller.controller import Controller
 from flowrl._controller.samplers import FifoSampler
 from flowrl._launch.processes import start_hub
+from flowrl._pipeline.prefetch import Prefetcher
 from flowrl._protocol.commands import Cell, Claim, Commit
 from flowrl._transport.auth import HubKey
 
@@ -459,10 +466,10 @@ def stage_rounds(rounds: int = 2000) -> dict:
     hub = flowrl.launch_hub(
         [Column.scalar("x", "int64"), Column.scalar("y", "float32")],
         tasks={"stage": ["x"], "sink": ["y"]},
-        config=HubConfig(capacity=rounds + 1024, lease_timeout=600.0),
+        config=HubConfig(capacity=2 * rounds + 1024, lease_timeout=600.0),
     )
     try:
-        hub.put({"x": np.arange(rounds + 200, dtype=np.int64)})
+        hub.put({"x": np.arange(2 * rounds + 201, dtype=np.int64)})
         out = np.ones(1, dtype=np.float32)
 
         def one_round() -> None:
@@ -480,10 +487,24 @@ def stage_rounds(rounds: int = 2000) -> dict:
             one_round()
             times[i] = time.perf_counter() - t0
         cpu = time.process_time() + sum(_cpu_s(pid) for pid in pids) - cpu0
+        # Pipelined, as a stage worker over processes runs them: a thread claims and reads
+        # the next round's input while this one's output is put with put_async.
+        ahead = Prefetcher(hub, lambda: hub.claim("stage", 1, timeout=10), 1, hub.ack)
+        sent = None
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            meta, _ = ahead.take()
+            if sent is not None:
+                sent.result()
+            sent = hub.put_async({"y": out}, indices=meta, ack=meta)
+        sent.result()  # type: ignore[union-attr]
+        pipelined_s = time.perf_counter() - t0
+        ahead.close()
         return {
             "stage_rounds_per_s": rounds / times.sum(),
             "stage_round_p50_ms": float(np.median(times) * 1e3),
             "stage_round_cpu_ms": cpu / rounds * 1e3,
+            "stage_rounds_pipelined_per_s": rounds / pipelined_s,
         }
     finally:
         hub.close()
@@ -560,10 +581,16 @@ PEER_CLIENTS = {
     "transferqueue": ["--client", "transferqueue"],
     "inproc": ["--client", "compat", "--placement", "inproc"],
     "zmq": ["--client", "compat", "--placement", "zmq"],
+    "native": ["--client", "native"],
 }
+#: What the native client's calls are compared with: its put with TransferQueue's put,
+#: its consumer loop (a Loader claiming ahead; by hand: claim + get + ack) with
+#: TransferQueue's (get_meta + get_data).
+NATIVE_CALLS = {"put": ("put_s", "put_s"), "consume": ("get_s", "get_s"),
+                "consume_loop": ("get_s", "loop_s")}  # fmt: skip
 
 
-def peer_rounds(samples: int, seq_len: int, batch: int, rounds: int) -> dict:
+def peer_rounds(samples: int, seq_len: int, batch: int, rounds: int, busy: int = 0) -> dict:
     """TransferQueue and the compat client (per placement) in alternating rounds.
 
     Each client runs in its own process (``_transferqueue_peer.py --serve``: each starts
@@ -589,11 +616,12 @@ def peer_rounds(samples: int, seq_len: int, batch: int, rounds: int) -> dict:
             )
             info[name] = _peer_line(procs[name])
         live = [name for name in procs if "error" not in info[name]]
-        for r in range(rounds):
-            for name in live[r % len(live) :] + live[: r % len(live)]:
-                procs[name].stdin.write("round\n")  # type: ignore[union-attr]
-                procs[name].stdin.flush()  # type: ignore[union-attr]
-                runs[name].append(_peer_line(procs[name]))
+        with busy_processes(busy):
+            for r in range(rounds):
+                for name in live[r % len(live) :] + live[: r % len(live)]:
+                    procs[name].stdin.write("round\n")  # type: ignore[union-attr]
+                    procs[name].stdin.flush()  # type: ignore[union-attr]
+                    runs[name].append(_peer_line(procs[name]))
     finally:
         for proc in procs.values():
             with contextlib.suppress(OSError):
@@ -620,7 +648,36 @@ def peer_rounds(samples: int, seq_len: int, batch: int, rounds: int) -> dict:
                 got[f"{call}_speedup_vs_transferqueue"] = statistics.median(per_round)
                 got[f"{call}_speedup_lowest_round"] = min(per_round)
                 got[f"{call}_speedup_per_round"] = per_round
-    return {"peer": tq, "compat": compat}
+    native = {**info["native"], **_medians(runs["native"])}
+    pairs = list(zip(runs["transferqueue"], runs["native"], strict=False))
+    for call, (tq_key, key) in NATIVE_CALLS.items():  # the median and the lowest round
+        if pairs:
+            per_round = [t[tq_key] / c[key] for t, c in pairs]
+            native[f"{call}_speedup_vs_transferqueue"] = statistics.median(per_round)
+            native[f"{call}_speedup_lowest_round"] = min(per_round)
+            native[f"{call}_speedup_per_round"] = per_round
+    return {"peer": tq, "compat": compat, "native": native, "busy_processes": busy}
+
+
+@contextlib.contextmanager
+def busy_processes(n: int):
+    """``n`` processes spinning on the CPU while the block runs (the load other jobs put
+    on a shared machine, the same for every client of the alternating rounds)."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_spin, daemon=True) for _ in range(n)]
+    for proc in procs:
+        proc.start()
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join()
+
+
+def _spin() -> None:
+    while True:
+        pass
 
 
 def _peer_line(proc: subprocess.Popen) -> dict:
@@ -651,6 +708,9 @@ def main() -> None:
     ap.add_argument(
         "--auth-rounds", type=int, default=0, help="zmq: rounds with and without the hub key"
     )
+    ap.add_argument(
+        "--busy", type=int, default=0, help="CPU-bound processes to run during --peer rounds"
+    )
     args = ap.parse_args()
     result: dict = {
         "transport": args.transport,
@@ -673,8 +733,13 @@ def main() -> None:
         result["stage_round_legs_vs_echo"] = ratio * STAGE_ROUND_LEGS / 2
         if args.auth_rounds:
             result.update(auth_rounds(args.samples, args.seq_len, args.batch, args.auth_rounds))
+        result["stage_round_pipelined_vs_echo"] = (
+            result["stage_rounds_pipelined_per_s"] / result["zmq_echo_round_trips_per_s"]
+        )
     if args.peer:
-        result.update(peer_rounds(args.samples, args.seq_len, args.batch, args.peer_rounds))
+        result.update(
+            peer_rounds(args.samples, args.seq_len, args.batch, args.peer_rounds, args.busy)
+        )
         tq = result["peer"]
         if "put_samples_per_s" in tq:
             tq_rate = 1 / (1 / tq["put_samples_per_s"] + 1 / tq["get_samples_per_s"])

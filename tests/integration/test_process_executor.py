@@ -87,6 +87,17 @@ def dies_once(batch):
     return {"y": batch.numpy("x") * 2}
 
 
+@stage(inputs=["x"], outputs=[Y], batch_size=2, lease_timeout=1.0)
+def dies_in_its_third_round(batch):
+    """One worker's third round SIGKILLs its process: its second round's output may be in
+    flight (put_async) and its fourth batch claimed and read ahead (pipelined rounds)."""
+    rounds = int(os.environ.get("FLOWRL_TEST_ROUNDS", "0")) + 1
+    os.environ["FLOWRL_TEST_ROUNDS"] = str(rounds)
+    if rounds == 3 and _mark("third_round", batch.indices, once=True):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"y": batch.numpy("x") * 2}
+
+
 @stage(inputs=["x"], outputs=[Y], batch_size=4, lease_timeout=1.0)
 def always_dies(batch):
     _mark("always_dies", batch.indices, once=False)
@@ -219,6 +230,33 @@ def test_a_killed_worker_is_replaced_and_its_batch_goes_to_another_worker(
         assert result.stages["dies_once"].samples == 40  # the dead worker consumed nothing
         stats = hub.statistics()
         for task in ("dies_once", "check"):
+            assert stats.tasks[task].consumed == 40, task
+            assert stats.tasks[task].ready == stats.tasks[task].leased == 0, task
+        assert stats.live == 0 and stats.leases == 0
+    finally:
+        hub.close()
+
+
+def test_a_worker_killed_mid_round_loses_and_repeats_nothing_of_its_pipelined_rounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(KILLS, str(tmp_path))
+    pipe = Pipeline([forty, dies_in_its_third_round])
+    hub = flowrl.launch_hub(pipe.columns)
+    try:
+        loader = Loader(hub, task="check", columns=["x", "y"], batch_size=4, timeout=60)
+        executor = ProcessExecutor(timeout=120, max_restarts=1)
+        with pipe.start(hub, executor=executor, loaders=[loader]) as run:
+            seen: list[int] = []
+            for batch in loader:
+                assert (batch.numpy("y") == 2 * batch.numpy("x")).all()
+                seen.extend(batch.numpy("x").tolist())
+        result = run.result()
+        assert (tmp_path / "third_round").exists()  # it did die mid-round
+        assert Counter(seen) == Counter(range(40))  # none lost, none twice
+        assert result.completed and result.stages["dies_in_its_third_round"].restarts == 1
+        stats = hub.statistics()
+        for task in ("dies_in_its_third_round", "check"):
             assert stats.tasks[task].consumed == 40, task
             assert stats.tasks[task].ready == stats.tasks[task].leased == 0, task
         assert stats.live == 0 and stats.leases == 0

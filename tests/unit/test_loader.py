@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 
 from flowrl import Column, Hub
 from flowrl._pipeline.loader import Loader
-from flowrl.errors import ConfigError, Timeout
+from flowrl.errors import ConfigError, LeaseError, Timeout
 
 IDS = Column.ragged("ids", "int64")
 X = Column.scalar("x", "int64")
@@ -126,14 +127,26 @@ def _train(loader: Loader, steps: int, trained: list[int]) -> None:
         trained.extend(next(loader).indices.tolist())
 
 
+def _crash(loader: Loader) -> None:
+    """The trainer died: nothing is acked or released any more (its claim-ahead thread
+    stops where it is; its leases expire in the hub)."""
+    prefetch = loader._prefetch
+    if prefetch is not None:
+        with prefetch._cond:
+            prefetch._stopping = True
+            prefetch._cond.notify_all()
+        prefetch._join()
+
+
+@pytest.mark.parametrize("prefetch", [0, 3])
 @pytest.mark.parametrize("crash_after_extra_steps", [0, 2])
 def test_resume_with_ack_on_next_checkpointing_every_step(
-    make_hub: Any, crash_after_extra_steps: int
+    make_hub: Any, crash_after_extra_steps: int, prefetch: int
 ) -> None:
     """Checkpoint after step 3; crash right away or after more (lost) steps; resume."""
     hub = make_hub([X])
     opts = {"task": "train", "columns": ["x"], "batch_size": 4, "timeout": 10}
-    first = Loader(hub, lease_timeout=0.3, **opts)
+    first = Loader(hub, lease_timeout=0.3, prefetch=prefetch, **opts)
     fill(hub, 40)
     kept: list[int] = []  # what the checkpointed model was trained on
     _train(first, 3, kept)
@@ -141,7 +154,13 @@ def test_resume_with_ack_on_next_checkpointing_every_step(
     assert state["samples"] == 12 and state["pending"] == kept[-4:]
     lost: list[int] = []
     _train(first, crash_after_extra_steps, lost)  # trained after the checkpoint, then a crash
-    # (no close(): the crashed trainer's lease expires and the hub redelivers its batch)
+    # (no close(): the crashed trainer's leases expire and the hub redelivers its batches,
+    # those it claimed ahead too)
+    if crash_after_extra_steps and prefetch:
+        # the thread sends acks: wait until the trained batches' are out (one batch
+        # always stays un-acked: the last one handed out)
+        _wait_for(lambda: hub.statistics().tasks["train"].consumed >= 12 + len(lost) - 4)
+    _crash(first)
 
     second = Loader(hub, **opts)
     second.load_state_dict(state)
@@ -156,12 +175,15 @@ def test_resume_with_ack_on_next_checkpointing_every_step(
     assert second.state_dict()["samples"] == 12 + len(resumed)
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize("crash_before_commit", [True, False])
-def test_resume_with_ack_on_checkpoint_is_exact(make_hub: Any, crash_before_commit: bool) -> None:
+def test_resume_with_ack_on_checkpoint_is_exact(
+    make_hub: Any, crash_before_commit: bool, prefetch: int
+) -> None:
     """ack='checkpoint': batches after the last checkpoint come back after a crash."""
     hub = make_hub([X])
     opts = {"task": "train", "columns": ["x"], "batch_size": 4, "timeout": 10, "ack": "checkpoint"}
-    first = Loader(hub, lease_timeout=0.3, **opts)
+    first = Loader(hub, lease_timeout=0.3, prefetch=prefetch, **opts)
     fill(hub, 24, end=False)
     kept: list[int] = []
     _train(first, 2, kept)
@@ -170,7 +192,9 @@ def test_resume_with_ack_on_checkpoint_is_exact(make_hub: Any, crash_before_comm
     state = first.state_dict()  # the checkpoint we resume from: covers 4 batches
     if not crash_before_commit:
         _train(first, 1, [])  # acks the checkpointed batches, then one uncommitted step
-    assert hub.statistics().tasks["train"].consumed == (8 if crash_before_commit else 16)
+    consumed = 8 if crash_before_commit else 16
+    _wait_for(lambda: hub.statistics().tasks["train"].consumed == consumed)
+    _crash(first)
 
     second = Loader(hub, **opts)  # the restarted trainer; the producers are still running
     second.load_state_dict(state)
@@ -209,3 +233,55 @@ def test_bad_options(kwargs: dict, text: str) -> None:
     opts = {"task": "train", "columns": ["x"], "batch_size": 2, **kwargs}
     with pytest.raises(ConfigError, match=text):
         Loader(Hub([X]), **opts)
+
+
+def _wait_for(condition: Any, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not hold in time"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("stop_after", [0, 3])
+def test_claim_ahead_hands_out_every_sample_once_and_gives_back_the_rest(
+    make_hub: Any, stop_after: int
+) -> None:
+    """prefetch: batches claimed ahead and never handed out go back on close(), first in
+    line; a second loader gets exactly the rest."""
+    hub = make_hub([X])
+    opts = {"task": "train", "columns": ["x"], "batch_size": 4, "timeout": 10}
+    fill(hub, 40)
+    first = Loader(hub, prefetch=3, **opts)
+    seen = [i for _, batch in zip(range(stop_after + 1), first, strict=False)
+            for i in batch.numpy("x").tolist()]  # fmt: skip
+    _wait_for(lambda: hub.statistics().tasks["train"].leased >= 4 + 3 * 4)  # it claimed ahead
+    first.close()
+    stats = hub.statistics().tasks["train"]
+    assert stats.leased == 0 and stats.consumed == len(seen)  # handed out: acked; rest back
+    with Loader(hub, prefetch=2, **opts) as second:
+        rest = [i for batch in second for i in batch.numpy("x").tolist()]
+    assert rest[:4] == list(range(len(seen), len(seen) + 4))  # given back first in line
+    assert sorted(seen + rest) == list(range(40))  # none lost, none twice
+    assert hub.statistics().live == 0
+
+
+def test_claim_ahead_raises_an_ack_that_failed_in_its_thread() -> None:
+    hub = Hub([X])
+    fill(hub, 10)
+    loader = Loader(hub, task="t", columns=["x"], batch_size=4, prefetch=4, lease_timeout=0.2)
+    next(loader)
+    _wait_for(lambda: hub.statistics().tasks["t"].leased == 10)  # everything claimed ahead
+    time.sleep(0.4)  # every lease expires: the hub will deliver those samples again
+    next(loader)  # the thread acks the first batch: too late
+    with pytest.raises(LeaseError, match="raise lease_timeout"):
+        loader.state_dict()  # (waits for the acks before it)
+    with pytest.raises(LeaseError):
+        loader.close()  # the batch handed out last: its lease expired too
+    assert hub.statistics().tasks["t"].leased == 0  # what it claimed again went back
+    with Loader(hub, task="t", columns=["x"], batch_size=4, prefetch=2) as again:
+        assert sum(len(b) for b in again) == 10  # nothing was consumed: all come back
+
+
+def test_bad_prefetch() -> None:
+    with pytest.raises(ConfigError, match="prefetch must be an int >= 0"):
+        Loader(Hub([X]), task="t", columns=["x"], batch_size=2, prefetch=-1)

@@ -152,7 +152,12 @@ class Controller:
 
     # -- producers --------------------------------------------------------------------------
     def reserve(
-        self, n: int, *, units: Sequence[int] | None = None, ahead: int = 0
+        self,
+        n: int,
+        *,
+        units: Sequence[int] | None = None,
+        ahead: int = 0,
+        pooled: bool = False,
     ) -> tuple[np.ndarray, int]:
         """Allocate ``n`` fresh indices on one storage unit; invisible until :meth:`commit`.
 
@@ -160,6 +165,8 @@ class Controller:
         ``ahead``: up to that many more indices, as room allows (never waiting for it),
         which the producer keeps for its next puts (a remote producer saves a round trip
         per put); each goes to the unit whose turn it would have been (``table.unit``).
+        ``pooled``: all ``n`` are for a later put (the next one of a producer, reserved
+        with its commit): taken back like those ``ahead`` when the hub runs out of room.
         """
         self._check_open()
         if self.ended:
@@ -187,7 +194,7 @@ class Controller:
             self._emit(IndexWatermark, next=self.watermark)
         # Not sooner than RESERVATION_MIN_S: a large put may outlast a short lease timeout.
         deadline = time.time() + max(self.lease_timeout, RESERVATION_MIN_S)
-        self.reservations.hold(indices, n, deadline)
+        self.reservations.hold(indices, 0 if pooled else n, deadline)
         return indices, unit
 
     def place(self, indices: np.ndarray, unit: int) -> None:

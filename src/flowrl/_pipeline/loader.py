@@ -20,6 +20,12 @@ expired lease), so the question is only which batches a checkpoint covers:
 
 ``state_dict()["samples"]`` counts samples handed out up to the checkpoint; after a resume
 it continues from there, so a run's total is checkable.
+
+``prefetch=k`` claims and reads up to ``k`` micro-batches ahead in a thread, which also
+sends the acks (``flowrl._pipeline.prefetch``): ``next()`` returns at once while the
+stream keeps up, instead of waiting a claim, a read and an ack per micro-batch. What it
+claimed and did not hand out goes back to the hub on ``close()`` (or expires with a dead
+process), so the guarantees above are unchanged.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, final
 
 import msgspec
@@ -44,6 +50,7 @@ from flowrl._controller.samplers import (
     StalenessSampler,
 )
 from flowrl._pipeline.constants import POLL_S
+from flowrl._pipeline.prefetch import Prefetcher, Stopped
 from flowrl.errors import ConfigError, EndOfStream, LeaseError, StageError, Timeout
 from flowrl.tracking import Tracker
 
@@ -97,8 +104,14 @@ class Loader:
         ack: Literal["next", "checkpoint"] = "next",
         lease_timeout: float | None = None,
         tracker: Tracker | None = None,
+        prefetch: int = 0,
     ) -> None:
         _check_options(task, batch_size, dp_rank, dp_size, groups, timeout, ack, lease_timeout)
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ConfigError(
+                f"Loader prefetch must be an int >= 0 (micro-batches claimed ahead), "
+                f"got {prefetch!r}"
+            )
         if tracker is not None and not isinstance(tracker, Tracker):
             raise ConfigError(
                 f"Loader(tracker={tracker!r}): expected a flowrl.tracking.Tracker "
@@ -129,6 +142,9 @@ class Loader:
         # Unique per loader: the hub ends the stream for a claimer even while it still holds
         # leases itself (ack="checkpoint"), but never ignores another loader's leases.
         self._consumer = f"{task}/rank{dp_rank}/{uuid.uuid4().hex[:8]}"
+        self._prefetch = (
+            Prefetcher(hub, self._claim_ahead, prefetch, self._ack) if prefetch else None
+        )
 
     # -- iteration --------------------------------------------------------------------------
     def __iter__(self) -> Loader:
@@ -138,19 +154,15 @@ class Loader:
         self._settle()
         if self._ended:
             raise StopIteration
-        meta = None
         t0 = time.perf_counter()
         try:
-            while meta is None:
-                meta = self._drop_skipped(self._claim())
+            meta, batch = self._next_batch()
+        except StopIteration:
+            self._ended = True
+            raise
         finally:
             waited = time.perf_counter() - t0
             self._wait_s += waited
-        try:
-            batch = self.hub.get(meta)
-        except BaseException:
-            self.hub.release(meta)
-            raise
         self._current = meta
         self._batches += 1
         self._samples += len(meta)
@@ -159,9 +171,33 @@ class Loader:
             self.tracker.log(_batch_metrics(meta, waited), self._batches)
         return batch
 
-    def _claim(self) -> BatchMeta:
+    def _next_batch(self) -> tuple[BatchMeta, Batch]:
+        if self._prefetch is not None:
+            return self._prefetch.take()
+        meta = None
+        while meta is None:
+            meta = self._drop_skipped(self._claim())
+        try:
+            return meta, self.hub.get(meta)
+        except BaseException:
+            self.hub.release(meta)
+            raise
+
+    def _claim_ahead(self) -> BatchMeta:
+        """The prefetch thread's claim (batches a checkpoint covers are skipped)."""
+        meta = None
+        while meta is None:
+            meta = self._drop_skipped(self._claim(self._stopping))
+        return meta
+
+    def _stopping(self) -> bool:
+        return self._prefetch is not None and self._prefetch.stopping
+
+    def _claim(self, stop: Callable[[], bool] | None = None) -> BatchMeta:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
+            if stop is not None and stop():
+                raise Stopped
             if self._error is not None:
                 raise StageError(
                     f"Loader for task {self.task!r}: the pipeline feeding it failed: {self._error}",
@@ -181,7 +217,6 @@ class Loader:
                     consumer=self._consumer,
                 )
             except EndOfStream:
-                self._ended = True
                 raise StopIteration from None
             except Timeout:
                 if deadline is not None and time.monotonic() >= deadline:
@@ -210,15 +245,17 @@ class Loader:
 
     # -- acking and checkpoints -------------------------------------------------------------
     def _settle(self) -> None:
-        """The previous batch was trained: ack it (or hold it until the next checkpoint)."""
+        """The previous batch was trained: ack it (or hold it until the next checkpoint);
+        with prefetch, the prefetch thread sends the acks."""
+        ack = self._ack if self._prefetch is None else self._prefetch.ack
         if self._current is not None:
             if self.ack_mode == "next":
-                self._ack(self._current)
+                ack(self._current)
             else:
                 self._held.append(self._current)
             self._current = None
         for meta in self._committing:
-            self._ack(meta)
+            ack(meta)
         self._committing.clear()
 
     def _ack(self, meta: BatchMeta) -> None:
@@ -242,6 +279,8 @@ class Loader:
 
     def state_dict(self) -> dict[str, Any]:
         """A checkpoint covering every batch handed out so far (save it with your model)."""
+        if self._prefetch is not None:  # acks of batches before it are out (not pending)
+            self._prefetch.wait_acked()
         self._committing.extend(self._held)
         if self._current is not None:
             self._committing.append(self._current)
@@ -296,6 +335,8 @@ class Loader:
         With ``ack="next"`` the last batch handed out counts as trained and is acked; with
         ``ack="checkpoint"`` batches after the last ``state_dict()`` return to the hub.
         """
+        if self._prefetch is not None:  # (its un-handed batches go back; its acks out)
+            self._prefetch.close()
         if self.ack_mode == "next":
             self.ack()
         else:
@@ -305,6 +346,9 @@ class Loader:
             self._release_all()
 
     def _release_all(self) -> None:
+        if self._prefetch is not None:
+            with contextlib.suppress(LeaseError):  # (an ack it failed: released below)
+                self._prefetch.close()
         for meta in [*self._committing, *self._held, *([self._current] if self._current else [])]:
             with contextlib.suppress(LeaseError):  # expired: its samples are back already
                 self.hub.release(meta)

@@ -31,6 +31,7 @@ import mmap
 import os
 import secrets
 import shutil
+import stat
 import threading
 import weakref
 from typing import Any, NamedTuple
@@ -46,6 +47,7 @@ __all__ = [
     "ShmArena",
     "ShmMaps",
     "ShmUnavailable",
+    "map_lent",
     "shm_folder",
     "sweep_dead_arenas",
 ]
@@ -105,6 +107,8 @@ class ShmArena:
         folder: str,
         segment_bytes: int = SEGMENT_BYTES,
         first_segment_bytes: int = FIRST_SEGMENT_BYTES,
+        *,
+        spare: bool = False,
     ) -> None:
         if not folder.startswith(SHM_PREFIX):
             raise ValueError(f"an arena folder must start with {SHM_PREFIX!r}, got {folder!r}")
@@ -121,21 +125,31 @@ class ShmArena:
         self._lock = threading.Lock()
         self._bases: list[int] = []  # sorted start addresses of the live segments
         self._live: dict[int, tuple[str, int]] = {}  # base -> (path, size)
+        # With ``spare``, the next segment is made by a thread while this one fills:
+        # making one (allocating and mapping every page of up to 64 MiB) took 80-340 ms
+        # on a loaded machine, inside the put that found the current segment full.
+        self._spare: _Spare | None = _Spare() if spare else None
 
     def copy_in(self, data: Any) -> Placed | None:
         """A copy of ``data`` in shared memory, and where it lies; None if there is no room."""
         with memoryview(data) as src:
-            size = src.nbytes
-            seg = self._current
-            if seg is None or seg.size - seg.used < size:
-                seg = self._new_segment(size)
-                if seg is None:
-                    return None
-            start = seg.used
-            view = memoryview(seg.map)[start : start + size]
-            view[:] = src.cast("B")
+            placed = self.allocate(src.nbytes)
+            if placed is not None:
+                placed.view[:] = src.cast("B")
+        return placed
+
+    def allocate(self, size: int) -> Placed | None:
+        """``size`` fresh bytes of one segment, never handed out before (a client on this
+        machine writes a put's payload there itself: see ``unit_server``'s grants); None
+        if there is no room. The view keeps the segment alive."""
+        seg = self._current
+        if seg is None or seg.size - seg.used < size:
+            seg = self._new_segment(size)
+            if seg is None:
+                return None
+        start = seg.used
         seg.used = -(-(start + size) // _ALIGN) * _ALIGN
-        return Placed(view, seg.path, start)
+        return Placed(memoryview(seg.map)[start : start + size], seg.path, start)
 
     def locate(self, address: int, size: int) -> tuple[str, int] | None:
         """(segment path, offset) of ``size`` bytes at ``address`` if the arena holds them."""
@@ -153,13 +167,16 @@ class ShmArena:
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def _new_segment(self, size: int) -> _Segment | None:
-        self._count += 1
-        path = f"{self.folder}/{self._token}-{self._count}"
-        try:
-            seg = _Segment(path, max(self._next_size, -(-size // _ALIGN) * _ALIGN))
-        except OSError:  # no room in /dev/shm (or it went away): keep bytes in the heap
-            return None
+        size = max(self._next_size, -(-size // _ALIGN) * _ALIGN)
+        seg = None if self._spare is None else self._spare.take(size)
+        if seg is None:
+            try:
+                seg = _Segment(self._next_path(), size)
+            except OSError:  # no room in /dev/shm (or it went away): keep bytes in the heap
+                return None
         self._next_size = min(2 * self._next_size, self.segment_bytes)
+        if self._spare is not None:
+            self._spare.make(self._next_path(), self._next_size)
         with self._lock:
             # A dead segment may have been unmapped at this address before its finalizer
             # ran (CPython unmaps first): the new one takes its entry over.
@@ -170,6 +187,10 @@ class ShmArena:
         self._current = seg  # the arena holds only this one; arrays hold the others
         return seg
 
+    def _next_path(self) -> str:
+        self._count += 1
+        return f"{self.folder}/{self._token}-{self._count}"
+
     def _forget(self, base: int, path: str) -> None:
         """The segment's memory is gone (no array uses it any more): drop its file."""
         with self._lock:
@@ -178,6 +199,38 @@ class ShmArena:
                 self._bases.remove(base)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+class _Spare:
+    """The arena's next segment, made by a thread while the current one fills."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._made: _Segment | None = None
+
+    def make(self, path: str, size: int) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._make, args=(path, size), name="flowrl-shm-spare", daemon=True
+            )
+            self._thread.start()
+
+    def _make(self, path: str, size: int) -> None:
+        with contextlib.suppress(OSError):  # no room: the arena makes one when it must
+            self._made = _Segment(path, size)
+
+    def take(self, size: int) -> _Segment | None:
+        """The spare segment if it holds ``size`` bytes (waiting for it: it is further
+        along than a new one would be); None if there is none or it is too small."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        self._thread, made, self._made = None, self._made, None
+        if made is not None and made.size < size:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(made.path)
+            return None
+        return made
 
 
 def sweep_dead_arenas() -> list[str]:
@@ -225,6 +278,27 @@ def _alive(pid: int, start: int) -> bool:
         pass  # another user's process: alive
     now = _start_time(pid)
     return now != -1 and (start == 0 or now in (start, 0))
+
+
+def map_lent(path: str) -> mmap.mmap:
+    """A storage unit's segment mapped for writing: the bytes the unit lent this client
+    (``unit_server``'s grants). Only a regular file of this user under ``SHM_PREFIX``;
+    ShmUnavailable otherwise (another machine's /dev/shm, another user's unit)."""
+    if not path.startswith(SHM_PREFIX) or os.path.normpath(path) != path:
+        raise ShmUnavailable(path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        raise ShmUnavailable(path) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            raise ShmUnavailable(path)
+        return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED)
+    except (OSError, ValueError):
+        raise ShmUnavailable(path) from None
+    finally:
+        os.close(fd)
 
 
 class ShmUnavailable(Exception):

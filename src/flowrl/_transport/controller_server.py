@@ -29,7 +29,7 @@ from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
 from flowrl._transport import wire
 from flowrl._transport.auth import Gate, HubKey, client_options, listen
-from flowrl._transport.pools import ahead_cap
+from flowrl._transport.pools import ahead_cap, next_cap
 from flowrl._transport.sockio import has_input, poll_in, recv_parts, send_parts
 from flowrl.errors import ConfigError, FlowRLError, HubFull, NothingReady, SchemaError, Timeout
 from flowrl.events import event_encoder
@@ -112,6 +112,7 @@ class ControllerServer:
                 with self.ctl.cond:
                     self.ctl.expire(now=math.inf)
         self.ahead_cap = ahead_cap(config.capacity)
+        self.next_cap = next_cap(config.capacity)
         self.parked: list[_Parked] = []
         self._evictions: list[list[np.ndarray]] = [[] for _ in unit_control_addresses]
         self._evictions_size = 0
@@ -156,14 +157,17 @@ class ControllerServer:
             return  # not even an identity + request id + body: nothing to answer
         ident, rid = frames[0], frames[1]
         staged: cmd.Commit | None = None
+        handed: wire.CommitFor | None = None
         try:
             msg = wire.decode_request(frames[2])
             if isinstance(msg, wire.CommitFor):  # from a storage unit: answer the producer
                 ident = msg.reply_to  # (also with the error of a malformed commit)
-                msg = wire.commit_of(msg)
+                handed, msg = msg, wire.commit_of(msg)
             if isinstance(msg, cmd.Commit) and msg.put_id:
                 staged = msg
             reply = self._dispatch(ident, rid, msg)
+            if handed is not None and handed.reserve_next:
+                reply = self._reserve_next(handed) or reply
         except wire.Malformed as exc:  # a broken or hostile client: one line, no traceback
             log.warning("controller refused a request: %s", exc)
             reply = wire.error_of(exc)
@@ -252,6 +256,24 @@ class ControllerServer:
             self.running = False
             return wire.Done()
         raise SchemaError(f"the controller does not serve {type(msg).__name__} requests")
+
+    def _reserve_next(self, handed: wire.CommitFor) -> wire.Reserved | None:
+        """Indices for a producer's next put, reserved with this one's commit (one round
+        trip a put instead of two), as room allows: never while a put waits for room, nor
+        more than a pool may hold; None when there are none."""
+        ctl, n = self.ctl, handed.reserve_next
+        if (
+            n > self.next_cap
+            or ctl.ended
+            or ctl.table.free_slots() < n
+            or any(isinstance(p.msg, cmd.Reserve) for p in self.parked)
+        ):
+            return None
+        try:
+            indices, unit = ctl.reserve(n, units=handed.reserve_units, pooled=True)
+        except FlowRLError:  # (units that do not exist: the next put reserves itself)
+            return None
+        return wire.Reserved(indices=indices.tobytes(), unit=unit)
 
     def _try(self, msg: Any) -> Any:
         ctl = self.ctl

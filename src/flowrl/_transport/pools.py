@@ -1,8 +1,10 @@
-"""Indices a client's threads reserve ahead for their next small puts.
+"""Indices a client's threads reserve ahead for their next puts.
 
 A small put reserves ``RESERVE_AHEAD`` more indices with its own, in the same round trip,
 and the thread's next puts take them: a small put then costs the write's round trip
-alone. Reservations expire, so a pool is used only within half a reservation's life.
+alone. A batched put's commit reserves the next put's indices (``next_cap``): in a steady
+stream of puts each costs one round trip, not two. Reservations expire, so a pool is used
+only within half a reservation's life.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 
 from flowrl._transport.thread_sockets import on_thread_end
 
-__all__ = ["RESERVE_AHEAD", "Pool", "Pools", "ahead_cap"]
+__all__ = ["RESERVE_AHEAD", "Pool", "Pools", "ahead_cap", "next_cap"]
 
 #: Indices a thread reserves ahead for its next small puts (capped at capacity / 64).
 RESERVE_AHEAD = 32
@@ -25,6 +27,12 @@ def ahead_cap(capacity: int) -> int:
     """The most indices a put may reserve ahead on a hub of ``capacity``: a pool never
     holds more than 1/64 of it, so other producers barely notice it."""
     return min(RESERVE_AHEAD, capacity // 64)
+
+
+def next_cap(capacity: int) -> int:
+    """The most indices a put's commit may reserve for the producer's next put (a batched
+    producer's steady state: one round trip a put): 1/8 of ``capacity``."""
+    return capacity // 8
 
 
 class Pool:
@@ -89,6 +97,14 @@ class Pools:
             pool = self._live.pop(key, None)
             if pool is not None:
                 self._ended.append(pool.rest())
+
+    def retire(self, pool: Pool) -> None:
+        """A thread's pool that a newer one replaced: what it has left is given back with
+        the next reserve (``take_ended``)."""
+        left = pool.rest()
+        if left.size:
+            with self._lock:
+                self._ended.append(left)
 
     def take_ended(self) -> list[np.ndarray]:
         """The indices left by threads that ended since the last call."""

@@ -82,7 +82,7 @@ class RemoteHub(HubClient):
         self._control = RemoteControl(
             self._session, self.schema, self.config, self.events_address, local or None
         )
-        self._data = RemoteData(self._session, self.schema, self._control.abort)
+        self._data = RemoteData(self._session, self.schema, self._control)
         if self.unit_nodes and len(self.unit_nodes) != len(self.unit_addresses):
             self.close()
             raise ConfigError(

@@ -26,7 +26,7 @@ from flowrl._protocol import commands
 from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
 from flowrl._transport import wire
-from flowrl._transport.pools import Pool, Pools, ahead_cap
+from flowrl._transport.pools import Pool, Pools, ahead_cap, next_cap
 from flowrl._transport.session import Session
 from flowrl._transport.subscriber import EventRelay
 from flowrl.errors import FlowRLError
@@ -56,6 +56,7 @@ class RemoteControl(ControlPort):
         self._local_units = None if local_units is None else list(local_units)
         self._local = threading.local()  # this thread's pool of indices reserved ahead
         self._pool_block = ahead_cap(config.capacity)  # small puts reserve ahead (reserve)
+        self._next_cap = next_cap(config.capacity)  # batched ones with their commit
         self._pool_ttl = max(config.lease_timeout, RESERVATION_MIN_S) / 2
         self._pools = Pools()  # each thread's current pool, given back when it ends
 
@@ -95,6 +96,32 @@ class RemoteControl(ControlPort):
             self._local.pool = Pool(indices[n:], units, time.monotonic() + self._pool_ttl)
             self._pools.hold(self._local, self._local.pool)  # replaces the spent one
         return Reservation(indices[:n], reply.unit)
+
+    @property
+    def local_units(self) -> list[int] | None:
+        """The storage units new samples go to (None: any)."""
+        return self._local_units
+
+    def next_ask(self, n: int) -> int:
+        """How many indices a put of ``n`` new samples asks its commit to reserve for this
+        thread's next put: ``n`` for a batched put (small ones reserve ahead), unless the
+        thread's pool still holds that many."""
+        if n < self._pool_block or n > self._next_cap:
+            return 0
+        pool: Pool | None = getattr(self._local, "pool", None)
+        if pool is not None and time.monotonic() < pool.until and pool.free.sum() >= n:
+            return 0
+        return n
+
+    def pool_next(self, indices: np.ndarray, unit: int) -> None:
+        """Indices a commit reserved for this thread's next put (``next_ask``), on ``unit``;
+        what the thread's pool had left is given back with its next reserve."""
+        old: Pool | None = getattr(self._local, "pool", None)
+        if old is not None:
+            self._pools.retire(old)
+        units = np.full(indices.size, unit, dtype=np.int16)
+        self._local.pool = Pool(indices, units, time.monotonic() + self._pool_ttl)
+        self._pools.hold(self._local, self._local.pool)
 
     def forget_pool(self) -> None:
         self._local.pool = None

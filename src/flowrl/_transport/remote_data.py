@@ -1,8 +1,9 @@
 """The zmq data port: bytes to and from the storage unit servers, as zero-copy frames.
 
 A write carries its commit: the unit stores the bytes, then hands the commit to the
-controller, which answers the producer (one round trip for a put). Reads go to every unit
-involved at once; a unit on this machine lends its shared memory instead of copying.
+controller, which answers the producer (one round trip for a put, which also brings the
+next put's indices). A unit on this machine lends its shared memory: a large put's bytes
+are written there (``lanes``), and reads map it instead of copying.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from flowrl._transport.frames import (
     window_of,
 )
 from flowrl._transport.inflight import PutsInFlight
+from flowrl._transport.lanes import Lanes
+from flowrl._transport.remote_control import RemoteControl
 from flowrl._transport.session import Session
 from flowrl.errors import TransportError, UnknownIndexError
 
@@ -47,16 +50,17 @@ class RemoteData(DataPort):
     """Bytes sent to the storage units the session knows; ``abort`` gives back the
     indices of a refused put_async."""
 
-    def __init__(
-        self, session: Session, schema: Schema, abort: Callable[[np.ndarray], None]
-    ) -> None:
+    def __init__(self, session: Session, schema: Schema, control: RemoteControl) -> None:
         self._session = session
         self.schema = schema
-        # Units on this machine (ipc) let reads map their shared memory instead of copying.
+        self._control = control
+        # Units on this machine (ipc) let reads map their shared memory instead of copying,
+        # and lend it to puts (lanes).
         self.n_units = len(session.unit_addresses)
         self._shm = [a.startswith("ipc://") for a in session.unit_addresses]
         self._shm_maps = ShmMaps()
-        self.puts = PutsInFlight(session, self.discard, abort)
+        self._lanes = Lanes(session, self._shm)
+        self.puts = PutsInFlight(session, self.discard, control.abort)
 
     def write(
         self,
@@ -66,7 +70,7 @@ class RemoteData(DataPort):
         types: dict[str, Column],
         put_id: int = 0,
     ) -> None:
-        self._session.call(unit, *_write_request(indices, encoded, types, put_id=put_id))
+        self._session.call(unit, *self._write_request(unit, indices, encoded, types, put_id=put_id))
 
     def write_commit(
         self,
@@ -79,8 +83,12 @@ class RemoteData(DataPort):
         again: Callable[[], np.ndarray] | None,
     ) -> PutFuture | None:
         # The unit hands the commit on once the bytes are stored; the controller answers
-        # this thread's controller socket (or the unit, if it refused the write).
-        msg, frames = _write_request(
+        # this thread's controller socket (or the unit, if it refused the write). A new
+        # put that is waited for asks the controller to reserve the next put's indices
+        # with its answer (a put_async's answer is read elsewhere: it asks nothing).
+        reserve_next = self._control.next_ask(indices.size) if wait and commit.new else 0
+        msg, frames = self._write_request(
+            unit,
             indices,
             encoded,
             types,
@@ -88,12 +96,16 @@ class RemoteData(DataPort):
             controller=self._session.address,
             reply_to=self._session.routing_id(),
             put_id=commit.put_id,
+            reserve_next=reserve_next,
+            reserve_units=self._control.local_units if reserve_next else None,
         )
         if wait:
             session = self._session
             rid = session.send(unit, msg, frames)
             wait_s = session.reply_wait(unit, or_controller=True)
-            session.recv(unit, rid, wait_s, or_controller=True)
+            reply, _ = session.recv(unit, rid, wait_s, or_controller=True)
+            if isinstance(reply, wire.Reserved):
+                self._control.pool_next(wire.ints(reply.indices), reply.unit)
             return None
         columns = tuple(encoded)
         return self.puts.send(unit, msg, frames, indices, columns, new=commit.new, again=again)
@@ -195,22 +207,29 @@ class RemoteData(DataPort):
 
     def close(self) -> None:
         self._shm_maps.clear()
+        self._lanes.close()
 
-
-def _write_request(
-    indices: np.ndarray,
-    encoded: dict[str, Encoded],
-    types: dict[str, Column],
-    **commit: Any,
-) -> tuple[wire.Write, list[Any]]:
-    """A Write and its payload frames (one per buffer)."""
-    headers: list[ArrayHeader] = []
-    frames: list[Any] = []
-    for name, column in encoded.items():
-        header, buffers = encoded_frames(name, column)
-        headers.append(header)
-        frames.extend(buffers)
-    msg = wire.write_request(
-        indices.tobytes(), [types[name] for name in encoded], headers, **commit
-    )
-    return msg, frames
+    def _write_request(
+        self,
+        unit: int,
+        indices: np.ndarray,
+        encoded: dict[str, Encoded],
+        types: dict[str, Column],
+        **commit: Any,
+    ) -> tuple[wire.Write, list[Any]]:
+        """A Write and its payload frames (one per buffer; none when the payload went to
+        memory the unit lent)."""
+        headers: list[ArrayHeader] = []
+        frames: list[Any] = []
+        for name, column in encoded.items():
+            header, buffers = encoded_frames(name, column)
+            headers.append(header)
+            frames.extend(buffers)
+        lent = self._lanes.lend(unit, frames)
+        if lent is not None:
+            commit.update(lent)
+            frames = []
+        msg = wire.write_request(
+            indices.tobytes(), [types[name] for name in encoded], headers, **commit
+        )
+        return msg, frames

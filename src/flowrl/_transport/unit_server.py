@@ -2,7 +2,10 @@
 
 Writes arrive as a header frame followed by one frame per Arrow buffer; the arrays are
 built over the received frames without copying and kept as they are (a large write is
-copied once, whole, into the unit's shared memory instead). Reads answer with the same
+copied once, whole, into the unit's shared memory instead). A client on this machine
+writes a large put into shared memory the unit lent it (``Grant``; see
+``flowrl._transport.lanes``) and the write names where the bytes lie: the unit builds
+its arrays over them as they are. Reads answer with the same
 layout, sending Arrow memory zero-copy; a reader on the same machine is told where the
 bytes lie in shared memory instead, and for rows that one put wrote (the usual FIFO read)
 the unit names each column's whole chunk and the first row, which the reader slices: the
@@ -26,6 +29,7 @@ after ``STAGED_TTL_S``.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -51,6 +55,7 @@ from flowrl._transport.frames import (
     split_frames,
     to_frames_all,
 )
+from flowrl._transport.lanes import GRANT_IDLE_S
 from flowrl._transport.sockio import NOBLOCK, poll_in, recv_parts, send_parts
 from flowrl.errors import FlowRLError, SchemaError, TransportError, UnknownIndexError
 
@@ -62,6 +67,9 @@ log = logging.getLogger("flowrl.unit")
 MAX_CONTROLLERS = 4
 #: Seconds a staged write waits for the controller's verdict before it is forgotten.
 STAGED_TTL_S = 120.0
+#: Grants of shared memory a unit keeps (the least recently used goes: its client's next
+#: write there is refused, and a dead client's grant does not keep a segment for ever).
+MAX_GRANTS = 64
 
 
 class _InShm(NamedTuple):
@@ -69,6 +77,18 @@ class _InShm(NamedTuple):
 
     header: ArrayHeader
     refs: list[wire.ShmRef]
+
+
+class _Lent(NamedTuple):
+    """Shared memory lent to one client socket (``wire.Grant``): its view keeps the segment
+    alive; ``cursor[0]``: where the bytes not yet named by a write begin."""
+
+    ident: bytes
+    view: memoryview
+    path: str
+    offset: int
+    cursor: list[int]
+    used: list[float]  # when a write last named it (monotonic)
 
 
 class UnitServer:
@@ -83,7 +103,7 @@ class UnitServer:
         key: str | None = None,
     ) -> None:
         self.unit = StorageUnit.open(unit_id, capacity, journal)
-        self.arena = None if shm_folder is None else ShmArena(shm_folder)
+        self.arena = None if shm_folder is None else ShmArena(shm_folder, spare=True)
         self.columns: dict[str, Column] = dict(self.unit.declared)
         self.zctx: zmq.Context = zmq.Context.instance()
         self.key = None if key is None else HubKey.parse(key)
@@ -98,6 +118,9 @@ class UnitServer:
         # staged writes by the time their verdict is given up on; requests that wait for one
         self._staged: collections.deque[tuple[float, int]] = collections.deque()
         self._waiting: list[tuple[list[Any], np.ndarray]] = []
+        self._lent: collections.OrderedDict[int, _Lent] = collections.OrderedDict()
+        self._grant_of: dict[bytes, int] = {}  # client socket -> its latest grant
+        self._grant_ids = itertools.count(1)
         self.running = True
 
     def serve(self) -> None:
@@ -201,7 +224,7 @@ class UnitServer:
             if isinstance(msg, wire.Write) and msg.has_commit:
                 self._write_and_hand_on(ident, rid, msg, frames[3:])
                 return
-            reply = self._dispatch(msg, frames[3:], out)
+            reply = self._dispatch(ident, msg, frames[3:], out)
         except wire.Malformed as exc:  # a broken or hostile client: one line, no traceback
             log.warning("storage unit %d refused a request: %s", self.unit.unit_id, exc)
             reply, out = wire.error_of(exc), []
@@ -228,7 +251,7 @@ class UnitServer:
             self._forward(ident, rid, msg)
 
         try:
-            self._write(msg, payload, hand_on)
+            self._write(ident, msg, payload, hand_on)
         except Exception:
             if not handed:
                 raise  # refused: the producer gets the error
@@ -237,7 +260,7 @@ class UnitServer:
     def _stage(self, ident: bytes, rid: bytes, msg: wire.Write, payload: list[Any]) -> None:
         """Stage a write to existing samples; hand its commit on (or answer the producer,
         which commits itself)."""
-        indices, build, types, tags = self._prepare(msg, payload)
+        indices, build, types, tags = self._prepare(ident, msg, payload)
         self.unit.stage(msg.put_id, indices, build, types, tags)
         self.columns = types
         self._staged.append((time.monotonic() + STAGED_TTL_S, msg.put_id))
@@ -250,7 +273,14 @@ class UnitServer:
         """The controller answers the producer (``msg.reply_to``, its routing id there) under
         the producer's request id; a refused commit leaves the bytes for the producer to
         discard, as a direct commit would. The commit goes on as the producer encoded it."""
-        handoff = wire.encode(wire.CommitFor(commit=msg.commit, reply_to=msg.reply_to))
+        handoff = wire.encode(
+            wire.CommitFor(
+                commit=msg.commit,
+                reply_to=msg.reply_to,
+                reserve_next=msg.reserve_next,
+                reserve_units=msg.reserve_units,
+            )
+        )
         try:
             send_parts(self._controller(msg.controller), [rid, handoff], flags=NOBLOCK)
         except zmq.ZMQError as exc:
@@ -270,6 +300,52 @@ class UnitServer:
         return sock
 
     # -- shared memory ------------------------------------------------------------------------
+    def _grant(self, ident: bytes, size: int) -> wire.Granted:
+        """Lend ``size`` fresh bytes of the arena to the client socket ``ident``."""
+        placed = None
+        if self.arena is not None and 0 < size <= self.arena.segment_bytes:
+            placed = self.arena.allocate(size)
+        if placed is None:
+            return wire.Granted(grant=0)
+        grant = next(self._grant_ids)
+        # A client socket writes to its latest grant only (its earlier writes, sent on the
+        # same socket, arrived first): the one before is let go, and with it its segment.
+        self._lent.pop(self._grant_of.pop(ident, 0), None)
+        now = time.monotonic()
+        self._lent[grant] = _Lent(ident, placed.view, placed.path, placed.offset, [0], [now])
+        self._grant_of[ident] = grant
+        # Grants of clients gone (or idle: a client asks anew after GRANT_IDLE_S / 2) go.
+        while len(self._lent) > MAX_GRANTS or self._oldest_idle(now):
+            self._grant_of.pop(self._lent.popitem(last=False)[1].ident, None)
+        return wire.Granted(grant=grant, path=placed.path, offset=placed.offset, size=size)
+
+    def _oldest_idle(self, now: float) -> bool:
+        oldest = next(iter(self._lent.values()))
+        return now - oldest.used[0] > GRANT_IDLE_S
+
+    def _lent_buffers(self, ident: bytes, msg: wire.Write, payload: list[Any]) -> list[Any]:
+        """The buffers a write names in lent memory (each after the previous, none named
+        before: a lent byte is written once, so stored arrays never change)."""
+        lent = self._lent.get(msg.grant)
+        if lent is None or lent.ident != ident or payload or msg.refs is None:
+            raise wire.Malformed(
+                f"a write names shared memory of grant {msg.grant}, which this unit did not "
+                "lend to its sender (or no longer holds: it keeps the latest "
+                f"{MAX_GRANTS}), or sends frames as well"
+            )
+        self._lent.move_to_end(msg.grant)
+        lent.used[0] = time.monotonic()
+        bufs = []
+        cursor, size = lent.cursor[0], lent.view.nbytes
+        for ref in msg.refs:
+            start = ref.offset - lent.offset
+            if ref.path != lent.path or start < cursor or start + ref.size > size:
+                raise wire.Malformed("a write names shared memory outside its grant's free part")
+            bufs.append(lent.view[start : start + ref.size])
+            cursor = start + ref.size
+        lent.cursor[0] = cursor
+        return bufs
+
     def _copy_in(self, bufs: list[Any]) -> tuple[list[Any], list[wire.ShmRef] | None]:
         """An array's buffers copied into the arena, and where they lie there (None unless
         all of them fit: those that did not stay where they are)."""
@@ -289,14 +365,18 @@ class UnitServer:
         return None if where is None else wire.ShmRef(where[0], where[1], buf.size)
 
     def _write(
-        self, msg: wire.Write, payload: list[Any], on_accepted: Callable[[], None] | None = None
+        self,
+        ident: bytes,
+        msg: wire.Write,
+        payload: list[Any],
+        on_accepted: Callable[[], None] | None = None,
     ) -> None:
-        indices, build, types, tags = self._prepare(msg, payload)
+        indices, build, types, tags = self._prepare(ident, msg, payload)
         self.unit.write(indices, build, types, on_accepted, tags)
         self.columns = types  # learnt only from a write that succeeded
 
     def _prepare(
-        self, msg: wire.Write, payload: list[Any]
+        self, ident: bytes, msg: wire.Write, payload: list[Any]
     ) -> tuple[np.ndarray, Callable[[], dict[str, pa.Array]], dict[str, Column], dict[str, Any]]:
         """A write's indices, the function building its arrays (into shared memory when
         large), its columns' types and the tags ``build`` fills; checked, nothing built."""
@@ -313,38 +393,48 @@ class UnitServer:
                     f"write declares column {col.name!r} as {col.describe()}, but this "
                     f"unit holds it as {types[col.name].describe()}"
                 )
+        # The payload: frames, or the bytes the producer wrote in lent shared memory.
+        lent = msg.grant != 0
+        buffers = self._lent_buffers(ident, msg, payload) if lent else [f.buffer for f in payload]
+        refs_of = split_frames(msg.arrays, msg.refs or [], "write request") if lent else None
         checked = []
-        for header, frames in zip(
-            msg.arrays, split_frames(msg.arrays, payload, "write request"), strict=True
+        for i, (header, bufs) in enumerate(
+            zip(msg.arrays, split_frames(msg.arrays, buffers, "write request"), strict=True)
         ):
             known = types.get(header.column)
             if known is None:
                 raise SchemaError(f"write names column {header.column!r} without its type")
             if header.length != indices.size:
                 raise TransportError(f"column {header.column!r}: length != number of indices")
-            bufs = [f.buffer for f in frames]
-            checked.append((header, bufs, check_frames(known, header, bufs)))
+            lent_refs = None if refs_of is None else refs_of[i]
+            checked.append((header, bufs, check_frames(known, header, bufs), lent_refs))
         # A write large enough to be read in place goes to shared memory whole, so a read
         # of its rows can name its chunks' buffers instead of slicing them (see _dispatch).
-        to_shm = self.arena is not None and sum(f.buffer.nbytes for f in payload) >= SHM_MIN_BYTES
+        to_shm = (
+            not lent
+            and self.arena is not None
+            and sum(f.buffer.nbytes for f in payload) >= SHM_MIN_BYTES
+        )
         tags: dict[str, _InShm] = {}  # (filled as the arrays are built, before they are filed)
 
         def build() -> dict[str, pa.Array]:
             arrays = {}
-            for header, bufs, build_array in checked:
+            for header, bufs, build_array, refs in checked:
                 if to_shm:
                     bufs, refs = self._copy_in(bufs)
-                    if refs is not None:
-                        tags[header.column] = _InShm(header, refs)
+                if refs is not None:
+                    tags[header.column] = _InShm(header, refs)
                 arrays[header.column] = build_array(bufs)
             return arrays
 
         return indices, build, types, tags
 
-    def _dispatch(self, msg: Any, payload: list[Any], out: list[Any]) -> Any:
+    def _dispatch(self, ident: bytes, msg: Any, payload: list[Any], out: list[Any]) -> Any:
         if isinstance(msg, wire.Write):
-            self._write(msg, payload)
+            self._write(ident, msg, payload)
             return wire.Done()
+        if isinstance(msg, wire.Grant):
+            return self._grant(ident, msg.size)
         if isinstance(msg, wire.Read):
             indices = wire.ints(msg.indices)
             if msg.shm and self.arena is not None:

@@ -112,6 +112,8 @@ class CommitFor(_Msg, frozen=True, tag="commit_for"):
 
     commit: msgspec.Raw
     reply_to: bytes
+    reserve_next: NonNeg = 0  # (as the Write asked)
+    reserve_units: list[NonNeg] | None = None
 
 
 class Stats(_Msg, frozen=True, tag="stats"):
@@ -138,6 +140,14 @@ class Shutdown(_Msg, frozen=True, tag="shutdown"):
 NO_COMMIT = msgspec.Raw(b"\xc0")
 
 
+class ShmRef(msgspec.Struct, frozen=True, array_like=True):
+    """Where a buffer lies in a storage unit's shared memory (``flowrl._store.shm``)."""
+
+    path: str
+    offset: NonNeg
+    size: NonNeg
+
+
 class Write(_Msg, frozen=True, tag="write"):
     """Build one with :func:`write_request`.
 
@@ -159,10 +169,27 @@ class Write(_Msg, frozen=True, tag="write"):
     # unless it holds every one of them, else stages the bytes under this id until the
     # controller settles the commit (Settle); 0: stored at once (new samples).
     put_id: NonNeg = 0
+    # A write whose payload the producer wrote into the unit's shared memory itself, in
+    # the bytes the unit lent it (``Grant``): where each buffer lies, in frame order; no
+    # payload frames follow.
+    grant: NonNeg = 0
+    refs: list[ShmRef] | None = None
+    # With a commit: the controller reserves this many indices for the producer's next
+    # put with it (on ``reserve_units``, None: any), as room allows, and answers Reserved.
+    reserve_next: NonNeg = 0
+    reserve_units: list[NonNeg] | None = None
 
     @property
     def has_commit(self) -> bool:
         return self.commit != NO_COMMIT
+
+
+class Grant(_Msg, frozen=True, tag="grant"):
+    """Lend ``size`` bytes of the unit's shared memory to the asking client (same machine,
+    same user): it writes put payloads there itself, in order, and names them in
+    ``Write.refs`` instead of sending frames. Answered with :class:`Granted`."""
+
+    size: NonNeg
 
 
 class Read(_Msg, frozen=True, tag="read"):
@@ -236,6 +263,7 @@ Request = (
     | Ping
     | Shutdown
     | Write
+    | Grant
     | Read
     | Evict
     | Settle
@@ -272,6 +300,16 @@ class Reserved(_Msg, frozen=True, tag="reserved"):
     units: bytes | None = None  # int16 per index, when indices were reserved ahead
 
 
+class Granted(_Msg, frozen=True, tag="granted"):
+    """Bytes a unit lent (``Grant``): ``size`` at ``offset`` of segment ``path``; grant 0:
+    none (the unit has no shared memory, or no room in it)."""
+
+    grant: NonNeg
+    path: str = ""
+    offset: NonNeg = 0
+    size: NonNeg = 0
+
+
 class Pong(_Msg, frozen=True, tag="pong"):
     parked: bool  # the request a Ping named waits in the controller
 
@@ -290,14 +328,6 @@ class StatsReply(_Msg, frozen=True, tag="stats_reply"):
 
 class UnitStatsReply(_Msg, frozen=True, tag="unit_stats_reply"):
     stats: UnitStats
-
-
-class ShmRef(msgspec.Struct, frozen=True, array_like=True):
-    """Where a buffer lies in a storage unit's shared memory (``flowrl._store.shm``)."""
-
-    path: str
-    offset: NonNeg
-    size: NonNeg
 
 
 class Arrays(_Msg, frozen=True, tag="arrays"):
@@ -319,6 +349,7 @@ Reply = (
     | Error
     | Welcome
     | Reserved
+    | Granted
     | Pong
     | Units
     | MetaReply
@@ -340,9 +371,11 @@ def write_request(
     controller: str = "",
     reply_to: bytes = b"",
     put_id: int = 0,
+    **lent: Any,
 ) -> Write:
-    """A :class:`Write` of ``arrays`` (declared as ``columns``), with its commit if any;
-    ConfigError for a value msgpack cannot carry, as :func:`encode`."""
+    """A :class:`Write` of ``arrays`` (declared as ``columns``), with its commit if any
+    (``lent``: ``grant``/``refs``, ``reserve_next``/``reserve_units``); ConfigError for a
+    value msgpack cannot carry, as :func:`encode`."""
     return Write(
         indices=indices,
         columns=msgspec.Raw(encode(columns)),
@@ -351,6 +384,7 @@ def write_request(
         controller=controller,
         reply_to=reply_to,
         put_id=put_id,
+        **lent,
     )
 
 

@@ -28,9 +28,12 @@ import msgspec
 import numpy as np
 
 from flowrl._client.base import HubClient
+from flowrl._client.future import PutFuture
+from flowrl._client.inproc import Hub
 from flowrl._controller.meta import BatchMeta
 from flowrl._controller.samplers import BalancedSampler
 from flowrl._pipeline.constants import POLL_S
+from flowrl._pipeline.prefetch import Prefetcher, Stopped
 from flowrl._pipeline.stage import Rows, StageContext, StageSpec
 from flowrl.errors import (
     EndOfStream,
@@ -143,32 +146,139 @@ def _consume(
     # not pass for the holder of its predecessor's leases (end of stream does not wait for
     # the claimer's own leases, and those will only expire).
     consumer = f"{spec.name}/{worker}/{uuid.uuid4().hex[:8]}"
-    while not stop.is_set():
-        try:
-            meta = hub.claim(
-                spec.name,
-                spec.batch_size,
-                sampler=spec.sampler,
-                min_n=spec.min_batch,
-                timeout=POLL_S,
-                dp_rank=worker if balanced else 0,
-                lease_timeout=spec.lease_timeout,
-                consumer=consumer,
-            )
-        except Timeout:
-            continue
-        except EndOfStream:
-            if spec.outputs:
-                hub.end_stream(spec.outputs)
-            return True
-        except Exception as exc:
-            raise _stage_error(spec, exc, (), "while claiming") from exc
-        try:
-            _process(spec, fn, hub, stop, meta, counters)
-        except Exception as exc:
-            _release(hub, meta)
-            raise _stage_error(spec, exc, tuple(meta.indices.tolist()), "on samples") from exc
+
+    def claim(stopping: Callable[[], bool] = stop.is_set) -> BatchMeta:
+        """The next batch; StopIteration at the end of the stream."""
+        while True:
+            if stopping():
+                raise Stopped
+            try:
+                return hub.claim(
+                    spec.name,
+                    spec.batch_size,
+                    sampler=spec.sampler,
+                    min_n=spec.min_batch,
+                    timeout=POLL_S,
+                    dp_rank=worker if balanced else 0,
+                    lease_timeout=spec.lease_timeout,
+                    consumer=consumer,
+                )
+            except Timeout:
+                continue
+            except EndOfStream:
+                raise StopIteration from None
+            except Exception as exc:
+                raise _stage_error(spec, exc, (), "while claiming") from exc
+
+    rounds = _Rounds(spec, hub, counters, claim, pipelined=not isinstance(hub, Hub))
+    try:
+        while not stop.is_set():
+            try:
+                meta, batch = rounds.next()
+            except StopIteration:
+                rounds.finish()
+                if spec.outputs:
+                    hub.end_stream(spec.outputs)
+                return True
+            except Stopped:
+                break
+            try:
+                _process(spec, fn, hub, stop, meta, batch, counters, rounds)
+            except Exception as exc:
+                _release(hub, meta)
+                raise _stage_error(spec, exc, tuple(meta.indices.tolist()), "on samples") from exc
+    finally:
+        rounds.close()
     return False
+
+
+class _Rounds:
+    """A consuming worker's rounds. Pipelined (over processes): a thread claims and reads
+    the next batch while the stage computes this one (``Prefetcher``, one ahead), and a
+    round's output goes out with ``put_async`` (written and acked in one step, as
+    ``put``), answered while the next round computes; its answer is waited for before
+    the next output is sent, so at most one is in flight. A worker that dies loses
+    nothing: the claim read ahead and an output not committed leave leases that expire.
+    """
+
+    def __init__(
+        self,
+        spec: StageSpec,
+        hub: HubClient,
+        counters: _Counters,
+        claim: Callable[..., BatchMeta],
+        *,
+        pipelined: bool,
+    ) -> None:
+        self._spec, self._hub, self._counters, self._claim = spec, hub, counters, claim
+        self._ahead = Prefetcher(hub, self._claim_ahead, 1, hub.ack) if pipelined else None
+        self._sent: tuple[PutFuture, BatchMeta] | None = None
+
+    def _claim_ahead(self) -> BatchMeta:
+        return self._claim(self._stopping)
+
+    def _stopping(self) -> bool:
+        return self._ahead is not None and self._ahead.stopping
+
+    def next(self) -> tuple[BatchMeta, Any]:
+        """The next batch and its data; StopIteration at the end of the stream."""
+        if self._ahead is not None:
+            try:
+                return self._ahead.take()
+            except (StopIteration, Stopped, StageError):
+                raise
+            except Exception as exc:  # its read failed (the batch went back)
+                raise _stage_error(self._spec, exc, (), "reading a batch") from exc
+        meta = self._claim()
+        try:
+            return meta, self._hub.get(meta)
+        except Exception as exc:
+            _release(self._hub, meta)
+            indices = tuple(meta.indices.tolist())
+            raise _stage_error(self._spec, exc, indices, "on samples") from exc
+
+    def put(self, meta: BatchMeta, rows: Rows, kept: np.ndarray) -> None:
+        """Write a round's outputs to ``kept`` and ack ``meta`` with them."""
+        self.settle()
+        sent = self._hub.put_async(
+            rows.data,
+            indices=kept,
+            groups=rows.groups,
+            version=rows.version,
+            tokens=rows.tokens,
+            producer=self._spec.name,
+            ack=meta,
+        )
+        self._sent = (sent, meta)
+        if self._ahead is None:  # one round at a time: its answer now
+            self.settle()
+
+    def settle(self) -> None:
+        """Wait for the output in flight; count it, or count it expired (dropped)."""
+        sent, self._sent = self._sent, None
+        if sent is None:
+            return
+        try:
+            sent[0].result()
+        except (LeaseError, UnknownIndexError):
+            _expired(self._spec, self._counters)
+            return
+        self._counted(sent[1])
+
+    def _counted(self, meta: BatchMeta) -> None:
+        self._counters.batches += 1
+        self._counters.samples += len(meta)
+
+    def finish(self) -> None:
+        """The stream ended: the last output must land before the outputs' stream ends."""
+        self.settle()
+
+    def close(self) -> None:
+        """Give back the batch read ahead; let the output in flight land."""
+        if self._ahead is not None:
+            self._ahead.close()
+        with contextlib.suppress(Exception):  # (a failure already surfaces)
+            self.settle()
 
 
 def _process(
@@ -177,9 +287,10 @@ def _process(
     hub: HubClient,
     stop: Stop,
     meta: BatchMeta,
+    batch: Any,
     counters: _Counters,
+    rounds: _Rounds,
 ) -> None:
-    batch = hub.get(meta)
     t0 = time.perf_counter()
     out = fn(batch)
     counters.busy_s += time.perf_counter() - t0
@@ -196,31 +307,28 @@ def _process(
         if spec.outputs and kept.size:
             # Written and acked in one step: a worker that dies never leaves its outputs
             # written but its claim unacked (the samples would be processed again).
-            hub.put(
-                rows.data,
-                indices=kept,
-                groups=rows.groups,
-                version=rows.version,
-                tokens=rows.tokens,
-                producer=spec.name,
-                ack=meta,
-            )
-        elif kept.size:
+            rounds.put(meta, rows, kept)
+            return
+        if kept.size:
             hub.ack(meta, None if keep is None else kept)
     except (LeaseError, UnknownIndexError):
-        # The lease ran out while the stage computed: the samples went back to the hub and
-        # another worker has them (and may have finished them: a storage unit that reused
-        # their slots refuses the write as stale). Nothing of this batch was written; drop
-        # the result. (Samples under a live lease are never evicted.)
-        log.warning(
-            "stage %r: a batch's lease expired while it ran; its samples were handed out "
-            "again and this result is dropped (raise the stage's lease_timeout)",
-            spec.name,
-        )
-        counters.expired += 1
+        _expired(spec, counters)
         return
     counters.batches += 1
     counters.samples += len(meta)
+
+
+def _expired(spec: StageSpec, counters: _Counters) -> None:
+    """The lease ran out while the stage computed: the samples went back to the hub and
+    another worker has them (and may have finished them: a storage unit that reused their
+    slots refuses the write as stale). Nothing of this batch was written; the result is
+    dropped. (Samples under a live lease are never evicted.)"""
+    log.warning(
+        "stage %r: a batch's lease expired while it ran; its samples were handed out "
+        "again and this result is dropped (raise the stage's lease_timeout)",
+        spec.name,
+    )
+    counters.expired += 1
 
 
 def _keep_mask(spec: StageSpec, keep: Any, n: int) -> np.ndarray:

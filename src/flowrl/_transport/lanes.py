@@ -1,0 +1,122 @@
+"""Put payloads written straight into a storage unit's shared memory (same machine).
+
+A large put over zmq used to cost four copies of its bytes: into the socket, out of it,
+into the unit's shared memory (where reads find them in place), and the kernel's in
+between. Instead, a unit on this machine lends each client thread a stretch of its
+arena (``wire.Grant``, ``GRANT_BYTES`` at a time); the thread copies a put's buffers
+there once, in order, and the write names where they lie (``Write.refs``) instead of
+carrying them. The unit builds its arrays over those bytes as they are: one copy in all,
+and the socket carries a few hundred bytes.
+
+Each lent byte is written once (the thread moves on, and the unit refuses a write naming
+bytes before the last one named), so stored arrays never change under a reader. A unit
+keeps a client socket's latest grant only, and lets go of one idle for ``GRANT_IDLE_S``
+(a dead client's would keep its segment); a client asks anew after half that. The
+segments are the unit's: mode 0600, mapped only by processes of the same user, which
+could write each other's memory anyway. Where a unit lends nothing (no ``/dev/shm``, no
+room, another machine), puts send frames as before.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from flowrl._store.shm import SHM_MIN_BYTES, ShmUnavailable, map_lent
+from flowrl._transport import wire
+from flowrl._transport.session import Session
+
+__all__ = ["GRANT_BYTES", "GRANT_IDLE_S", "Lanes"]
+
+#: Shared memory a unit lends a client thread at a time (more for a larger put).
+GRANT_BYTES = 16 << 20
+#: A unit lets go of a grant no write named for this long (its client may be gone: the
+#: grant keeps its segment); a client asks for a new one after half of it.
+GRANT_IDLE_S = 60.0
+_ALIGN = 64  # each buffer starts on a cache line
+
+
+class _Lane:
+    """A thread's current grant on one unit: the mapped segment and the bytes left."""
+
+    __slots__ = ("end", "grant", "map", "next", "path", "used", "view")
+
+    def __init__(self, grant: wire.Granted, seg: mmap.mmap) -> None:
+        self.grant = grant.grant
+        self.path = grant.path
+        self.map = seg
+        self.view = memoryview(seg)
+        self.next = grant.offset  # segment offset of the first free byte
+        self.end = grant.offset + grant.size
+        self.used = time.monotonic()
+
+
+class Lanes:
+    """Each thread's lanes to the units of a session (``lend``: write a put's buffers
+    there, or None where the unit lends nothing)."""
+
+    def __init__(self, session: Session, same_machine: Sequence[bool]) -> None:
+        self._session = session
+        self._usable = list(same_machine)  # per unit: False once it lent nothing
+        self._local = threading.local()
+
+    def lend(self, unit: int, buffers: Sequence[Any]) -> dict[str, Any] | None:
+        """Copy ``buffers`` into memory ``unit`` lent this thread; the Write fields that
+        name them (``grant``, ``refs``), or None: send them as frames (small, or the unit
+        lends nothing)."""
+        if not self._usable[unit]:
+            return None
+        views = [_bytes_of(buf) for buf in buffers]
+        total = sum(-(-v.nbytes // _ALIGN) * _ALIGN for v in views)
+        if total < SHM_MIN_BYTES:
+            return None
+        lane = self._lane(unit, total)
+        if lane is None:
+            return None
+        refs = []
+        at, base, dest = lane.next, lane.next, lane.view
+        for view in views:
+            size = view.nbytes
+            dest[at : at + size] = view
+            refs.append(wire.ShmRef(lane.path, at, size))
+            at += -(-size // _ALIGN) * _ALIGN
+        lane.next = base + total
+        return {"grant": lane.grant, "refs": refs}
+
+    def close(self) -> None:
+        """Unmap every thread's lanes (the client closes: the segments can go)."""
+        self._local = threading.local()
+        self._usable = [False] * len(self._usable)
+
+    def _lane(self, unit: int, need: int) -> _Lane | None:
+        lanes: dict[int, _Lane] | None = getattr(self._local, "lanes", None)
+        if lanes is None:
+            lanes = self._local.lanes = {}
+        lane = lanes.get(unit)
+        now = time.monotonic()
+        if lane is not None and lane.end - lane.next >= need and now - lane.used < GRANT_IDLE_S / 2:
+            lane.used = now
+            return lane
+        granted = self._session.call(unit, wire.Grant(size=max(GRANT_BYTES, need)))[0]
+        if not isinstance(granted, wire.Granted) or granted.grant == 0:
+            self._usable[unit] = False  # no shared memory there (or none left): frames
+            lanes.pop(unit, None)
+            return None
+        try:
+            seg = lane.map if lane is not None and lane.path == granted.path else None
+            lane = _Lane(granted, seg or map_lent(granted.path))
+        except ShmUnavailable:  # another machine's (or user's) /dev/shm
+            self._usable[unit] = False
+            lanes.pop(unit, None)
+            return None
+        lanes[unit] = lane
+        return lane
+
+
+def _bytes_of(buf: Any) -> memoryview:
+    """A buffer's bytes, flat."""
+    view = memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")

@@ -1,0 +1,132 @@
+"""A zmq put's payload written into the storage unit's lent shared memory, and the next
+put's indices reserved with a put's commit (issue 28, puts at the speed of the wire)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import flowrl
+from flowrl import Column, HubConfig
+from flowrl._protocol import commands
+from flowrl._transport import wire
+from flowrl._transport.frames import encoded_frames
+from flowrl.errors import TransportError
+
+pytestmark = pytest.mark.integration
+
+COLUMNS = [Column.ragged("ids", "int64"), Column.scalar("reward", "float32")]
+SEQ = 4096  # 32 KiB a sample: a put of 4 is past the 64 KiB a lane is used from
+
+
+@pytest.fixture
+def hub() -> Iterator[Any]:
+    h = flowrl.launch_hub(
+        COLUMNS, tasks={"train": ["ids", "reward"]}, config=HubConfig(capacity=1024)
+    )
+    yield h
+    h.close()
+
+
+def batch(n: int, start: int = 0) -> dict[str, Any]:
+    cu = np.arange(n + 1, dtype=np.int64) * SEQ
+    ids = np.arange(start * SEQ, (start + n) * SEQ, dtype=np.int64)
+    return {
+        "ids": flowrl.RaggedArray(ids, cu),
+        "reward": np.arange(start, start + n, dtype=np.float32),
+    }
+
+
+def test_a_large_put_goes_through_lent_memory_and_reads_back(hub: Any) -> None:
+    for k in range(3):
+        hub.put(batch(4, start=4 * k))
+    lanes = hub._data._lanes
+    assert lanes._usable == [True] and 0 in lanes._local.lanes  # the unit lent memory
+    meta = hub.claim("train", 12, timeout=5)
+    got = hub.get(meta)
+    ids, cu = got.packed("ids")
+    assert np.array_equal(ids, np.arange(12 * SEQ)) and cu[-1] == 12 * SEQ
+    assert got["reward"].tolist() == list(range(12))
+    hub.ack(meta)
+
+
+def _lent_write(hub: Any, grant: int, refs: list[wire.ShmRef], indices: np.ndarray) -> Any:
+    data = hub.schema.encode_all(batch(indices.size), None, "test")[0]
+    headers = [encoded_frames(name, enc)[0] for name, enc in data.items()]
+    msg = wire.write_request(indices.tobytes(), list(COLUMNS), headers, grant=grant, refs=refs)
+    return hub._session.call(0, msg)
+
+
+def test_a_write_naming_memory_outside_its_grant_is_refused(hub: Any) -> None:
+    hub.put(batch(4))  # this thread's lane holds a grant now
+    lane = hub._data._lanes._local.lanes[0]
+    idx, _ = hub._session.call(None, commands.Reserve(n=4))[0].indices, None
+    indices = wire.ints(idx)
+    used = lane.next - 64  # bytes an earlier write named: written once only
+    cases = {
+        "before the free part": (lane.grant, [wire.ShmRef(lane.path, used, 64)] * 3),
+        "past the grant": (lane.grant, [wire.ShmRef(lane.path, lane.end - 8, 64)] * 3),
+        "another segment": (lane.grant, [wire.ShmRef(lane.path + "x", lane.next, 8)] * 3),
+        "a grant never lent": (lane.grant + 1000, [wire.ShmRef(lane.path, lane.next, 8)] * 3),
+    }
+    before = hub.statistics().units[0]
+    for what, (grant, refs) in cases.items():
+        with pytest.raises(TransportError, match="shared memory"):
+            _lent_write(hub, grant, refs, indices)
+        assert hub.statistics().units[0] == before, what  # nothing stored
+
+
+def test_a_grant_is_its_sockets_only(hub: Any) -> None:
+    import threading
+
+    hub.put(batch(4))
+    lane = hub._data._lanes._local.lanes[0]
+    idx = wire.ints(hub._session.call(None, commands.Reserve(n=4))[0].indices)
+    errors: list[BaseException] = []
+
+    def other_thread() -> None:  # another socket of the client names this thread's grant
+        try:
+            _lent_write(hub, lane.grant, [wire.ShmRef(lane.path, lane.next, 8)] * 3, idx)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and "did not lend to its sender" in str(errors[0])
+
+
+def test_a_batched_put_reserves_the_next_ones_indices_and_close_gives_them_back(
+    hub: Any,
+) -> None:
+    producer = flowrl.connect(hub.address)
+    try:
+        first = producer.put(batch(32))
+        pool = producer._control._local.pool
+        assert pool.indices.size == 32 and pool.free.all()  # the commit reserved the next 32
+        assert hub.statistics().reserved_ahead == 32
+        second = producer.put(batch(32))
+        assert second.tolist() == pool.indices.tolist() and first.max() < second.min()
+    finally:
+        producer.close()  # gives back what the last put reserved
+    stats = hub.statistics()
+    assert stats.reserved == stats.reserved_ahead == 0 and stats.live == 64
+
+
+def test_a_lane_idle_for_half_the_units_patience_asks_for_a_new_grant(hub: Any) -> None:
+    """A unit lets go of grants idle for GRANT_IDLE_S (a dead client's would keep its
+    segment): a client asks anew after half that, so its puts never name a dropped one."""
+    from flowrl._transport.lanes import GRANT_IDLE_S
+
+    hub.put(batch(4))
+    lane = hub._data._lanes._local.lanes[0]
+    hub.put(batch(4, start=4))
+    assert hub._data._lanes._local.lanes[0].grant == lane.grant  # still the same grant
+    lane.used -= GRANT_IDLE_S / 2
+    hub.put(batch(4, start=8))
+    assert hub._data._lanes._local.lanes[0].grant != lane.grant
+    meta = hub.claim("train", 12, timeout=5)
+    assert hub.get(meta)["reward"].tolist() == list(range(12))

@@ -19,7 +19,15 @@ if typing.TYPE_CHECKING:
     from flowrl._client.batch import Batch
     from flowrl._client.future import PutFuture
     from flowrl._client.inproc import Hub
-    from flowrl._config import HubConfig, HubStats, JournalConfig, TaskStats, UnitStats
+    from flowrl._config import (
+        ColumnStats,
+        HubConfig,
+        HubStats,
+        JournalConfig,
+        Readiness,
+        TaskStats,
+        UnitStats,
+    )
     from flowrl._controller.meta import BatchMeta
     from flowrl._controller.samplers import (
         BalancedSampler,
@@ -73,6 +81,7 @@ __all__ = [
     "CandidateView",
     "ChromeTrace",
     "Column",
+    "ColumnStats",
     "Dashboard",
     "Executor",
     "FifoSampler",
@@ -95,6 +104,7 @@ __all__ = [
     "RayExecutor",
     "RayWeightPublisher",
     "RayWeightSubscriber",
+    "Readiness",
     "RemoteHub",
     "Rows",
     "RunResult",
@@ -135,6 +145,7 @@ _HOMES: dict[str, str] = {
     "CandidateView": "flowrl._controller.samplers",
     "ChromeTrace": "flowrl._observers.trace",
     "Column": "flowrl._schema.columns",
+    "ColumnStats": "flowrl._config",
     "Dashboard": "flowrl._observers.dashboard",
     "Executor": "flowrl._pipeline.executors.base",
     "FifoSampler": "flowrl._controller.samplers",
@@ -157,6 +168,7 @@ _HOMES: dict[str, str] = {
     "RayExecutor": "flowrl._pipeline.executors.ray",
     "RayWeightPublisher": "flowrl._weights.object_store",
     "RayWeightSubscriber": "flowrl._weights.object_store",
+    "Readiness": "flowrl._config",
     "RemoteHub": "flowrl._transport.remote",
     "Rows": "flowrl._pipeline.stage",
     "RunResult": "flowrl._pipeline.result",

@@ -9,7 +9,20 @@ import msgspec
 from flowrl._validate import is_int
 from flowrl.errors import ConfigError
 
-__all__ = ["HubConfig", "HubStats", "JournalConfig", "TaskStats", "UnitStats"]
+__all__ = [
+    "STALENESS_BUCKETS",
+    "ColumnStats",
+    "HubConfig",
+    "HubStats",
+    "JournalConfig",
+    "Readiness",
+    "TaskStats",
+    "UnitStats",
+]
+
+#: Upper bounds of the staleness histogram's buckets: policy versions an acked sample was
+#: behind the newest (``TaskStats.staleness`` has one more bucket, for beyond the last).
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
 
 
 @final
@@ -111,9 +124,38 @@ class HubConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TaskStats(msgspec.Struct, frozen=True):
+    """One task's queue now (``ready``, ``leased``, ``consumed``: live samples it acked)
+    and what it did since the controller started: samples ``claimed``, ``acked``,
+    ``released`` and whose lease ``expired``; ``busy_s``, seconds with at least one
+    lease open; ``staleness``, acked samples per bucket of :data:`STALENESS_BUCKETS`
+    (policy versions behind the newest at the ack; the last bucket: beyond them), and
+    ``staleness_sum``, those lags added up."""
+
     ready: int
     leased: int
     consumed: int
+    claimed: int = 0
+    acked: int = 0
+    released: int = 0
+    expired: int = 0
+    busy_s: float = 0.0
+    staleness: tuple[int, ...] = (0,) * (len(STALENESS_BUCKETS) + 1)
+    staleness_sum: int = 0
+
+
+class ColumnStats(msgspec.Struct, frozen=True):
+    """Samples and bytes put to one column since the controller started."""
+
+    samples: int
+    nbytes: int
+
+
+class Readiness(msgspec.Struct, frozen=True):
+    """The newest live samples (``indices``, oldest first) and, per column, which of
+    them have it ready: the live page's heat strip."""
+
+    indices: tuple[int, ...] = ()
+    ready: dict[str, tuple[bool, ...]] = msgspec.field(default_factory=dict)
 
 
 class UnitStats(msgspec.Struct, frozen=True):
@@ -142,3 +184,6 @@ class HubStats(msgspec.Struct, frozen=True, kw_only=True):
     # re-sent idempotent puts (a producer's seq the hub held) dropped since the controller
     # started
     duplicate_puts: int = 0
+    # per column, what was put since the controller started
+    columns: dict[str, ColumnStats] = msgspec.field(default_factory=dict)
+    readiness: Readiness = msgspec.field(default_factory=Readiness)

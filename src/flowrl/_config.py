@@ -11,17 +11,19 @@ from flowrl.errors import ConfigError
 
 __all__ = [
     "STALENESS_BUCKETS",
-    "ColumnStats",
+    "ColumnCounters",
     "HubConfig",
+    "HubCounters",
     "HubStats",
     "JournalConfig",
     "Readiness",
+    "TaskCounters",
     "TaskStats",
     "UnitStats",
 ]
 
 #: Upper bounds of the staleness histogram's buckets: policy versions an acked sample was
-#: behind the newest (``TaskStats.staleness`` has one more bucket, for beyond the last).
+#: behind the newest (``TaskCounters.staleness`` has one more bucket, for beyond the last).
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
 
 
@@ -124,26 +126,34 @@ class HubConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TaskStats(msgspec.Struct, frozen=True):
-    """One task's queue now (``ready``, ``leased``, ``consumed``: live samples it acked)
-    and what it did since the controller started: samples ``claimed``, ``acked``,
-    ``released`` and whose lease ``expired``; ``busy_s``, seconds with at least one
-    lease open; ``staleness``, acked samples per bucket of :data:`STALENESS_BUCKETS`
-    (policy versions behind the newest at the ack; the last bucket: beyond them), and
-    ``staleness_sum``, those lags added up."""
-
     ready: int
     leased: int
     consumed: int
+
+
+class TaskCounters(msgspec.Struct, frozen=True, kw_only=True):
+    """What one task did since the controller started: samples ``claimed``, ``acked``,
+    ``released`` and whose lease ``expired``; ``busy_s``, seconds it had at least one
+    lease open, up to ``busy_since`` when one is open now (else 0; :meth:`busy_until`
+    adds the open stretch); ``staleness``, acked samples per bucket of
+    :data:`STALENESS_BUCKETS` (policy versions behind the newest at the ack; the last
+    bucket: beyond them), and ``staleness_sum``, those lags added up."""
+
     claimed: int = 0
     acked: int = 0
     released: int = 0
     expired: int = 0
     busy_s: float = 0.0
+    busy_since: float = 0.0
     staleness: tuple[int, ...] = (0,) * (len(STALENESS_BUCKETS) + 1)
     staleness_sum: int = 0
 
+    def busy_until(self, now: float) -> float:
+        """Seconds with a lease open up to ``now`` (``time.time()``)."""
+        return self.busy_s + (max(0.0, now - self.busy_since) if self.busy_since else 0.0)
 
-class ColumnStats(msgspec.Struct, frozen=True):
+
+class ColumnCounters(msgspec.Struct, frozen=True):
     """Samples and bytes put to one column since the controller started."""
 
     samples: int
@@ -156,6 +166,15 @@ class Readiness(msgspec.Struct, frozen=True):
 
     indices: tuple[int, ...] = ()
     ready: dict[str, tuple[bool, ...]] = msgspec.field(default_factory=dict)
+
+
+class HubCounters(msgspec.Struct, frozen=True):
+    """What the controller's event log adds up to (``HubStats.counters``): per task and
+    per column since the controller started, and the newest samples' readiness."""
+
+    tasks: dict[str, TaskCounters] = msgspec.field(default_factory=dict)
+    columns: dict[str, ColumnCounters] = msgspec.field(default_factory=dict)
+    readiness: Readiness = msgspec.field(default_factory=Readiness)
 
 
 class UnitStats(msgspec.Struct, frozen=True):
@@ -184,6 +203,4 @@ class HubStats(msgspec.Struct, frozen=True, kw_only=True):
     # re-sent idempotent puts (a producer's seq the hub held) dropped since the controller
     # started
     duplicate_puts: int = 0
-    # per column, what was put since the controller started
-    columns: dict[str, ColumnStats] = msgspec.field(default_factory=dict)
-    readiness: Readiness = msgspec.field(default_factory=Readiness)
+    counters: HubCounters = msgspec.field(default_factory=HubCounters)

@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from flowrl._config import HubStats
+from flowrl._config import HubStats, TaskStats
 from flowrl._controller import replay
-from flowrl._controller.counters import Counters, newest_readiness
+from flowrl._controller.counters import Counters
 from flowrl._controller.eventlog import EventLog
 from flowrl._controller.leases import Lease, Leases, check_ackable
 from flowrl._controller.meta import BatchMeta
@@ -608,14 +608,11 @@ class Controller:
     def statistics(self) -> HubStats:
         """Counters of the control plane (``units`` is filled in by the caller)."""
         live = self.table.owner >= 0
-        now = time.time()
         tasks = {
-            name: self.counters.task(
-                name,
+            name: TaskStats(
                 ready=int(((st.status == READY) & live).sum()),
                 leased=int(((st.status == LEASED) & live).sum()),
                 consumed=st.consumed_total,
-                now=now,
             )
             for name, st in self.tasks.items()
         }
@@ -631,8 +628,7 @@ class Controller:
             events=self.log.seq,
             units=[],
             duplicate_puts=self.producers.duplicates,
-            columns=self.counters.column_stats(),
-            readiness=newest_readiness(self.table),
+            counters=self.counters.snapshot(self.tasks),
         )
 
     def _emit(self, cls: type, **fields: object) -> None:

@@ -22,11 +22,18 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import Counter
+from collections.abc import Iterable
 from typing import Protocol
 
 import numpy as np
 
-from flowrl._config import STALENESS_BUCKETS, ColumnStats, Readiness, TaskStats
+from flowrl._config import (
+    STALENESS_BUCKETS,
+    ColumnCounters,
+    HubCounters,
+    Readiness,
+    TaskCounters,
+)
 from flowrl._controller.table import SampleTable
 from flowrl.events import Acked, Claimed, Event, LeaseExpired, Put, Released
 
@@ -75,17 +82,14 @@ class _Task:
         if not self.open:
             self.busy += max(0.0, t - self.since)
 
-    def stats(self, ready: int, leased: int, consumed: int, now: float) -> TaskStats:
-        busy = self.busy + (max(0.0, now - self.since) if self.open else 0.0)
-        return TaskStats(
-            ready,
-            leased,
-            consumed,
+    def frozen(self) -> TaskCounters:
+        return TaskCounters(
             claimed=self.claimed,
             acked=self.acked,
             released=self.released,
             expired=self.expired,
-            busy_s=busy,
+            busy_s=self.busy,
+            busy_since=self.since if self.open else 0.0,
             staleness=tuple(self.staleness),
             staleness_sum=self.lag_sum,
         )
@@ -121,13 +125,17 @@ class Counters:
         if handler is not None:
             handler(event)
 
-    def task(self, name: str, ready: int, leased: int, consumed: int, now: float) -> TaskStats:
-        """``name``'s statistics: its queue (given) and its counts up to ``now``."""
-        counts = self.tasks.get(name) or _Task()
-        return counts.stats(ready, leased, consumed, now)
-
-    def column_stats(self) -> dict[str, ColumnStats]:
-        return {name: ColumnStats(n, nbytes) for name, (n, nbytes) in self.columns.items()}
+    def snapshot(self, tasks: Iterable[str]) -> HubCounters:
+        """The counts of ``tasks`` (the registered ones) and of every column put, and the
+        newest samples' readiness."""
+        none = TaskCounters()
+        return HubCounters(
+            tasks={
+                name: self.tasks[name].frozen() if name in self.tasks else none for name in tasks
+            },
+            columns={name: ColumnCounters(n, b) for name, (n, b) in self.columns.items()},
+            readiness=newest_readiness(self._source.table),
+        )
 
     def _task(self, name: str) -> _Task:
         counts = self.tasks.get(name)

@@ -92,21 +92,22 @@ class Dashboard(Tracker):
         """What the page shows, as plain data (also ``GET /state``)."""
         now = time.time()
         stats = self.hub.statistics()
+        counts = stats.counters.tasks
         tasks = {
             task: {
                 "ready": t.ready,
                 "leased": t.leased,
                 "consumed": t.consumed,
-                "claimed": t.claimed,
-                "acked": t.acked,
-                "released": t.released,
-                "expired": t.expired,
-                "busy_s": round(t.busy_s, 4),
+                "claimed": counts[task].claimed,
+                "acked": counts[task].acked,
+                "released": counts[task].released,
+                "expired": counts[task].expired,
+                "busy_s": round(counts[task].busy_until(now), 4),
             }
             for task, t in sorted(stats.tasks.items())
         }
-        staleness = {task: list(t.staleness) for task, t in sorted(stats.tasks.items())}
-        readiness = stats.readiness
+        staleness = {task: list(c.staleness) for task, c in sorted(counts.items())}
+        readiness = stats.counters.readiness
         strip = [[int(bit) for bit in bits] for bits in readiness.ready.values()]
         with self._curves_lock:
             curves = {k: [list(p) for p in v] for k, v in self._curves.items()}

@@ -24,11 +24,12 @@ import contextlib
 import itertools
 import os
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, final
 
-from flowrl._config import STALENESS_BUCKETS, HubStats
+from flowrl._config import STALENESS_BUCKETS, HubStats, TaskCounters
 from flowrl._observers.sources import HubLike, LoaderLike, check_port
 from flowrl.errors import ConfigError
 
@@ -117,26 +118,30 @@ class _Collector:
 
 
 def _counter_families(stats: HubStats, counter: Any, histogram: Any) -> Iterator[Any]:
-    """The hub's counters (``stats.columns``, ``stats.tasks``) as metric families."""
+    """The hub's counters (``stats.counters``) as metric families."""
     put = counter("flowrl_put_samples", "samples a column was put for", labels=["column"])
     put_bytes = counter("flowrl_put_bytes", "bytes put per column", labels=["column"])
-    for column, c in sorted(stats.columns.items()):
+    for column, c in sorted(stats.counters.columns.items()):
         put.add_metric([column], c.samples)
         put_bytes.add_metric([column], c.nbytes)
     yield put
     yield put_bytes
-    per_task = {
-        "claimed": ("flowrl_claimed_samples", "samples claimed"),
-        "acked": ("flowrl_acked_samples", "samples acked (consumed)"),
-        "released": ("flowrl_released_samples", "samples given back unconsumed"),
-        "expired": ("flowrl_lease_expired_samples", "samples whose lease expired"),
-        "busy_s": ("flowrl_task_busy_seconds", "seconds with at least one lease open"),
+    now = time.time()
+    tasks = sorted(stats.counters.tasks.items())
+    per_task: dict[str, tuple[str, Callable[[TaskCounters], float]]] = {
+        "flowrl_claimed_samples": ("samples claimed", lambda t: t.claimed),
+        "flowrl_acked_samples": ("samples acked (consumed)", lambda t: t.acked),
+        "flowrl_released_samples": ("samples given back unconsumed", lambda t: t.released),
+        "flowrl_lease_expired_samples": ("samples whose lease expired", lambda t: t.expired),
+        "flowrl_task_busy_seconds": (
+            "seconds with at least one lease open",
+            lambda t: t.busy_until(now),
+        ),
     }
-    tasks = sorted(stats.tasks.items())
-    for field, (name, text) in per_task.items():
+    for name, (text, value) in per_task.items():
         family = counter(name, text, labels=["task"])
         for task, t in tasks:
-            family.add_metric([task], getattr(t, field))
+            family.add_metric([task], value(t))
         yield family
     staleness = histogram(
         "flowrl_staleness_versions",

@@ -187,9 +187,16 @@ class Counters:
     def _stale(self, counts: _Task, indices: tuple[int, ...]) -> None:
         """Bucket the lag of the acked ``indices`` (still in the table at the ack)."""
         table, now = self._source.table, self._source.version
-        versions = table.version[np.array(indices) % table.capacity].tolist()
-        if not versions:
+        n, cap = len(indices), table.capacity
+        if not n:
             return
+        lo = min(indices)
+        start = lo % cap
+        if max(indices) - lo == n - 1 and start + n <= cap:  # (distinct) a run of slots
+            versions = table.version[start : start + n].tolist()
+        else:
+            slots = np.fromiter(indices, np.int64, n) % cap
+            versions = table.version[slots].tolist()
         first = versions[0]
         if versions.count(first) == len(versions):  # the usual case: one version
             groups: Counter[int] | dict[int, int] = {first: len(versions)}

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Iterable
-from typing import Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -112,7 +112,7 @@ class Counters:
         self.columns: dict[str, list[int]] = {}  # column -> [samples, bytes]
         self.tasks: dict[str, _Task] = {}
         self._leases: dict[int, _Lease] = {}  # the open ones
-        self._handlers = {
+        self._handlers: dict[type, Callable[[Any], None]] = {
             Put: self._put,
             Claimed: self._claimed,
             Acked: self._acked,

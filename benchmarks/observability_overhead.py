@@ -72,7 +72,10 @@ def _reader(url: str, every: float, stream: bool) -> subprocess.Popen:
     """Start a reader process and wait for its first read."""
     args = [url, str(every), "stream" if stream else "scrape"]
     proc = subprocess.Popen(
-        [sys.executable, "-c", READER, *args], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", READER, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,  # (it is killed mid-read at the end)
+        text=True,
     )
     if proc.stdout is None or proc.stdout.readline().strip() != "ready":
         raise RuntimeError(f"the reader of {url} did not start (exit code {proc.wait()})")
@@ -90,10 +93,10 @@ def _attach(mode: str, hub: Any) -> Callable[[], None]:
         server = flowrl.serve_dashboard(hub, interval=0.5)
         reader = _reader(server.url + "stream", 0.5, stream=True)
 
-    def detach() -> None:
+    def detach() -> None:  # the server first: a reader killed mid-scrape breaks its pipe
+        server.close()
         reader.kill()
         reader.wait()
-        server.close()
 
     return detach
 

@@ -9,9 +9,9 @@ own pace instead of following every event: watching a hub costs the hub a statis
 call per look, however fast the hub goes.
 
 :class:`Counters` is a synchronous sink of the log (called as each event is appended,
-under the controller's lock, never while a journal is replayed). It counts with integer
-adds per event, never per sample, but for the staleness of an ack: one table lookup, and
-one Python step per distinct version among its samples (usually one).
+under the controller's lock, never while a journal is replayed). It counts with a few
+integer adds and C-speed sums per event, no Python step per sample; an ack's staleness
+takes one table lookup and one step per distinct version among its samples (usually one).
 
 Invariant (tests/unit/test_counters.py, over random operation sequences): the counters
 equal a fold of the event log from the controller's start, and ``busy_s`` equals the

@@ -12,13 +12,14 @@ acks micro-batches of --batch; --passes times) on a fresh hub per round, in thre
 
 Each reader runs in a process of its own, as a browser or Prometheus does.
 
-The modes alternate for --rounds rounds in one run; ``*_over_none`` is the median over
-rounds of that mode's samples/s divided by ``none``'s in the same round (1.0: free; the
-target is >= 0.97 with a page open), ``*_lowest_round`` the lowest of those ratios and
-``*_over_none_per_round`` all of them. ``*_cpu_over_none`` is the same median for CPU
-time per sample (``none``'s over the mode's: 1.0 free, 0.97 = 3% more CPU), counting
-every thread of this process and, over zmq, the hub's server processes (on a loaded
-machine it swings with the wall-clock ratio: contention slows CPU work too).
+The modes alternate for --rounds rounds in one run, each round in another order;
+``*_over_none`` is the median over rounds of that mode's samples/s divided by
+``none``'s in the same round (1.0: free; the target is >= 0.97 with a page open),
+``*_lowest_round`` the lowest of those ratios and ``*_over_none_per_round`` all of them.
+``*_cpu_over_none`` is the same median for CPU time per sample (``none``'s over the
+mode's: 1.0 free, 0.97 = 3% more CPU), counting every thread of this process and, over
+zmq, the hub's server processes (on a loaded machine it swings with the wall-clock
+ratio: contention slows CPU work too).
 ``*_exporter_cpu_share`` is the CPU the exporters' own threads used (this process's CPU
 but the loop's thread's, less the same in ``none``'s round) over ``none``'s whole CPU,
 per sample: what watching costs, other tenants left out. ``load_average`` is the
@@ -153,8 +154,8 @@ def main() -> None:
     rates: dict[str, list[float]] = {m: [] for m in MODES}
     cpu: dict[str, list[float]] = {m: [] for m in MODES}
     others: dict[str, list[float]] = {m: [] for m in MODES}
-    for _ in range(args.rounds):
-        for mode in MODES:
+    for r in range(args.rounds):
+        for mode in MODES[r % 3 :] + MODES[: r % 3]:  # each mode first in turn
             rate, per_sample, other = one_round(
                 mode, args.transport, args.samples, args.seq_len, args.batch, args.passes
             )

@@ -19,7 +19,17 @@ if typing.TYPE_CHECKING:
     from flowrl._client.batch import Batch
     from flowrl._client.future import PutFuture
     from flowrl._client.inproc import Hub
-    from flowrl._config import HubConfig, HubStats, JournalConfig, TaskStats, UnitStats
+    from flowrl._config import (
+        ColumnCounters,
+        HubConfig,
+        HubCounters,
+        HubStats,
+        JournalConfig,
+        Readiness,
+        TaskCounters,
+        TaskStats,
+        UnitStats,
+    )
     from flowrl._controller.meta import BatchMeta
     from flowrl._controller.samplers import (
         BalancedSampler,
@@ -74,6 +84,7 @@ __all__ = [
     "CandidateView",
     "ChromeTrace",
     "Column",
+    "ColumnCounters",
     "Dashboard",
     "Executor",
     "FifoSampler",
@@ -81,6 +92,7 @@ __all__ = [
     "GroupSampler",
     "Hub",
     "HubConfig",
+    "HubCounters",
     "HubKey",
     "HubStats",
     "JournalConfig",
@@ -97,6 +109,7 @@ __all__ = [
     "RayExecutor",
     "RayWeightPublisher",
     "RayWeightSubscriber",
+    "Readiness",
     "RemoteHub",
     "Rows",
     "RunResult",
@@ -108,6 +121,7 @@ __all__ = [
     "StalenessMetrics",
     "StalenessSampler",
     "StalenessStep",
+    "TaskCounters",
     "TaskStats",
     "ThreadExecutor",
     "Timeline",
@@ -137,6 +151,7 @@ _HOMES: dict[str, str] = {
     "CandidateView": "flowrl._controller.samplers",
     "ChromeTrace": "flowrl._observers.trace",
     "Column": "flowrl._schema.columns",
+    "ColumnCounters": "flowrl._config",
     "Dashboard": "flowrl._observers.dashboard",
     "Executor": "flowrl._pipeline.executors.base",
     "FifoSampler": "flowrl._controller.samplers",
@@ -144,6 +159,7 @@ _HOMES: dict[str, str] = {
     "GroupSampler": "flowrl._controller.samplers",
     "Hub": "flowrl._client.inproc",
     "HubConfig": "flowrl._config",
+    "HubCounters": "flowrl._config",
     "HubKey": "flowrl._transport.auth",
     "HubStats": "flowrl._config",
     "JournalConfig": "flowrl._config",
@@ -160,6 +176,7 @@ _HOMES: dict[str, str] = {
     "RayExecutor": "flowrl._pipeline.executors.ray",
     "RayWeightPublisher": "flowrl._weights.object_store",
     "RayWeightSubscriber": "flowrl._weights.object_store",
+    "Readiness": "flowrl._config",
     "RemoteHub": "flowrl._transport.remote",
     "Rows": "flowrl._pipeline.stage",
     "RunResult": "flowrl._pipeline.result",
@@ -171,6 +188,7 @@ _HOMES: dict[str, str] = {
     "StalenessMetrics": "flowrl._observers.staleness",
     "StalenessSampler": "flowrl._controller.samplers",
     "StalenessStep": "flowrl._observers.staleness",
+    "TaskCounters": "flowrl._config",
     "TaskStats": "flowrl._config",
     "ThreadExecutor": "flowrl._pipeline.executors.threads",
     "Timeline": "flowrl._observers.timeline",

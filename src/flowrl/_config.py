@@ -9,7 +9,22 @@ import msgspec
 from flowrl._validate import int_in
 from flowrl.errors import ConfigError
 
-__all__ = ["HubConfig", "HubStats", "JournalConfig", "TaskStats", "UnitStats"]
+__all__ = [
+    "STALENESS_BUCKETS",
+    "ColumnCounters",
+    "HubConfig",
+    "HubCounters",
+    "HubStats",
+    "JournalConfig",
+    "Readiness",
+    "TaskCounters",
+    "TaskStats",
+    "UnitStats",
+]
+
+#: Upper bounds of the staleness histogram's buckets: policy versions an acked sample was
+#: behind the newest (``TaskCounters.staleness`` has one more bucket, for beyond the last).
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
 
 
 @final
@@ -117,6 +132,52 @@ class TaskStats(msgspec.Struct, frozen=True):
     consumed: int
 
 
+class TaskCounters(msgspec.Struct, frozen=True, kw_only=True):
+    """What one task did since the controller started: samples ``claimed``, ``acked``,
+    ``released`` and whose lease ``expired``; ``busy_s``, seconds it had at least one
+    lease open, up to ``busy_since`` when one is open now (else 0; :meth:`busy_until`
+    adds the open stretch); ``staleness``, acked samples per bucket of
+    :data:`STALENESS_BUCKETS` (policy versions behind the newest at the ack; the last
+    bucket: beyond them), and ``staleness_sum``, those lags added up."""
+
+    claimed: int = 0
+    acked: int = 0
+    released: int = 0
+    expired: int = 0
+    busy_s: float = 0.0
+    busy_since: float = 0.0
+    staleness: tuple[int, ...] = (0,) * (len(STALENESS_BUCKETS) + 1)
+    staleness_sum: int = 0
+
+    def busy_until(self, now: float) -> float:
+        """Seconds with a lease open up to ``now`` (``time.time()``)."""
+        return self.busy_s + (max(0.0, now - self.busy_since) if self.busy_since else 0.0)
+
+
+class ColumnCounters(msgspec.Struct, frozen=True):
+    """Samples and bytes put to one column since the controller started."""
+
+    samples: int
+    nbytes: int
+
+
+class Readiness(msgspec.Struct, frozen=True):
+    """The newest live samples (``indices``, oldest first) and, per column, which of
+    them have it ready: the live page's heat strip."""
+
+    indices: tuple[int, ...] = ()
+    ready: dict[str, tuple[bool, ...]] = msgspec.field(default_factory=dict)
+
+
+class HubCounters(msgspec.Struct, frozen=True):
+    """What the controller's event log adds up to (``HubStats.counters``): per task and
+    per column since the controller started, and the newest samples' readiness."""
+
+    tasks: dict[str, TaskCounters] = msgspec.field(default_factory=dict)
+    columns: dict[str, ColumnCounters] = msgspec.field(default_factory=dict)
+    readiness: Readiness = msgspec.field(default_factory=Readiness)
+
+
 class UnitStats(msgspec.Struct, frozen=True):
     unit: int
     samples: int
@@ -148,3 +209,4 @@ class HubStats(msgspec.Struct, frozen=True, kw_only=True):
     # peers without the hub's key that the controller's TCP sockets refused (each unit
     # counts its own in ``units``)
     refused_peers: int = 0
+    counters: HubCounters = msgspec.field(default_factory=HubCounters)

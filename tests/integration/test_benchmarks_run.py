@@ -74,3 +74,14 @@ def test_hub_throughput_benchmark_reports_the_issue_figures(transport: str) -> N
         ]
     assert all(report[f] > 0 for f in figures), {f: report.get(f) for f in figures}
     assert report["transport"] == transport and report["samples"] == 256
+
+
+def test_observability_overhead_benchmark_reports_every_mode() -> None:
+    pytest.importorskip("aiohttp")
+    pytest.importorskip("prometheus_client")
+    report = run("observability_overhead.py", "--rounds", "1", "--passes", "1", "--samples", "256")
+    for mode in ("metrics", "dashboard"):
+        for figure in ("over_none", "lowest_round", "cpu_over_none"):
+            assert report[f"{mode}_{figure}"] > 0, (mode, figure, report)
+        assert f"{mode}_exporter_cpu_share" in report
+    assert len(report["load_average"]) == 2

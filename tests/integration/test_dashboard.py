@@ -14,6 +14,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -124,15 +125,27 @@ def test_the_page_updates_live_and_matches_the_hub(browser: Any, tmp_path: Path)
     hub.close()
 
 
-def test_closing_the_page_unsubscribes_it() -> None:
-    with flowrl.Hub(columns=[Column.scalar("x", "float32")]) as hub:
-        with flowrl.serve_dashboard(hub) as page:
-            hub.put({"x": np.zeros(2, dtype=np.float32)})
-            hub.flush_events()
-            assert page.counts.put == {"x": 2}
-        hub.put({"x": np.zeros(3, dtype=np.float32)})
-        hub.flush_events()
-        assert page.counts.put == {"x": 2}
+def test_the_page_polls_statistics_and_follows_no_event() -> None:
+    hub = flowrl.Hub(columns=[Column.scalar("x", "float32")], tasks={"t": ["x"]})
+    # the hub seen through statistics() alone: a page following its events fails on it
+    with hub, flowrl.serve_dashboard(SimpleNamespace(statistics=hub.statistics)) as page:
+        hub.put({"x": np.zeros(5, dtype=np.float32)})
+        hub.ack(hub.claim("t", 3))
+        state = json.loads(urllib.request.urlopen(page.url + "state", timeout=10).read())
+        stats = hub.statistics()
+    t = stats.counters.tasks["t"]
+    assert state["tasks"]["t"] == {
+        "ready": 2,
+        "leased": 0,
+        "consumed": 3,
+        "claimed": 3,
+        "acked": 3,
+        "released": 0,
+        "expired": 0,
+        "busy_s": round(t.busy_s, 4),
+    }
+    assert state["staleness"]["tasks"]["t"] == list(t.staleness)
+    assert state["strip"] == {"columns": ["x"], "indices": [3, 4], "ready": [[1, 1]]}
 
 
 def test_bad_arguments_are_refused() -> None:
@@ -167,6 +180,8 @@ def test_flowrl_dashboard_serves_a_launched_hub(capsys: pytest.CaptureFixture[st
         url = out.split("flowrl dashboard: ", 1)[1].split()[0]
         state = json.loads(urllib.request.urlopen(url + "state", timeout=10).read())
         assert state["tasks"]["t"]["ready"] == 2 and state["hub"]["live"] == 2
+        assert state["tasks"]["t"]["acked"] == 4  # the counters come over zmq too
+        assert state["strip"] == {"columns": ["x"], "indices": [4, 5], "ready": [[1, 1]]}
         page = urllib.request.urlopen(url, timeout=10).read().decode()
         assert "<title>flowrl hub</title>" in page
         assert "://" not in page  # nothing fetched from elsewhere: works with no internet

@@ -9,6 +9,7 @@ each in its own module, none of which imports this one:
 * ``rounds`` (``Rounds``): balanced data-parallel batches whose parts wait for their rank;
 * ``reservations`` (``Reservations``): indices reserved for puts not committed yet;
 * ``producers`` (``Producers``): each producer's recent puts, for idempotent puts;
+* ``counters`` (``Counters``): what the event log adds up to, for ``statistics()``;
 * ``waiters`` (``Waiters``): the lock, the conditions waiting calls sleep on, whom to wake;
 * ``flowrl._controller.replay``: rebuilding the state from a journal (:meth:`recover`).
 
@@ -32,6 +33,7 @@ import numpy as np
 
 from flowrl._config import HubStats, TaskStats
 from flowrl._controller import replay
+from flowrl._controller.counters import Counters
 from flowrl._controller.eventlog import EventLog
 from flowrl._controller.leases import Lease, Leases, check_ackable
 from flowrl._controller.meta import BatchMeta
@@ -80,6 +82,8 @@ class Controller:
         self.n_units = n_units
         self.lease_timeout = lease_timeout
         self.log = EventLog()
+        self.counters = Counters(self)
+        self.log.sinks.append(self.counters)
         self.tasks: dict[str, TaskState] = {}
         self.waiters = Waiters(self.log, self.tasks)
         self.cond = self.waiters.cond
@@ -631,6 +635,7 @@ class Controller:
             events=self.log.seq,
             units=[],
             duplicate_puts=self.producers.duplicates,
+            counters=self.counters.snapshot(self.tasks),
         )
 
     def _emit(self, cls: type, **fields: object) -> None:

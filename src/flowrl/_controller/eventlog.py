@@ -53,7 +53,8 @@ class EventLog:
         self._thread: threading.Thread | None = None
         self._closed = False
         self.policy_error: BaseException | None = None
-        # Synchronous sinks (the journal, the zmq PUB relay), called in order on append.
+        # Synchronous sinks (the counters, the journal, the zmq PUB relay), called in order
+        # on append.
         self.sinks: list[Callable[[Event], None]] = []
 
     def next_seq(self) -> int:

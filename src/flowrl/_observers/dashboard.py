@@ -2,13 +2,14 @@
 
 The page (``dashboard.html``, drawn by its own small script: no CDN, works offline)
 listens to ``/stream``, server-sent events carrying one JSON snapshot every ``interval``
-seconds while a page is open: the hub's counters (``hub.statistics()``), what the event
-stream adds up to (:class:`~flowrl._observers.counts.EventCounts`: per-task claims, acks,
-expiries, busy seconds, staleness, and which columns each live sample has ready), the
-Loaders' wait, the curves logged to it (it is a :class:`~flowrl.tracking.Tracker`:
-``dashboard.log({"reward": r, "loss": l}, step)``) and the recent warnings and errors of
-flowrl's loggers. ``/state`` answers the same snapshot once. Snapshots are computed once
-per interval however many pages are open, and not at all when none is.
+seconds while a page is open: the hub's statistics (``hub.statistics()``: queues, the
+counters of claims, acks, expiries, busy seconds and staleness per task, and which
+columns the newest live samples have ready), the Loaders' wait, the curves logged to it
+(it is a :class:`~flowrl.tracking.Tracker`: ``dashboard.log({"reward": r, "loss": l},
+step)``) and the recent warnings and errors of flowrl's loggers. ``/state`` answers the
+same snapshot once. Snapshots are computed once per interval however many pages are
+open, and not at all when none is; the page follows no event of the hub, so between
+snapshots it costs the hub nothing.
 
 The server is aiohttp's, in a thread of its own; ``close()`` stops it.
 """
@@ -26,19 +27,13 @@ from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import Any, final
 
-from flowrl._observers.counts import (
-    STALENESS_BUCKETS,
-    EventCounts,
-    HubLike,
-    LoaderLike,
-    check_port,
-)
+from flowrl._config import STALENESS_BUCKETS
+from flowrl._observers.sources import HubLike, LoaderLike, check_port
 from flowrl.errors import ConfigError
 from flowrl.tracking import Tracker
 
 __all__ = ["Dashboard", "serve_dashboard"]
 
-STRIP_SAMPLES = 256  # the newest live samples the readiness strip shows
 CURVE_POINTS = 1000  # points kept per curve
 ERRORS_KEPT = 20
 
@@ -67,8 +62,6 @@ class Dashboard(Tracker):
         interval: float,
     ) -> None:
         self.hub, self.loaders, self.interval = hub, list(loaders), interval
-        self.counts = EventCounts(readiness=True)
-        self._subscription = hub.subscribe(self.counts)
         self._curves: dict[str, collections.deque[tuple[int, float]]] = {}
         self._curves_lock = threading.Lock()
         self._errors = _RecentErrors()
@@ -97,29 +90,25 @@ class Dashboard(Tracker):
     # -- the snapshot ------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         """What the page shows, as plain data (also ``GET /state``)."""
-        stats = self.hub.statistics()
-        c = self.counts
         now = time.time()
-        with c.lock:
-            busy = c.busy_seconds(now)
-            tasks = {
-                task: {
-                    "ready": t.ready,
-                    "leased": t.leased,
-                    "consumed": t.consumed,
-                    "claimed": c.claimed.get(task, 0),
-                    "acked": c.settled.get((task, "acked"), 0),
-                    "released": c.settled.get((task, "released"), 0),
-                    "expired": c.settled.get((task, "expired"), 0),
-                    "busy_s": round(busy.get(task, 0.0), 4),
-                }
-                for task, t in sorted(stats.tasks.items())
+        stats = self.hub.statistics()
+        counts = stats.counters.tasks
+        tasks = {
+            task: {
+                "ready": t.ready,
+                "leased": t.leased,
+                "consumed": t.consumed,
+                "claimed": counts[task].claimed,
+                "acked": counts[task].acked,
+                "released": counts[task].released,
+                "expired": counts[task].expired,
+                "busy_s": round(counts[task].busy_until(now), 4),
             }
-            staleness = {task: list(counts) for task, counts in sorted(c.staleness.items())}
-            columns = list(c.columns)
-            ready = c.ready or {}
-            indices = sorted(ready)[-STRIP_SAMPLES:]
-            strip = [[int(col in ready[i]) for i in indices] for col in columns]
+            for task, t in sorted(stats.tasks.items())
+        }
+        staleness = {task: list(c.staleness) for task, c in sorted(counts.items())}
+        readiness = stats.counters.readiness
+        strip = [[int(bit) for bit in bits] for bits in readiness.ready.values()]
         with self._curves_lock:
             curves = {k: [list(p) for p in v] for k, v in self._curves.items()}
         loaders = {}
@@ -140,7 +129,11 @@ class Dashboard(Tracker):
                 "buckets": [str(b) for b in STALENESS_BUCKETS] + ["more"],
                 "tasks": staleness,
             },
-            "strip": {"columns": columns, "indices": indices, "ready": strip},
+            "strip": {
+                "columns": list(readiness.ready),
+                "indices": list(readiness.indices),
+                "ready": strip,
+            },
             "curves": curves,
             "loaders": loaders,
             "errors": list(self._errors.lines),
@@ -196,7 +189,7 @@ class Dashboard(Tracker):
         self.url = f"http://{addr}:{self.port}/"
 
     def close(self) -> None:
-        """Stop the server and unsubscribe from the hub."""
+        """Stop the server."""
         if self._runner is not None:
             future = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
             try:
@@ -210,7 +203,6 @@ class Dashboard(Tracker):
             self._thread.join(timeout=10)
         self._loop.close()
         logging.getLogger("flowrl").removeHandler(self._errors)
-        self._subscription.cancel()
 
     def __enter__(self) -> Dashboard:
         return self

@@ -1,14 +1,16 @@
 """Prometheus metrics of a hub: ``serve_metrics(hub)`` answers ``GET /metrics``.
 
-Two sources, read at each scrape:
+Everything comes from one ``hub.statistics()`` call per scrape (the exporter follows no
+event, so between scrapes it costs the hub nothing):
 
-* the hub's event stream (this module is an observer of it): counters of samples put,
-  claimed, acked, released and expired, bytes put per column, busy seconds per task
-  (time with at least one lease open: ``rate()`` of it is the stage's busy fraction), and
-  a histogram of the staleness of acked samples (policy versions behind the newest);
-* ``hub.statistics()``: gauges of ready / leased / consumed samples per task, live
-  samples, capacity, leases, the policy version, and bytes and samples per storage unit;
-  plus the size of the journal folder, and each registered ``Loader``'s wait seconds.
+* the hub's counters (``flowrl._controller.counters``): samples put and bytes put per
+  column; samples claimed, acked, released and expired per task; busy seconds per task
+  (time with at least one lease open: ``rate()`` of it is the stage's busy fraction); a
+  histogram of the staleness of acked samples (policy versions behind the newest);
+* gauges of ready / leased / consumed samples per task, live samples, capacity, leases,
+  the policy version, and bytes and samples per storage unit;
+
+plus the size of the journal folder, and each registered ``Loader``'s wait seconds.
 
 Names follow Prometheus' conventions: ``flowrl_`` prefix, ``_total`` for counters, base
 units (``_seconds``, ``_bytes``), labels for task, column, unit. The server is
@@ -19,20 +21,16 @@ embedded ``Hub`` and for a ``RemoteHub`` connected to a launched one alike.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, final
 
-from flowrl._observers.counts import (
-    STALENESS_BUCKETS,
-    EventCounts,
-    HubLike,
-    LoaderLike,
-    check_port,
-)
+from flowrl._config import STALENESS_BUCKETS, HubStats, TaskCounters
+from flowrl._observers.sources import HubLike, LoaderLike, check_port
 from flowrl.errors import ConfigError
 
 __all__ = ["MetricsServer", "serve_metrics"]
@@ -44,11 +42,10 @@ class _Collector:
     def __init__(
         self,
         hub: HubLike,
-        counts: EventCounts,
         loaders: Sequence[LoaderLike],
         journal: Path | None,
     ) -> None:
-        self.hub, self.counts, self.loaders, self.journal = hub, counts, loaders, journal
+        self.hub, self.loaders, self.journal = hub, loaders, journal
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import (
@@ -104,7 +101,7 @@ class _Collector:
                 "bytes in the journal folder",
                 value=_folder_bytes(self.journal),
             )
-        yield from self._event_families(CounterMetricFamily, HistogramMetricFamily)
+        yield from _counter_families(stats, CounterMetricFamily, HistogramMetricFamily)
         if self.loaders:
             wait = CounterMetricFamily(
                 "flowrl_loader_wait_seconds", "seconds a Loader waited for a batch", labels=["task"]
@@ -119,49 +116,43 @@ class _Collector:
             yield wait
             yield batches
 
-    def _event_families(self, counter: Any, histogram: Any) -> Iterator[Any]:
-        c = self.counts
-        with c.lock:
-            put = counter("flowrl_put_samples", "samples a column was put for", labels=["column"])
-            put_bytes = counter("flowrl_put_bytes", "bytes put per column", labels=["column"])
-            for column in sorted(c.put):
-                put.add_metric([column], c.put[column])
-                put_bytes.add_metric([column], c.put_bytes[column])
-            claimed = counter("flowrl_claimed_samples", "samples claimed", labels=["task"])
-            for task, n in sorted(c.claimed.items()):
-                claimed.add_metric([task], n)
-            names = {
-                "acked": ("flowrl_acked_samples", "samples acked (consumed)"),
-                "released": ("flowrl_released_samples", "samples given back unconsumed"),
-                "expired": ("flowrl_lease_expired_samples", "samples whose lease expired"),
-            }
-            settled = {
-                how: counter(name, text, labels=["task"]) for how, (name, text) in names.items()
-            }
-            for (task, how), n in sorted(c.settled.items()):
-                settled[how].add_metric([task], n)
-            busy = counter(
-                "flowrl_task_busy_seconds", "seconds with at least one lease open", labels=["task"]
-            )
-            for task, seconds in sorted(c.busy_seconds(time.time()).items()):
-                busy.add_metric([task], seconds)
-            staleness = histogram(
-                "flowrl_staleness_versions",
-                "policy versions an acked sample was behind the newest",
-                labels=["task"],
-            )
-            for task, counts in sorted(c.staleness.items()):
-                bounds = [str(b) for b in STALENESS_BUCKETS] + ["+Inf"]
-                cumulative = [sum(counts[: k + 1]) for k in range(len(counts))]
-                staleness.add_metric(
-                    [task], list(zip(bounds, cumulative, strict=True)), c.staleness_sum[task]
-                )
-        yield put
-        yield put_bytes
-        yield claimed
-        yield from settled.values()
-        yield busy
-        yield staleness
+
+def _counter_families(stats: HubStats, counter: Any, histogram: Any) -> Iterator[Any]:
+    """The hub's counters (``stats.counters``) as metric families."""
+    put = counter("flowrl_put_samples", "samples a column was put for", labels=["column"])
+    put_bytes = counter("flowrl_put_bytes", "bytes put per column", labels=["column"])
+    for column, c in sorted(stats.counters.columns.items()):
+        put.add_metric([column], c.samples)
+        put_bytes.add_metric([column], c.nbytes)
+    yield put
+    yield put_bytes
+    now = time.time()
+    tasks = sorted(stats.counters.tasks.items())
+    per_task: dict[str, tuple[str, Callable[[TaskCounters], float]]] = {
+        "flowrl_claimed_samples": ("samples claimed", lambda t: t.claimed),
+        "flowrl_acked_samples": ("samples acked (consumed)", lambda t: t.acked),
+        "flowrl_released_samples": ("samples given back unconsumed", lambda t: t.released),
+        "flowrl_lease_expired_samples": ("samples whose lease expired", lambda t: t.expired),
+        "flowrl_task_busy_seconds": (
+            "seconds with at least one lease open",
+            lambda t: t.busy_until(now),
+        ),
+    }
+    for name, (text, value) in per_task.items():
+        family = counter(name, text, labels=["task"])
+        for task, t in tasks:
+            family.add_metric([task], value(t))
+        yield family
+    staleness = histogram(
+        "flowrl_staleness_versions",
+        "policy versions an acked sample was behind the newest",
+        labels=["task"],
+    )
+    bounds = [str(b) for b in STALENESS_BUCKETS] + ["+Inf"]
+    for task, t in tasks:
+        cumulative = list(itertools.accumulate(t.staleness))
+        staleness.add_metric([task], list(zip(bounds, cumulative, strict=True)), t.staleness_sum)
+    yield staleness
 
 
 def _folder_bytes(folder: Path) -> int:
@@ -177,10 +168,8 @@ def _folder_bytes(folder: Path) -> int:
 class MetricsServer:
     """A running ``/metrics`` endpoint (see :func:`serve_metrics`); ``close()`` stops it."""
 
-    def __init__(
-        self, server: Any, thread: threading.Thread, subscription: Any, registry: Any
-    ) -> None:
-        self._server, self._thread, self._subscription = server, thread, subscription
+    def __init__(self, server: Any, thread: threading.Thread, registry: Any) -> None:
+        self._server, self._thread = server, thread
         self.registry = registry  # add your own metrics here
         host, port = server.server_address[:2]
         self.port: int = port
@@ -190,7 +179,6 @@ class MetricsServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5.0)
-        self._subscription.cancel()
 
     def __enter__(self) -> MetricsServer:
         return self
@@ -218,13 +206,10 @@ def serve_metrics(
             "serve_metrics needs prometheus_client: pip install 'flowrl[prometheus]'"
         ) from exc
     check_port(port, "serve_metrics")
-    counts = EventCounts()
-    subscription = hub.subscribe(counts)
     registry = CollectorRegistry()
-    registry.register(_Collector(hub, counts, loaders, None if journal is None else Path(journal)))
+    registry.register(_Collector(hub, loaders, None if journal is None else Path(journal)))
     try:
         server, thread = start_http_server(port, addr=addr, registry=registry)
     except OSError as exc:
-        subscription.cancel()
         raise ConfigError(f"serve_metrics: cannot listen on {addr}:{port} ({exc})") from exc
-    return MetricsServer(server, thread, subscription, registry)
+    return MetricsServer(server, thread, registry)

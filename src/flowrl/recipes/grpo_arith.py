@@ -302,19 +302,13 @@ def _train(
         "placement": cfg.placement,
         "cores": None if split is None else msgspec.to_builtins(split.cores),
         "stage_samples": {
-            **({} if rollout_side is None else rollout_side["stage_samples"]),
+            **(rollout_side or {}),
             **{n: s.samples for n, s in result.stages.items()},
         },
         **trained.summary(),
         "timeline_png": str(run_dir / "timeline.png"),
         "trace_json": str(run_dir / "trace.json"),
-        "sched": (
-            rollout_side["sched"]
-            if rollout_side is not None
-            else None
-            if scheduler is None
-            else msgspec.to_builtins(scheduler.statistics())
-        ),
+        "sched": None if scheduler is None else msgspec.to_builtins(scheduler.statistics()),
     }
     jsonl = tracking.trackers.get("jsonl")
     if isinstance(jsonl, JsonlTracker):

@@ -161,6 +161,13 @@ class GRPOConfig(msgspec.Struct, frozen=True, kw_only=True):
             "trainer's stages on the rest; weights cross in shared memory; see docs/grpo.md)"
         ),
     ] = "colocated"
+    torch_threads: Annotated[
+        int,
+        Meta(
+            description="torch intra-op threads per process, --placement disaggregated (0: "
+            "one per core the process runs on)"
+        ),
+    ] = 0
     engine: Annotated[
         str,
         Meta(
@@ -212,6 +219,8 @@ RESUMABLE_FIELDS = frozenset(
         "metrics_port",
         "dashboard",
         "placement",
+        "torch_threads",
+        "max_staleness",  # a bound on scheduling: what a checkpoint holds does not depend on it
     }
 )
 
@@ -273,6 +282,7 @@ def _check_values(cfg: GRPOConfig) -> None:
         "checkpoint_every": 0,
         "metrics_port": 0,
         "dashboard": 0,
+        "torch_threads": 0,
     }
     for field, low in at_least.items():
         if getattr(cfg, field) < low:

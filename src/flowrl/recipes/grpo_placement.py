@@ -20,6 +20,10 @@
   training, and the trainer's stages take whole steps, so no two phases ever compute at
   once. That is the fair synchronous baseline of ``benchmarks/real_stream.py``.
 
+The scheduling layer (``--schedule``) steers the rollout workers only in the colocated
+placement: its sampler is a Python object that runs on an in-process hub, so the rollout
+process's workers claim in arrival order.
+
 The rollout process starts before the warm-up (its imports overlap it) and waits for the
 first published version. Its failure is raised in the trainer (:meth:`Disaggregated.check`,
 called while the trainer waits for a batch); the trainer stopping stops it.
@@ -37,7 +41,6 @@ import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
 
 import msgspec
 import torch
@@ -48,7 +51,7 @@ from flowrl._weights.sync import load_named
 from flowrl.errors import ConfigError, StageError, Timeout
 from flowrl.recipes.grpo_config import GRPOConfig, flag
 from flowrl.recipes.grpo_rollout import RolloutBackend
-from flowrl.recipes.grpo_stages import ROLLOUT_COLUMNS, build_scheduler, rollout_pipeline
+from flowrl.recipes.grpo_stages import ROLLOUT_COLUMNS, rollout_pipeline
 from flowrl.recipes.grpo_task import make_task, max_new_tokens
 from flowrl.recipes.grpo_trainer import build_model
 
@@ -60,10 +63,11 @@ _POLL_S = 0.05
 
 @dataclass(frozen=True)
 class Cores:
-    """The CPU cores each side runs on; each side uses as many torch threads."""
+    """The CPU cores each side runs on, and its torch threads (0: one per core)."""
 
     rollout: tuple[int, ...]
     trainer: tuple[int, ...]
+    threads: int = 0
 
 
 def plan_cores(cfg: GRPOConfig) -> Cores | None:
@@ -79,15 +83,15 @@ def plan_cores(cfg: GRPOConfig) -> Cores | None:
             f"{flag('placement')} colocated"
         )
     if cfg.max_staleness == 0:
-        return Cores(cpus, cpus)
+        return Cores(cpus, cpus, cfg.torch_threads)
     half = len(cpus) // 2
-    return Cores(cpus[:half], cpus[half:])
+    return Cores(cpus[:half], cpus[half:], cfg.torch_threads)
 
 
-def pin(cpus: tuple[int, ...]) -> None:
-    """Run this process on ``cpus`` with as many torch threads."""
+def pin(cpus: tuple[int, ...], threads: int) -> None:
+    """Run this process on ``cpus`` with ``threads`` torch threads (0: one per core)."""
     os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(len(cpus))
+    torch.set_num_threads(threads or len(cpus))
 
 
 class SubscribedWeights:
@@ -127,7 +131,6 @@ class SubscribedWeights:
 
 class _Done(msgspec.Struct, frozen=True, tag=True):
     stage_samples: dict[str, int]
-    sched: dict[str, Any] | None
 
 
 class _Failed(msgspec.Struct, frozen=True, tag=True):
@@ -161,7 +164,7 @@ class Disaggregated:
             self._conn, child = ctx.Pipe()
             self._process = ctx.Process(
                 target=rollout_main,
-                args=(msgspec.json.encode(cfg), self.hub.address, channel, cores.rollout),
+                args=(msgspec.json.encode(cfg), self.hub.address, channel, cores),
                 kwargs={"start_step": start_step, "samples": samples, "conn": child},
                 name="flowrl-rollout",
             )
@@ -175,7 +178,7 @@ class Disaggregated:
 
     def start(self) -> None:
         """The warm-up is over: the trainer takes its own cores."""
-        pin(self.cores.trainer)
+        pin(self.cores.trainer, self.cores.threads)
 
     def publish(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Hand a new version to the rollout process (before ``hub.publish_version``)."""
@@ -195,14 +198,14 @@ class Disaggregated:
                 stage="Rollout",
             )
 
-    def finish(self, timeout: float = 60.0) -> dict[str, Any]:
+    def finish(self, timeout: float = 60.0) -> dict[str, int]:
         """Wait for the rollout process's report after the last step: its stages' sample
-        counts and the scheduler's statistics."""
+        counts."""
         report = self._receive(timeout)
         self.check()
         if not isinstance(report, _Done):
             raise Timeout(f"the rollout process did not finish within {timeout:g}s")
-        return {"stage_samples": report.stage_samples, "sched": report.sched}
+        return report.stage_samples
 
     def close(self) -> None:
         """Stop the rollout process (if running), then the weight channel and the hub."""
@@ -228,18 +231,18 @@ def rollout_main(
     cfg_json: bytes,
     address: str,
     channel: str,
-    cpus: tuple[int, ...],
+    cores: Cores,
     *,
     start_step: int,
     samples: int,
     conn: Connection,
 ) -> None:
     """The rollout process: generate ``samples`` samples (from ``start_step``'s problems)
-    into the hub at ``address`` with the weights of ``channel``, on ``cpus``; report how
+    into the hub at ``address`` with the weights of ``channel``, on ``cores.rollout``; report how
     it went on ``conn`` (a stop message there ends it early)."""
     report: _Done | _Failed
     try:
-        report = _generate(cfg_json, address, channel, cpus, start_step, samples, conn)
+        report = _generate(cfg_json, address, channel, cores, start_step, samples, conn)
     except BaseException as exc:
         stage = getattr(exc, "stage", "") or "Rollout"
         report = _Failed(stage, f"{type(exc).__name__}: {exc}", traceback.format_exc())
@@ -251,12 +254,12 @@ def _generate(
     cfg_json: bytes,
     address: str,
     channel: str,
-    cpus: tuple[int, ...],
+    cores: Cores,
     start_step: int,
     samples: int,
     conn: Connection,
 ) -> _Done:
-    pin(cpus)
+    pin(cores.rollout, cores.threads)
     cfg = msgspec.json.decode(cfg_json, type=GRPOConfig)
     torch.manual_seed(cfg.seed)
     max_new = max_new_tokens(cfg)
@@ -269,17 +272,13 @@ def _generate(
         first = start_step * cfg.prompts_per_step * cfg.group_size
         backend = RolloutBackend(cfg, weights, build_model(cfg), max_new, first_sample=first)
         stack.callback(backend.close)
-        scheduler = build_scheduler(cfg, max_new) if cfg.schedule else None
         task = make_task(cfg, cfg.seed)
-        pipe = rollout_pipeline(cfg, task, backend, scheduler, start_step=start_step)
+        pipe = rollout_pipeline(cfg, task, backend, None, start_step=start_step)
         weights.wait_first(_FIRST_VERSION_S)
-        if scheduler is not None:
-            hub.subscribe(scheduler.observe, strict=True)
         run = pipe.start(hub, max_samples=samples)
         while not run.done():
             if conn.poll(_POLL_S):  # the trainer is done, or failed
                 run.stop()
                 break
         result = run.result(timeout=60)
-        sched = None if scheduler is None else msgspec.to_builtins(scheduler.statistics())
-        return _Done({n: s.samples for n, s in result.stages.items()}, sched)
+        return _Done({n: s.samples for n, s in result.stages.items()})

@@ -170,6 +170,9 @@ def _train(
     max_new = max_new_tokens(cfg)
     batch_size = cfg.prompts_per_step * cfg.group_size
     trainer = Trainer.start(cfg, task, held_out, max_new, checkpoint)
+    # The prompts start from the seed, not where the warm-up left ``task``'s stream: a
+    # resumed run (no warm-up) then trains on the same problems as an uninterrupted one.
+    task = make_task(cfg, cfg.seed)
     start = trainer.step
 
     store = WeightStore(trainer.policy(), version=trainer.version)

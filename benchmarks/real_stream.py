@@ -36,7 +36,7 @@ load before and after (the machine is shared: quote ratios, not absolute figures
 
 Usage: ``python benchmarks/real_stream.py [--json] [--tasks arith,chain]
 [--engines torch,vllm] [--rounds 2] [--steps 10] [--clean-steps 120] [--noisy-steps 30]``.
-The defaults take about 15 minutes on a loaded 2-core machine.
+The defaults take about an hour on the shared 2-core machine at load 10-20.
 """
 
 from __future__ import annotations

@@ -35,6 +35,10 @@ the hub's event stream). It logs a line every ``--log-every`` steps on stderr an
 JSON summary (with the scheduler's statistics under ``sched``) as the last line of stdout.
 A configuration that cannot make progress is refused before the warm-up (``GRPOConfig``),
 and a trainer that gets no batch for ``--stall-timeout`` seconds fails with a diagnosis.
+``--task chain`` swaps the addition problems for chain sums whose worked solutions have
+heavy-tailed lengths (``flowrl.recipes.grpo_task``), and ``--placement disaggregated``
+runs the prompt source and the rollout workers in a process of their own, on their own CPU
+cores, with the weights crossing in shared memory (``flowrl.recipes.grpo_placement``).
 The engines underneath are chosen with ``--engine`` (the rollout's sampler: builtin,
 torch or vllm; ``flowrl.recipes.grpo_rollout``), ``--trainer`` (the optimizer step:
 builtin, torch or deepspeed; ``flowrl.recipes.grpo_update``) and ``--model`` (tinylm or a

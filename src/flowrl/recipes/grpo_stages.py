@@ -3,7 +3,9 @@
 ``build_pipeline`` closes the five stages over the run's config, the task, the trainer's
 :class:`~flowrl.WeightStore`, the frozen reference, the rollout backend (what the rollout
 workers sample with, ``flowrl.recipes.grpo_rollout``) and the scheduling layer (see
-``flowrl.recipes.grpo_arith`` for the dataflow).
+``flowrl.recipes.grpo_arith`` for the dataflow). Its two halves, ``rollout_pipeline``
+(generation) and ``trainer_pipeline`` (scoring), run in separate processes under
+``--placement disaggregated``.
 """
 
 from __future__ import annotations

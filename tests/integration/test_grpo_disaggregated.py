@@ -6,13 +6,25 @@ the rollout process (the trained samples' versions advance)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+from flowrl.errors import StageError
+from flowrl.recipes.grpo_config import GRPOConfig
+from flowrl.recipes.grpo_placement import Disaggregated, plan_cores
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        len(os.sched_getaffinity(0)) < 2, reason="the placement needs 2 cores (refused on 1)"
+    ),
+]
 
 STEPS, PROMPTS, GROUP = 4, 2, 4
 FLAGS = [
@@ -69,3 +81,21 @@ def test_disaggregated_run_trains_each_sample_once_with_new_weights(
         assert set(cores["rollout"]).isdisjoint(cores["trainer"])
     else:
         assert cores["rollout"] == cores["trainer"]
+
+
+def test_a_rollout_process_that_dies_fails_the_trainer() -> None:
+    cfg = GRPOConfig(placement="disaggregated", steps=2, prompts_per_step=2, group_size=4)
+    cores = plan_cores(cfg)
+    assert cores is not None
+    split = Disaggregated(cfg, cores, start_step=0)  # the rollout waits for version 0
+    try:
+        split.check()  # alive, nothing to report
+        assert split.pid is not None
+        os.kill(split.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        with pytest.raises(StageError, match=r"the rollout process died \(exit code -9\)"):
+            while time.monotonic() < deadline:
+                split.check()
+                time.sleep(0.05)
+    finally:
+        split.close()

@@ -176,6 +176,11 @@ class Disaggregated:
             raise
         self._report: _Done | _Failed | None = None
 
+    @property
+    def pid(self) -> int | None:
+        """The rollout process's id."""
+        return self._process.pid
+
     def start(self) -> None:
         """The warm-up is over: the trainer takes its own cores."""
         pin(self.cores.trainer, self.cores.threads)

@@ -35,6 +35,10 @@ the hub's event stream). It logs a line every ``--log-every`` steps on stderr an
 JSON summary (with the scheduler's statistics under ``sched``) as the last line of stdout.
 A configuration that cannot make progress is refused before the warm-up (``GRPOConfig``),
 and a trainer that gets no batch for ``--stall-timeout`` seconds fails with a diagnosis.
+``--task chain`` swaps the addition problems for chain sums whose worked solutions have
+heavy-tailed lengths (``flowrl.recipes.grpo_task``), and ``--placement disaggregated``
+runs the prompt source and the rollout workers in a process of their own, on their own CPU
+cores, with the weights crossing in shared memory (``flowrl.recipes.grpo_placement``).
 The engines underneath are chosen with ``--engine`` (the rollout's sampler: builtin,
 torch or vllm; ``flowrl.recipes.grpo_rollout``), ``--trainer`` (the optimizer step:
 builtin, torch or deepspeed; ``flowrl.recipes.grpo_update``) and ``--model`` (tinylm or a
@@ -67,6 +71,7 @@ from flowrl.recipes.checkpoint import (
 )
 from flowrl.recipes.grpo_cli import main
 from flowrl.recipes.grpo_config import GRPOConfig, check_resumable
+from flowrl.recipes.grpo_placement import Disaggregated, plan_cores
 from flowrl.recipes.grpo_rollout import RolloutBackend
 from flowrl.recipes.grpo_stages import (
     STAGE_NAMES,
@@ -74,12 +79,13 @@ from flowrl.recipes.grpo_stages import (
     build_pipeline,
     build_scheduler,
     rollout_stage,
+    trainer_pipeline,
 )
+from flowrl.recipes.grpo_task import make_task, max_new_tokens
 from flowrl.recipes.grpo_trainer import Trainer, evaluate, update_policy
 from flowrl.recipes.grpo_update import checkpoint_globals
 from flowrl.recipes.progress import bar, format_step, log
-from flowrl.recipes.stall import next_batch
-from flowrl.tasks import ArithTask
+from flowrl.recipes.stall import HEALTH_CHECK_S, next_batch
 from flowrl.tracking import (
     ConsoleTracker,
     JsonlTracker,
@@ -112,12 +118,20 @@ def run(cfg: GRPOConfig, *, resume: str | Path | None = None) -> dict[str, Any]:
     # 10x slower when threads oversubscribe a 2-core machine.
     torch.set_num_threads(1)
     t_start = time.perf_counter()
+    cores = plan_cores(cfg)  # a machine that cannot hold the placement is refused now
     run_dir, checkpoint = _open_run(cfg, resume)
     log.info("run folder: %s", run_dir)
+    split = None
     try:
-        return _train(cfg, run_dir, checkpoint, resume, t_start)
+        if cores is not None:  # the rollout process starts now; it imports during the warm-up
+            start = 0 if checkpoint is None else checkpoint["step"]
+            split = Disaggregated(cfg, cores, start_step=start)
+        return _train(cfg, run_dir, checkpoint, resume, t_start, split)
     except KeyboardInterrupt:
         raise Interrupted(run_dir) from None
+    finally:
+        if split is not None:
+            split.close()
 
 
 class Interrupted(KeyboardInterrupt):
@@ -153,21 +167,35 @@ def _train(
     checkpoint: dict[str, Any] | None,
     resume: str | Path | None,
     t_start: float,
+    split: Disaggregated | None,
 ) -> dict[str, Any]:
-    task = ArithTask(digits=(1, cfg.max_digits), seed=cfg.seed)
-    held_out = ArithTask(digits=(1, cfg.max_digits), seed=10_000 + cfg.seed).sample(cfg.eval_size)
-    max_new = task.max_response_len + 1
-    trainer = Trainer.start(cfg, task, held_out, max_new, checkpoint)
-    start = trainer.step
+    task = make_task(cfg, cfg.seed)
+    held_out = list(make_task(cfg, 10_000 + cfg.seed).sample(cfg.eval_size))
+    max_new = max_new_tokens(cfg)
     batch_size = cfg.prompts_per_step * cfg.group_size
+    trainer = Trainer.start(cfg, task, held_out, max_new, checkpoint)
+    # The prompts start from the seed, not where the warm-up left ``task``'s stream: a
+    # resumed run (no warm-up) then trains on the same problems as an uninterrupted one.
+    task = make_task(cfg, cfg.seed)
+    start = trainer.step
 
     store = WeightStore(trainer.policy(), version=trainer.version)
     backend = RolloutBackend(
         cfg, store, trainer.reference, max_new, first_sample=start * batch_size
     )
-    scheduler = build_scheduler(cfg, max_new) if cfg.schedule else None
-    pipe = build_pipeline(cfg, store, trainer.reference, backend, scheduler, start_step=start)
-    hub = flowrl.Hub(pipe.columns, config=flowrl.HubConfig(capacity=cfg.hub_capacity))
+    scheduler = None
+    hub: flowrl.HubClient
+    if split is None:
+        scheduler = build_scheduler(cfg, max_new) if cfg.schedule else None
+        pipe = build_pipeline(
+            cfg, task, store, trainer.reference, backend, scheduler, start_step=start
+        )
+        hub = flowrl.Hub(pipe.columns, config=flowrl.HubConfig(capacity=cfg.hub_capacity))
+    else:  # the rollout process generates; this one scores, recomputes and trains
+        pipe = trainer_pipeline(
+            cfg, task, store, trainer.reference, whole_steps=cfg.max_staleness == 0
+        )
+        hub = split.hub
     pipe.register(hub)  # now, not when the pipeline thread starts: a stall report lists all
     if trainer.version:
         hub.publish_version(trainer.version)  # admission control counts from here
@@ -182,7 +210,7 @@ def _train(
         columns=TRAIN_COLUMNS,
         batch_size=batch_size,
         groups=cfg.group_size,
-        timeout=cfg.stall_timeout,
+        timeout=min(cfg.stall_timeout, HEALTH_CHECK_S),
     )
     metrics = page = None
     if cfg.metrics_port:
@@ -193,7 +221,13 @@ def _train(
         log.info("live page of the hub: %s", page.url)
     tracking = _tracking(cfg, run_dir, trainer.metrics, page)
     t_rl = time.time()
-    run_ = pipe.start(hub, loaders=[loader], max_samples=(cfg.steps - start) * batch_size)
+    if split is None:
+        run_ = pipe.start(hub, loaders=[loader], max_samples=(cfg.steps - start) * batch_size)
+    else:
+        split.start()  # the trainer moves to its cores; the warm-up had them all
+        split.publish(trainer.update.weights(), trainer.version)  # the rollout waits for it
+        run_ = pipe.start(hub, loaders=[loader])
+    trained = Trained()
     steps_bar = bar(cfg.steps, "grpo", enabled=cfg.progress)
     steps_bar.update(start)
     saved = None
@@ -201,13 +235,23 @@ def _train(
     try:
         while trainer.step < cfg.steps:
             t_wait = time.time()
-            batch = next_batch(loader, hub, timeline, step=trainer.step)
+            batch = next_batch(
+                loader,
+                hub,
+                timeline,
+                step=trainer.step,
+                stall_timeout=cfg.stall_timeout,
+                health=None if split is None else split.check,
+            )
+            trained.add(batch.meta)
             t_got = time.time()
             waited = t_got - t_wait
             trace.span("wait for a batch", t_wait, t_got, group="trainer", step=trainer.step)
             m = trainer.update.step(batch)
             m.update(_batch_lag(store.version, batch))
             trainer.version = store.publish_weights(trainer.update.weights())
+            if split is not None:  # the weights first: the version admits new prompts
+                split.publish(trainer.update.weights(), trainer.version)
             hub.publish_version(trainer.version)
             m.update(
                 step=trainer.step,
@@ -232,6 +276,7 @@ def _train(
                 saved = save_checkpoint(run_dir, done, trainer.state_dict(cfg))
         steps_bar.close()
         loader.close()
+        rollout_side = None if split is None else split.finish()
         run_.stop()
         result = run_.result(timeout=60)
         policy = trainer.policy()  # the trained weights, before the engines close
@@ -254,14 +299,20 @@ def _train(
         "run_dir": str(run_dir),
         "resumed_from": None if resume is None else start,
         "checkpoint": None if saved is None else str(saved),
-        **_rewards_and_accuracy(trainer, evaluate(policy, held_out, max_new), cfg.steps),
+        **_rewards_and_accuracy(trainer, evaluate(policy, task, held_out, max_new), cfg.steps),
         "wall_s": time.perf_counter() - t_start,
         **_session_figures(trainer.metrics[start:], batch_size, t_end - t_rl),
         "stage_busy_fraction": {
             name: timeline.busy_fraction(name, t_rl, t_end) for name in timeline.spans()
         },
         "max_staleness": cfg.max_staleness,
-        "stage_samples": {n: s.samples for n, s in result.stages.items()},
+        "placement": cfg.placement,
+        "cores": None if split is None else msgspec.to_builtins(split.cores),
+        "stage_samples": {
+            **(rollout_side or {}),
+            **{n: s.samples for n, s in result.stages.items()},
+        },
+        **trained.summary(),
         "timeline_png": str(run_dir / "timeline.png"),
         "trace_json": str(run_dir / "trace.json"),
         "sched": None if scheduler is None else msgspec.to_builtins(scheduler.statistics()),
@@ -280,6 +331,28 @@ def _train(
         run_dir,
     )
     return summary
+
+
+class Trained:
+    """Which samples the trainer took, and of which versions: the summary shows that each
+    was trained once and that new versions reached the rollout."""
+
+    def __init__(self) -> None:
+        self._indices: list[np.ndarray] = []
+        self._versions: list[np.ndarray] = []
+
+    def add(self, meta: flowrl.BatchMeta) -> None:
+        self._indices.append(meta.indices)
+        self._versions.append(meta.versions)
+
+    def summary(self) -> dict[str, Any]:
+        indices = np.concatenate(self._indices) if self._indices else np.zeros(0, np.int64)
+        versions = np.concatenate(self._versions) if self._versions else np.zeros(1, np.int64)
+        return {
+            "trained_samples": int(indices.size),
+            "trained_distinct": int(np.unique(indices).size),
+            "sample_versions": [int(versions.min()), int(versions.max())],
+        }
 
 
 def _batch_lag(version: int, batch: flowrl.Batch) -> dict[str, Any]:

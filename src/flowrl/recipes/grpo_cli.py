@@ -15,7 +15,7 @@ from typing import Any
 
 from flowrl.errors import ConfigError, Timeout
 from flowrl.recipes.cli import config_errors, parse_config
-from flowrl.recipes.grpo_config import ENGINES, MODELS, TRAINERS, GRPOConfig
+from flowrl.recipes.grpo_config import ENGINES, MODELS, PLACEMENTS, TASKS, TRAINERS, GRPOConfig
 from flowrl.recipes.progress import log_to_stderr
 
 __all__ = ["DESCRIPTION", "PROG", "check_out_folder", "main"]
@@ -32,9 +32,17 @@ the last line of stdout is the JSON summary. Ctrl-C stops the run; --resume cont
 examples:
   flowrl run grpo                                   one-step-off streaming (max staleness 1)
   flowrl run grpo --max-staleness 0                 synchronous, reproducible for a --seed
+  flowrl run grpo --task chain --placement disaggregated --engine torch
+                                                    long-tailed answers, rollout on its own cores
   flowrl run grpo --resume runs/grpo/20260101-120000 --steps 400   continue a run"""
 
-_CHOICES = {"engine": ENGINES, "trainer": TRAINERS, "model": MODELS}
+_CHOICES = {
+    "engine": ENGINES,
+    "trainer": TRAINERS,
+    "model": MODELS,
+    "task": TASKS,
+    "placement": PLACEMENTS,
+}
 INTERRUPTED_STATUS = 130  # what a shell reports for a process ended by SIGINT
 
 

@@ -39,7 +39,9 @@ __all__ = [
     "MAX_SEQ_LEN",
     "MODELS",
     "N_HEADS",
+    "PLACEMENTS",
     "RESUMABLE_FIELDS",
+    "TASKS",
     "TRAINERS",
     "GRPOConfig",
     "check_resumable",
@@ -53,6 +55,8 @@ N_HEADS = 4
 # A Llama policy's attention heads are this wide: vLLM's CPU attention needs >= 32.
 LLAMA_HEAD_DIM = 32
 ENGINES = ("builtin", "torch", "vllm")
+TASKS = ("arith", "chain")
+PLACEMENTS = ("colocated", "disaggregated")
 TRAINERS = ("builtin", "torch", "deepspeed", "megatron")
 MODELS = ("tinylm", "llama")
 # What each engine needs installed: (module, install line).
@@ -83,7 +87,17 @@ class GRPOConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_staleness: Annotated[
         int, Meta(description="policy versions a trained sample may lag (0: synchronous)")
     ] = 1
-    max_digits: Annotated[int, Meta(description="digits of the largest addend (1 to 6)")] = 2
+    task: Annotated[
+        str,
+        Meta(
+            description="what the policy learns: arith (a + b, short uniform answers) or chain "
+            "(sums of 2 to 16 digits with the running sums worked out: response lengths "
+            "heavy-tailed, 2 to 50 tokens)"
+        ),
+    ] = "arith"
+    max_digits: Annotated[
+        int, Meta(description="digits of the largest addend (1 to 6), --task arith")
+    ] = 2
     d_model: Annotated[int, Meta(description="model width (a multiple of 4)")] = 64
     clean_steps: Annotated[int, Meta(description="warm-up steps on correct answers")] = 1000
     noisy_steps: Annotated[int, Meta(description="warm-up steps on noisy answers")] = 200
@@ -139,6 +153,21 @@ class GRPOConfig(msgspec.Struct, frozen=True, kw_only=True):
             "runs (0: off)"
         ),
     ] = 0
+    placement: Annotated[
+        str,
+        Meta(
+            description="where the stages run: colocated (one process, every stage a thread) "
+            "or disaggregated (rollout in a process of its own, on its own CPU cores, the "
+            "trainer's stages on the rest; weights cross in shared memory; see docs/grpo.md)"
+        ),
+    ] = "colocated"
+    torch_threads: Annotated[
+        int,
+        Meta(
+            description="torch intra-op threads per process, --placement disaggregated (0: "
+            "one per core the process runs on)"
+        ),
+    ] = 0
     engine: Annotated[
         str,
         Meta(
@@ -189,6 +218,9 @@ RESUMABLE_FIELDS = frozenset(
         "logger",
         "metrics_port",
         "dashboard",
+        "placement",
+        "torch_threads",
+        "max_staleness",  # a bound on scheduling: what a checkpoint holds does not depend on it
     }
 )
 
@@ -250,6 +282,7 @@ def _check_values(cfg: GRPOConfig) -> None:
         "checkpoint_every": 0,
         "metrics_port": 0,
         "dashboard": 0,
+        "torch_threads": 0,
     }
     for field, low in at_least.items():
         if getattr(cfg, field) < low:
@@ -292,7 +325,13 @@ def _check_values(cfg: GRPOConfig) -> None:
             raise _refuse(field, getattr(cfg, field), "a TCP port in [1, 65535], or 0 (off)")
     if not 0 <= cfg.zero_stage <= 3:
         raise _refuse("zero_stage", cfg.zero_stage, "an int in [0, 3]")
-    for field, choices in (("engine", ENGINES), ("trainer", TRAINERS), ("model", MODELS)):
+    for field, choices in (
+        ("engine", ENGINES),
+        ("trainer", TRAINERS),
+        ("model", MODELS),
+        ("task", TASKS),
+        ("placement", PLACEMENTS),
+    ):
         if getattr(cfg, field) not in choices:
             raise _refuse(field, getattr(cfg, field), "one of " + ", ".join(choices))
 

@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 import flowrl
-from flowrl import WeightStore
 from flowrl.engines import RolloutEngine, SamplingParams, TorchRolloutEngine
 from flowrl.engines.durable import generate_durable
 from flowrl.models import as_causal_lm
-from flowrl.recipes.grpo_config import MAX_SEQ_LEN, GRPOConfig
+from flowrl.recipes.grpo_config import GRPOConfig
+from flowrl.recipes.grpo_task import context_len
 from flowrl.rl import generate_resumable
 from flowrl.rl.rollout import ResumableGeneration
 from flowrl.tasks import EOS_ID, PAD_ID
@@ -48,7 +48,21 @@ if TYPE_CHECKING:
     from flowrl._client.base import HubClient
     from flowrl.models import CausalLM
 
-__all__ = ["BuiltinSampler", "EngineSampler", "RolloutBackend", "Sampler"]
+__all__ = ["BuiltinSampler", "EngineSampler", "RolloutBackend", "Sampler", "WeightSource"]
+
+
+class WeightSource(Protocol):
+    """Where the samplers get the newest published weights: the trainer's
+    :class:`~flowrl.WeightStore` in its process, or a shared-memory subscriber in a
+    rollout process of its own (``flowrl.recipes.grpo_placement``)."""
+
+    def pull(self, model: torch.nn.Module, have: int) -> int:
+        """Load the newest version into ``model`` if it is not ``have``; returns it."""
+        ...
+
+    def newer(self, have: int) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
+        """The newest version and a copy of its tensors if it is not ``have``, else None."""
+        ...
 
 
 class Sampler(Protocol):
@@ -73,7 +87,7 @@ class RolloutBackend:
     def __init__(
         self,
         cfg: GRPOConfig,
-        store: WeightStore,
+        store: WeightSource,
         reference: torch.nn.Module,
         max_new: int,
         *,
@@ -104,7 +118,7 @@ class RolloutBackend:
                 folder,
                 version=version,
                 dtype="float32",
-                max_model_len=MAX_SEQ_LEN,
+                max_model_len=context_len(self.cfg),
                 seed=self.cfg.seed,
             )
         else:

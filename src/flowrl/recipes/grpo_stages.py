@@ -1,9 +1,11 @@
 """The main job's stages: the prompt source, rollout, reward, log-probs and advantages.
 
-``build_pipeline`` closes the five stages over the run's config, the trainer's
+``build_pipeline`` closes the five stages over the run's config, the task, the trainer's
 :class:`~flowrl.WeightStore`, the frozen reference, the rollout backend (what the rollout
 workers sample with, ``flowrl.recipes.grpo_rollout``) and the scheduling layer (see
-``flowrl.recipes.grpo_arith`` for the dataflow).
+``flowrl.recipes.grpo_arith`` for the dataflow). Its two halves, ``rollout_pipeline``
+(generation) and ``trainer_pipeline`` (scoring), run in separate processes under
+``--placement disaggregated``.
 """
 
 from __future__ import annotations
@@ -39,16 +41,27 @@ from flowrl.sched import (
     kv_capacity_tokens,
 )
 from flowrl.sched_hooks import RolloutScheduler
-from flowrl.tasks import VOCAB_SIZE, ArithTask, verify
+from flowrl.tasks import VOCAB_SIZE, Task
 
 __all__ = [
+    "ROLLOUT_COLUMNS",
     "STAGE_NAMES",
     "TRAIN_COLUMNS",
     "build_pipeline",
     "build_scheduler",
     "model_inputs",
     "prompts_stage",
+    "rollout_pipeline",
     "rollout_stage",
+    "trainer_pipeline",
+]
+
+# What the generation side puts: the prompt (the source) and the rollout's three columns.
+ROLLOUT_COLUMNS = [
+    Column.ragged("prompt", "int64"),
+    Column.ragged("response", "int64"),
+    Column.ragged("sample_logprobs", "float32"),
+    Column.ragged("response_versions", "int64"),
 ]
 
 
@@ -89,6 +102,7 @@ def build_scheduler(cfg: GRPOConfig, max_new: int) -> RolloutScheduler:
 
 def build_pipeline(
     cfg: GRPOConfig,
+    task: Task[Any],
     store: WeightStore,
     reference: torch.nn.Module,
     backend: RolloutBackend,
@@ -96,27 +110,65 @@ def build_pipeline(
     *,
     start_step: int = 0,
 ) -> Pipeline:
-    """The five stages, closed over the run's config, weights, reference, rollout backend
-    and scheduler.
+    """The five stages in one pipeline (``--placement colocated``), closed over the run's
+    config, task, weights, reference, rollout backend and scheduler.
 
     ``start_step``: the stream of problems starts at this step's (a resumed run; the
     backend's ``first_sample`` is its first sample).
     """
-    task = ArithTask(digits=(1, cfg.max_digits), seed=cfg.seed)
+    rollout = rollout_pipeline(cfg, task, backend, scheduler, start_step=start_step)
+    trainer = trainer_pipeline(cfg, task, store, reference)
+    return Pipeline((*rollout.stages, *trainer.stages), staleness=rollout.staleness)
+
+
+def rollout_pipeline(
+    cfg: GRPOConfig,
+    task: Task[Any],
+    backend: RolloutBackend,
+    scheduler: RolloutScheduler | None = None,
+    *,
+    start_step: int = 0,
+) -> Pipeline:
+    """The generation side: the prompt source and the rollout workers, admitted within the
+    staleness bound (what the rollout process runs under ``--placement disaggregated``)."""
+    stages = (prompts_stage(cfg, task, start_step), rollout_stage(cfg, backend, scheduler))
+    return Pipeline(
+        stages,
+        staleness=Staleness(
+            max_staleness=cfg.max_staleness,
+            samples_per_version=cfg.prompts_per_step * cfg.group_size,
+        ),
+    )
+
+
+def trainer_pipeline(
+    cfg: GRPOConfig,
+    task: Task[Any],
+    store: WeightStore,
+    reference: torch.nn.Module,
+    *,
+    whole_steps: bool = False,
+) -> Pipeline:
+    """The trainer's side: reward, log-probs under the trainer's weights and the frozen
+    reference, and group advantages; the rollout's columns come from outside.
+
+    ``whole_steps``: reward and log-probs take a whole step's samples at once, so a
+    synchronous run's phases do not overlap (each then has every core; see
+    ``flowrl.recipes.grpo_placement``); else micro-batches of ``rollout_batch``.
+    """
     g = cfg.group_size
-    per_put = groups_per_put(cfg)
-    prompts = prompts_stage(cfg, task, start_step)
-    rollout = rollout_stage(cfg, backend, scheduler)
+    step = cfg.prompts_per_step * g
+    batch, least = (step, step) if whole_steps else (cfg.rollout_batch, 1)
 
     @flowrl.stage(
         inputs=["prompt", "response"],
         outputs=[Column.scalar("reward", "float32")],
-        batch_size=cfg.rollout_batch,
-        min_batch=1,
+        batch_size=batch,
+        min_batch=least,
     )
     def reward(batch: flowrl.Batch) -> dict[str, Any]:
         pairs = zip(batch.ragged("prompt"), batch.ragged("response"), strict=True)
-        scores = [verify(p.tolist(), r.tolist()) for p, r in pairs]
+        scores = [task.verify(p.tolist(), r.tolist()) for p, r in pairs]
         return {"reward": np.array(scores, dtype=np.float32)}
 
     @flowrl.stage(
@@ -125,8 +177,8 @@ def build_pipeline(
             Column.ragged("old_logprobs", "float32"),
             Column.ragged("ref_logprobs", "float32"),
         ],
-        batch_size=cfg.rollout_batch,
-        min_batch=1,
+        batch_size=batch,
+        min_batch=least,
     )
     class Logprob:
         def setup(self) -> None:
@@ -150,23 +202,18 @@ def build_pipeline(
     @flowrl.stage(
         inputs=["reward"],
         outputs=[Column.scalar("advantage", "float32")],
-        batch_size=per_put * g,
+        batch_size=groups_per_put(cfg) * g,
         sampler=GroupSampler(g),
     )
     def advantage(batch: flowrl.Batch) -> dict[str, Any]:
         adv = group_advantages(batch.torch("reward"), torch.from_numpy(batch.meta.groups))
         return {"advantage": adv.numpy()}
 
-    stages = cast("tuple[StageSpec, ...]", (prompts, rollout, reward, Logprob, advantage))
-    return Pipeline(
-        stages,
-        staleness=Staleness(
-            max_staleness=cfg.max_staleness, samples_per_version=cfg.prompts_per_step * g
-        ),
-    )
+    stages = cast("tuple[StageSpec, ...]", (reward, Logprob, advantage))
+    return Pipeline(stages, columns=ROLLOUT_COLUMNS)
 
 
-def prompts_stage(cfg: GRPOConfig, task: ArithTask, start_step: int) -> StageSpec:
+def prompts_stage(cfg: GRPOConfig, task: Task[Any], start_step: int) -> StageSpec:
     """The source: G copies of each problem, one group id per problem, one partition per step.
 
     It puts :func:`groups_per_put` groups at a time (a divisor of the step's groups: a put
@@ -176,7 +223,7 @@ def prompts_stage(cfg: GRPOConfig, task: ArithTask, start_step: int) -> StageSpe
     first_group = start_step * per_step
     task.sample(first_group)  # the stream of problems continues where the run stopped
 
-    @flowrl.stage(outputs=[Column.ragged("prompt", "int64")], batch_size=per_put * g)
+    @flowrl.stage(outputs=ROLLOUT_COLUMNS[:1], batch_size=per_put * g)
     def prompts() -> Any:
         group = first_group
         while True:
@@ -198,11 +245,7 @@ def rollout_stage(
 
     @flowrl.stage(
         inputs=["prompt"],
-        outputs=[
-            Column.ragged("response", "int64"),
-            Column.ragged("sample_logprobs", "float32"),
-            Column.ragged("response_versions", "int64"),
-        ],
+        outputs=ROLLOUT_COLUMNS[1:],
         batch_size=cfg.rollout_batch,
         min_batch=1,
         workers=cfg.rollout_workers,

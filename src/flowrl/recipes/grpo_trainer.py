@@ -19,10 +19,11 @@ import torch
 
 from flowrl._weights.sync import load_named
 from flowrl.models import TinyLM, TinyLMConfig, as_causal_lm, generate
-from flowrl.recipes.grpo_config import LLAMA_HEAD_DIM, MAX_SEQ_LEN, N_HEADS, GRPOConfig
+from flowrl.recipes.grpo_config import LLAMA_HEAD_DIM, N_HEADS, GRPOConfig
+from flowrl.recipes.grpo_task import context_len
 from flowrl.recipes.grpo_update import PolicyUpdate, make_update, update_policy
 from flowrl.recipes.progress import bar, log, quarter_logger
-from flowrl.tasks import EOS_ID, VOCAB_SIZE, ArithTask, pretrain, verify
+from flowrl.tasks import EOS_ID, VOCAB_SIZE, Problem, Task, pretrain
 
 __all__ = ["Trainer", "build_model", "evaluate", "update_policy", "warm_up"]
 
@@ -43,8 +44,8 @@ class Trainer:
     def start(
         cls,
         cfg: GRPOConfig,
-        task: ArithTask,
-        held_out: list[Any],
+        task: Task[Any],
+        held_out: list[Problem],
         max_new: int,
         checkpoint: dict[str, Any] | None,
     ) -> Trainer:
@@ -53,7 +54,7 @@ class Trainer:
         if checkpoint is None:
             warm_up(cfg, model, task)
             model.eval()
-            eval_before = evaluate(model, held_out, max_new)
+            eval_before = evaluate(model, task, held_out, max_new)
             log.info(
                 "held-out accuracy before RL: %.3f sampled, %.3f greedy",
                 eval_before["sampled"],
@@ -116,7 +117,7 @@ def build_model(cfg: GRPOConfig) -> torch.nn.Module:
             n_layers=2,
             n_heads=cfg.d_model // LLAMA_HEAD_DIM,
             intermediate_size=4 * cfg.d_model,
-            max_positions=MAX_SEQ_LEN,
+            max_positions=context_len(cfg),
             seed=cfg.seed,
         )
     return TinyLM(
@@ -126,12 +127,12 @@ def build_model(cfg: GRPOConfig) -> torch.nn.Module:
             n_layers=2,
             n_heads=N_HEADS,
             d_ff=4 * cfg.d_model,
-            max_seq_len=MAX_SEQ_LEN,
+            max_seq_len=context_len(cfg),
         )
     )
 
 
-def warm_up(cfg: GRPOConfig, model: torch.nn.Module, task: ArithTask) -> None:
+def warm_up(cfg: GRPOConfig, model: torch.nn.Module, task: Task[Any]) -> None:
     """Learn the task, then unlearn part of it on noisy answers, so the policy's samples
     are right only some of the time and GRPO has a signal to climb."""
     total = cfg.clean_steps + cfg.noisy_steps
@@ -158,8 +159,10 @@ def warm_up(cfg: GRPOConfig, model: torch.nn.Module, task: ArithTask) -> None:
         )
 
 
-def evaluate(model: torch.nn.Module, problems: list[Any], max_new: int) -> dict[str, float]:
-    """Accuracy on held-out problems, sampled at temperature 1 and greedy."""
+def evaluate(
+    model: torch.nn.Module, task: Task[Any], problems: list[Problem], max_new: int
+) -> dict[str, float]:
+    """Accuracy on held-out problems of ``task``, sampled at temperature 1 and greedy."""
     prompts = [p.prompt_ids for p in problems]
     lm = as_causal_lm(model)
     scores = {}
@@ -170,5 +173,5 @@ def evaluate(model: torch.nn.Module, problems: list[Any], max_new: int) -> dict[
                 lm, prompts, max_new, temperature=temperature, eos_id=EOS_ID, generator=gen
             )
         pairs = zip(problems, out.responses(), strict=True)
-        scores[name] = float(np.mean([verify(p.prompt_ids, r) for p, r in pairs]))
+        scores[name] = float(np.mean([task.verify(p.prompt_ids, r) for p, r in pairs]))
     return scores

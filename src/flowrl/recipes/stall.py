@@ -1,7 +1,7 @@
 """A trainer that stops getting batches fails with a diagnosis instead of waiting forever.
 
-:func:`next_batch` takes the trainer's next batch from a :class:`~flowrl.Loader` built
-with ``timeout=`` (the stall timeout); when none comes in time it raises
+:func:`next_batch` takes the trainer's next batch from a :class:`~flowrl.Loader`; when none
+comes within the stall timeout it raises
 :class:`~flowrl.errors.Timeout` with what the hub holds for each task (ready, leased,
 consumed), which stages have work in hand and for how long, the policy version and how
 full the hub is.
@@ -10,6 +10,7 @@ full the hub is.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from flowrl._client.base import HubClient
 from flowrl._client.batch import Batch
@@ -17,20 +18,39 @@ from flowrl._observers.timeline import Timeline
 from flowrl._pipeline.loader import Loader
 from flowrl.errors import Timeout
 
-__all__ = ["diagnose", "next_batch"]
+__all__ = ["HEALTH_CHECK_S", "diagnose", "next_batch"]
+
+HEALTH_CHECK_S = 1.0  # how often a waiting trainer checks the run's other processes
 
 
-def next_batch(loader: Loader, hub: HubClient, timeline: Timeline, *, step: int) -> Batch:
-    """``next(loader)``; on the loader's timeout, a :class:`Timeout` with :func:`diagnose`."""
-    try:
-        return next(loader)
-    except Timeout as exc:
-        raise Timeout(
-            f"the trainer waited {loader.timeout:g}s (--stall-timeout) for the "
-            f"{loader.batch_size} samples of step {step + 1} and none came: the run stopped "
-            f"making progress. {diagnose(hub, timeline)}. Raise --stall-timeout if one step "
-            "legitimately takes longer."
-        ) from exc
+def next_batch(
+    loader: Loader,
+    hub: HubClient,
+    timeline: Timeline,
+    *,
+    step: int,
+    stall_timeout: float,
+    health: Callable[[], None] | None = None,
+) -> Batch:
+    """``next(loader)``, waiting up to ``stall_timeout`` s; then a :class:`Timeout` with
+    :func:`diagnose`. ``loader`` times out every :data:`HEALTH_CHECK_S` s at most, and
+    ``health`` (which raises what stopped a part of the run that runs elsewhere, e.g. the
+    rollout process) is called each time."""
+    deadline = time.monotonic() + stall_timeout
+    while True:
+        try:
+            return next(loader)
+        except Timeout as exc:
+            if health is not None:
+                health()
+            if time.monotonic() < deadline:
+                continue
+            raise Timeout(
+                f"the trainer waited {stall_timeout:g}s (--stall-timeout) for the "
+                f"{loader.batch_size} samples of step {step + 1} and none came: the run "
+                f"stopped making progress. {diagnose(hub, timeline)}. Raise --stall-timeout "
+                "if one step legitimately takes longer."
+            ) from exc
 
 
 def diagnose(hub: HubClient, timeline: Timeline) -> str:

@@ -1,4 +1,4 @@
-"""Verifiable synthetic tasks generated in code, with rule-based rewards."""
+"""Verifiable synthetic tasks generated in code, with rule-based rewards (``Task``)."""
 
 from flowrl.tasks.arith import (
     BOS_ID,
@@ -12,6 +12,8 @@ from flowrl.tasks.arith import (
     pretrain,
     verify,
 )
+from flowrl.tasks.base import Problem, Task
+from flowrl.tasks.chain import ChainProblem, ChainTask
 
 __all__ = [
     "BOS_ID",
@@ -20,6 +22,10 @@ __all__ = [
     "VOCAB_SIZE",
     "ArithProblem",
     "ArithTask",
+    "ChainProblem",
+    "ChainTask",
+    "Problem",
+    "Task",
     "decode",
     "encode",
     "pretrain",

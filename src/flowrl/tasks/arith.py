@@ -22,13 +22,14 @@ import random
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import final
+from typing import Any, final
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flowrl.models.causal import as_causal_lm
+from flowrl.tasks.base import Task
 
 __all__ = [
     "BOS_ID",
@@ -122,9 +123,24 @@ class ArithTask:
             yield ArithProblem(self._number(), self._number())
 
     @property
+    def max_prompt_len(self) -> int:
+        """Longest prompt in tokens: BOS, two addends and ``+``, ``=``."""
+        return 2 * self.digits[1] + 3
+
+    @property
     def max_response_len(self) -> int:
         """Longest correct response in tokens: digits of the largest sum, plus EOS."""
         return len(str(2 * (10 ** self.digits[1] - 1))) + 1
+
+    def verify(
+        self, prompt_ids: Sequence[int] | Tensor, response_ids: Sequence[int] | Tensor
+    ) -> float:
+        """:func:`verify` (the task interface :class:`flowrl.tasks.Task`)."""
+        return verify(prompt_ids, response_ids)
+
+    def noisy_answer(self, problem: ArithProblem, noise: float, rng: random.Random) -> list[int]:
+        """The answer, with probability ``noise`` one digit replaced (the warm-up's targets)."""
+        return _noisy_answer(problem, noise, rng)
 
 
 def verify(
@@ -149,19 +165,26 @@ def verify(
     return 1.0 if decode(body) == expected else format_reward
 
 
+def noisy_digits(number: str, rng: random.Random) -> str:
+    """``number`` (decimal digits) with one digit replaced by a different one, never
+    giving it a leading zero."""
+    digits = list(number)
+    pos = rng.randrange(len(digits))
+    low = 1 if pos == 0 and len(digits) > 1 else 0
+    digits[pos] = rng.choice([str(d) for d in range(low, 10) if str(d) != digits[pos]])
+    return "".join(digits)
+
+
 def _noisy_answer(problem: ArithProblem, noise: float, rng: random.Random) -> list[int]:
-    digits = list(str(problem.answer))
+    answer = str(problem.answer)
     if rng.random() < noise:
-        pos = rng.randrange(len(digits))
-        low = 1 if pos == 0 and len(digits) > 1 else 0
-        choices = [str(d) for d in range(low, 10) if str(d) != digits[pos]]
-        digits[pos] = rng.choice(choices)
-    return encode("".join(digits), eos=True)
+        answer = noisy_digits(answer, rng)
+    return encode(answer, eos=True)
 
 
 def pretrain(
     model: nn.Module,
-    task: ArithTask,
+    task: Task[Any],
     steps: int,
     *,
     batch_size: int = 128,
@@ -200,7 +223,7 @@ def pretrain(
         rows, targets = [], []
         for problem in task.sample(batch_size):
             prompt = problem.prompt_ids
-            answer = _noisy_answer(problem, noise, rng)
+            answer = task.noisy_answer(problem, noise, rng)
             rows.append(prompt + answer)
             targets.append([-100] * (len(prompt) - 1) + answer)
         width = max(map(len, rows))

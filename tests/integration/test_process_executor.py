@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import flowrl
-from flowrl import Column
+from flowrl import Column, RunResult
 from flowrl._pipeline.admission import Staleness
 from flowrl._pipeline.executors.processes import ProcessExecutor
 from flowrl._pipeline.loader import Loader
@@ -207,11 +207,10 @@ def test_processes_need_a_multi_process_hub_and_importable_stages() -> None:
         Pipeline([local]).run(executor="processes")
 
 
-def test_a_killed_worker_is_replaced_and_its_batch_goes_to_another_worker(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv(KILLS, str(tmp_path))
-    pipe = Pipeline([forty, dies_once])
+def _forty_with_one_death(pipe: Pipeline, victim: str) -> RunResult:
+    """Run ``pipe`` (forty samples, then ``victim``, whose worker dies once) under one
+    restart, checking that a Loader saw each sample once (y = 2x), both tasks consumed all
+    forty, nothing is left leased and the victim was restarted once; the run's result."""
     hub = flowrl.launch_hub(pipe.columns)
     try:
         loader = Loader(hub, task="check", columns=["x", "y"], batch_size=4, timeout=60)
@@ -222,46 +221,34 @@ def test_a_killed_worker_is_replaced_and_its_batch_goes_to_another_worker(
                 assert (batch.numpy("y") == 2 * batch.numpy("x")).all()
                 seen.extend(batch.numpy("x").tolist())
         result = run.result()
-        killed = [int(i) for i in (tmp_path / "dies_once").read_text().split(",")]
-        assert len(killed) == 4  # it died holding a lease on a whole batch
-        assert Counter(seen) == Counter(range(40))  # none lost, none twice
-        assert result.completed
-        assert result.stages["dies_once"].restarts == 1
-        assert result.stages["dies_once"].samples == 40  # the dead worker consumed nothing
         stats = hub.statistics()
-        for task in ("dies_once", "check"):
+        for task in (victim, "check"):
             assert stats.tasks[task].consumed == 40, task
             assert stats.tasks[task].ready == stats.tasks[task].leased == 0, task
         assert stats.live == 0 and stats.leases == 0
     finally:
         hub.close()
+    assert Counter(seen) == Counter(range(40))  # none lost, none twice
+    assert result.completed and result.stages[victim].restarts == 1
+    return result
+
+
+def test_a_killed_worker_is_replaced_and_its_batch_goes_to_another_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(KILLS, str(tmp_path))
+    result = _forty_with_one_death(Pipeline([forty, dies_once]), "dies_once")
+    killed = [int(i) for i in (tmp_path / "dies_once").read_text().split(",")]
+    assert len(killed) == 4  # it died holding a lease on a whole batch
+    assert result.stages["dies_once"].samples == 40  # the dead worker consumed nothing
 
 
 def test_a_worker_killed_mid_round_loses_and_repeats_nothing_of_its_pipelined_rounds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(KILLS, str(tmp_path))
-    pipe = Pipeline([forty, dies_in_its_third_round])
-    hub = flowrl.launch_hub(pipe.columns)
-    try:
-        loader = Loader(hub, task="check", columns=["x", "y"], batch_size=4, timeout=60)
-        executor = ProcessExecutor(timeout=120, max_restarts=1)
-        with pipe.start(hub, executor=executor, loaders=[loader]) as run:
-            seen: list[int] = []
-            for batch in loader:
-                assert (batch.numpy("y") == 2 * batch.numpy("x")).all()
-                seen.extend(batch.numpy("x").tolist())
-        result = run.result()
-        assert (tmp_path / "third_round").exists()  # it did die mid-round
-        assert Counter(seen) == Counter(range(40))  # none lost, none twice
-        assert result.completed and result.stages["dies_in_its_third_round"].restarts == 1
-        stats = hub.statistics()
-        for task in ("dies_in_its_third_round", "check"):
-            assert stats.tasks[task].consumed == 40, task
-            assert stats.tasks[task].ready == stats.tasks[task].leased == 0, task
-        assert stats.live == 0 and stats.leases == 0
-    finally:
-        hub.close()
+    _forty_with_one_death(Pipeline([forty, dies_in_its_third_round]), "dies_in_its_third_round")
+    assert (tmp_path / "third_round").exists()  # it did die mid-round
 
 
 def test_deaths_past_max_restarts_fail_the_run(

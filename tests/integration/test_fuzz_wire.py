@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -164,19 +163,9 @@ class Target:
 
 
 def server_pids(hub: Any) -> list[int]:
-    """Processes serving this hub: their command line names its private ipc folder."""
-    folder = os.path.dirname(hub.address.removeprefix("ipc://")).encode()
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"flowrl._launch.serve" in cmdline and folder in cmdline:
-            pids.append(int(proc.name))
-    return pids
+    """Processes serving this hub (its launcher's; their command lines name nothing of it:
+    specs travel on stdin)."""
+    return [proc.pid for proc in hub.servers.procs]
 
 
 def alive(pid: int) -> bool:

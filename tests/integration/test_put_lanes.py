@@ -25,7 +25,7 @@ SEQ = 4096  # 32 KiB a sample: a put of 4 is past the 64 KiB a lane is used from
 @pytest.fixture
 def hub() -> Iterator[Any]:
     h = flowrl.launch_hub(
-        COLUMNS, tasks={"train": ["ids", "reward"]}, config=HubConfig(capacity=1024)
+        COLUMNS, tasks={"train": ["ids", "reward"]}, config=HubConfig(capacity=4096)
     )
     yield h
     h.close()

@@ -31,8 +31,9 @@ def ahead_cap(capacity: int) -> int:
 
 def next_cap(capacity: int) -> int:
     """The most indices a put's commit may reserve for the producer's next put (a batched
-    producer's steady state: one round trip a put): 1/8 of ``capacity``."""
-    return capacity // 8
+    producer's steady state: one round trip a put): 1/64 of ``capacity``, as a pool's, so
+    that on a small hub no reservation holds room (or indices) another put needs."""
+    return capacity // 64
 
 
 class Pool:

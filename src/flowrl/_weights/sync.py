@@ -233,10 +233,10 @@ def _copy_in(
 
 class _DeviceToHost:
     """Copies GPU bytes into host memory through two reused page-locked buffers. A copy
-    from a GPU into pageable memory (a shared-memory arena) is staged by the driver a
-    small block at a time: about 1 GiB/s measured on an H200 host. Into page-locked
-    memory it runs at the bus's speed, and the next chunk's transfer overlaps this
-    chunk's copy into place."""
+    from a GPU into pageable memory (a shared-memory arena) is staged by the driver
+    through its own bounce buffer; into page-locked memory it runs at the bus's speed,
+    and the next chunk's transfer overlaps this chunk's copy into place (measured on an
+    H200 host, 1 GiB of bf16: 18.97 GiB/s this way, 13.2 GiB/s copied straight in)."""
 
     CHUNK = 64 << 20
 

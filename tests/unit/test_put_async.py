@@ -157,3 +157,23 @@ def test_result_from_another_thread_is_refused_until_done(make_hub) -> None:
     assert isinstance(seen[0], ConfigError) and "thread that made" in str(seen[0])
     hub.flush(GUARD)
     assert fut.result().size == 1
+
+
+@pytest.mark.parametrize("seq", [1, 64, 4096], ids=["frames", "small", "lent"])
+def test_the_callers_arrays_can_be_reused_once_a_put_returns(make_hub, seq: int) -> None:
+    """put may write the caller's arrays without copying them first (over a transport it
+    copies them out before it returns), put_async copies them: either way, overwriting
+    them afterwards changes nothing stored."""
+    hub = make_hub(columns=[Column.tensor("x", "int64", (seq,))], tasks={"train": ["x"]})
+    buf = np.zeros((4, seq), dtype=np.int64)
+    for i in range(6):
+        buf[:] = i
+        if i % 2:
+            hub.put({"x": buf})
+        else:
+            hub.put_async({"x": buf})
+    hub.flush(GUARD)
+    buf[:] = -1
+    batch = hub.get(hub.claim("train", 24, timeout=GUARD))
+    assert sorted(set(np.asarray(batch["x"])[:, 0].tolist())) == list(range(6))
+    assert all(np.unique(row).size == 1 for row in np.asarray(batch["x"]))

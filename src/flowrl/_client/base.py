@@ -216,7 +216,8 @@ class HubClient:
         target = _as_indices(indices, where) if indices is not None else None
         acked = None if ack is None else _ackable(ack, target, where)
         n_expected = None if target is None else int(target.size)
-        encoded, new_columns, n = self.schema.encode_all(data, n_expected, where)
+        owned = not (wait and self._data.copies_puts)  # put_async: the caller may reuse its arrays
+        encoded, new_columns, n = self.schema.encode_all(data, n_expected, where, owned)
         groups_arr = _per_sample(groups, n, "groups", where)
         tokens_arr = _per_sample(tokens, n, "tokens", where)
         versions = _versions(version, n, where)

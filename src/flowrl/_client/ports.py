@@ -123,6 +123,10 @@ class DataPort(abc.ABC):
     """Payload bytes to and from the storage units (``n_units`` of them)."""
 
     n_units: int
+    #: A put that waits for its answer has copied its buffers out by the time it returns
+    #: (to another process): it may write the caller's arrays as they are, without first
+    #: copying them. An in-process hub keeps the arrays it is given.
+    copies_puts = False
 
     @abc.abstractmethod
     def write(

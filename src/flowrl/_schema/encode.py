@@ -89,12 +89,15 @@ def arrow_of_buffers(column: Column, n: int, values: int, buffers: Sequence[Any]
     return pa.Array.from_buffers(column.arrow_type, n, [None, offsets], children=[flat])
 
 
-def encode(column: Column, values: Any, n: int | None, where: str) -> Encoded:
-    """Validate ``values`` for ``column`` (``n`` samples if given); build an owned Arrow array."""
+def encode(column: Column, values: Any, n: int | None, where: str, owned: bool = True) -> Encoded:
+    """Validate ``values`` for ``column`` (``n`` samples if given); build an owned Arrow array.
+
+    ``owned=False``: numeric buffers may be views of ``values`` (no copy) where the caller
+    copies them before it returns, e.g. a put into a storage unit's memory that waits."""
     if column.kind == "ragged":
-        return _encode_ragged(column, values, n, where)
+        return _encode_ragged(column, values, n, where, owned)
     if column.kind in ("scalar", "tensor"):
-        return _encode_dense(column, values, n, where)
+        return _encode_dense(column, values, n, where, owned)
     if column.kind == "string":
         return _encode_strings(column, values, n, where)
     return _encode_objects(column, values, n, where)
@@ -138,7 +141,7 @@ def infer_column(name: str, values: Any) -> Column:
 
 
 # -- dense ---------------------------------------------------------------------------------
-def _encode_dense(column: Column, values: Any, n: int | None, where: str) -> Encoded:
+def _encode_dense(column: Column, values: Any, n: int | None, where: str, owned: bool) -> Encoded:
     shape = column.shape
     arr = _checked_array(column, values, where)
     if arr.ndim != 1 + len(shape) or tuple(arr.shape[1:]) != shape:
@@ -148,14 +151,15 @@ def _encode_dense(column: Column, values: Any, n: int | None, where: str) -> Enc
             f"got shape {tuple(arr.shape)} in {where}"
         )
     _check_count(column, arr.shape[0], n, where)
-    owned = np.array(arr, order="C", copy=True)
-    count = owned.shape[0]
-    nbytes = np.full(count, owned.itemsize * math.prod(shape), dtype=np.int64)
-    if owned.dtype != np.bool_:
-        return Encoded(column, count, nbytes, None, buffers=[owned.reshape(-1)])
+    # A fresh copy costs as much as the put's own copy here (new pages fault one by one).
+    arr = np.array(arr, order="C", copy=True) if owned else np.ascontiguousarray(arr)
+    count = arr.shape[0]
+    nbytes = np.full(count, arr.itemsize * math.prod(shape), dtype=np.int64)
+    if arr.dtype != np.bool_:
+        return Encoded(column, count, nbytes, None, buffers=[arr.reshape(-1)])
     if column.kind == "scalar":
-        return Encoded(column, count, nbytes, None, array=pa.array(owned, type=pa.bool_()))
-    flat = pa.array(owned.reshape(-1), type=pa.bool_())
+        return Encoded(column, count, nbytes, None, array=pa.array(arr, type=pa.bool_()))
+    flat = pa.array(arr.reshape(-1), type=pa.bool_())
     storage = pa.FixedSizeListArray.from_arrays(flat, math.prod(shape))
     array = pa.ExtensionArray.from_storage(column.arrow_type, storage)
     return Encoded(column, count, nbytes, None, array=array)
@@ -213,7 +217,7 @@ def _lossless(arr: np.ndarray, want: np.dtype) -> bool:
 
 
 # -- ragged --------------------------------------------------------------------------------
-def _encode_ragged(column: Column, values: Any, n: int | None, where: str) -> Encoded:
+def _encode_ragged(column: Column, values: Any, n: int | None, where: str, owned: bool) -> Encoded:
     want = column.np_dtype
     if isinstance(values, RaggedArray):
         if values.values.dtype != want and values.values.size:
@@ -223,8 +227,8 @@ def _encode_ragged(column: Column, values: Any, n: int | None, where: str) -> En
                 f".astype({column.dtype!r}) or declare the column as {values.values.dtype}"
             )
         _check_count(column, len(values), n, where)
-        vals = np.array(values.values, dtype=want, copy=True)
-        offsets = np.array(values.cu_seqlens, dtype=np.int64, copy=True)
+        vals = np.array(values.values, dtype=want, copy=True if owned else None)
+        offsets = np.array(values.cu_seqlens, dtype=np.int64, copy=True if owned else None)
     elif isinstance(values, list | tuple):
         _check_count(column, len(values), n, where)
         seqs = [_checked_sequence(column, item, i, want, where) for i, item in enumerate(values)]

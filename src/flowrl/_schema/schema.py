@@ -72,9 +72,10 @@ class Schema:
         return names
 
     def encode_all(
-        self, data: Mapping[str, Any], n: int | None, where: str
+        self, data: Mapping[str, Any], n: int | None, where: str, owned: bool = True
     ) -> tuple[dict[str, Encoded], list[Column], int]:
-        """Encode every column of one write; raises before anything is registered.
+        """Encode every column of one write; raises before anything is registered
+        (``owned``: see ``encode``).
 
         Returns the encoded arrays, the columns this write would newly declare (the caller
         declares them only once the whole write succeeded) and the sample count.
@@ -95,7 +96,7 @@ class Schema:
                     raise UnknownColumnError(self._unknown_message(name, where))
                 column = infer_column(name, values)
                 new.append(column)
-            enc = encode(column, values, n, where)
+            enc = encode(column, values, n, where, owned)
             if n is None:
                 n = enc.length
             encoded[name] = enc

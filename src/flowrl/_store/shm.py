@@ -294,7 +294,7 @@ def map_lent(path: str) -> mmap.mmap:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
             raise ShmUnavailable(path)
-        return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED)
+        return mmap.mmap(fd, 0, flags=_MAP_FLAGS)  # pages mapped once, not per write
     except (OSError, ValueError):
         raise ShmUnavailable(path) from None
     finally:

@@ -50,6 +50,8 @@ class RemoteData(DataPort):
     """Bytes sent to the storage units the session knows; ``abort`` gives back the
     indices of a refused put_async."""
 
+    copies_puts = True
+
     def __init__(self, session: Session, schema: Schema, control: RemoteControl) -> None:
         self._session = session
         self.schema = schema

@@ -42,15 +42,23 @@ def dashboard(argv: list[str], *, stop: threading.Event | None = None) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--hub", required=True, metavar="ADDRESS", help="the hub's .address")
+    p.add_argument(
+        "--key-file",
+        metavar="PATH",
+        help="the hub's key (a 0600 file from hub.key.save) for a hub on TCP; else "
+        "FLOWRL_HUB_KEY or FLOWRL_HUB_KEY_FILE (a key on the command line would be "
+        "visible to every user)",
+    )
     p.add_argument("--port", type=int, default=8365, help="the page's port (0: any free one)")
     p.add_argument("--addr", default="127.0.0.1", help="the interface to listen on")
     p.add_argument("--interval", type=float, default=0.5, help="seconds between updates")
     args = p.parse_args(argv)
-    from flowrl import connect, serve_dashboard
+    from flowrl import HubKey, connect, serve_dashboard
     from flowrl.errors import FlowRLError
 
     try:
-        hub = connect(args.hub)
+        key = None if args.key_file is None else HubKey.load(args.key_file)
+        hub = connect(args.hub, key=key)
     except FlowRLError as exc:
         p.error(str(exc))
     try:

@@ -156,18 +156,23 @@ def test_bad_arguments_are_refused() -> None:
             flowrl.serve_dashboard(hub, port=-1)
 
 
-def test_flowrl_dashboard_serves_a_launched_hub(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("host", [None, "127.0.0.1"], ids=["ipc", "tcp-with-key-file"])
+def test_flowrl_dashboard_serves_a_launched_hub(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, host: str | None
+) -> None:
     from flowrl.__main__ import dashboard
 
-    hub = flowrl.launch_hub([Column.scalar("x", "int64")], tasks={"t": ["x"]})
+    hub = flowrl.launch_hub([Column.scalar("x", "int64")], tasks={"t": ["x"]}, host=host)
+    args = ["--hub", hub.address, "--port", "0"]
+    if host is not None:  # a hub on TCP admits holders of its key only
+        hub.key.save(str(tmp_path / "hub.key"))
+        args += ["--key-file", str(tmp_path / "hub.key")]
     stop = threading.Event()
     try:
         hub.put({"x": np.arange(6)})
         hub.ack(hub.claim("t", 4, timeout=5))
         done: list[int] = []
-        thread = threading.Thread(
-            target=lambda: done.append(dashboard(["--hub", hub.address, "--port", "0"], stop=stop))
-        )
+        thread = threading.Thread(target=lambda: done.append(dashboard(args, stop=stop)))
         thread.start()
         out = ""
 

@@ -80,6 +80,13 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
   ``<call>_speedup_lowest_round`` and ``<call>_speedup_per_round``, for ``put``,
   ``get_meta``, ``get_data``, ``kv_batch_put`` and ``kv_batch_get``.
 
+* ``machine``: what the machine itself does in this run, to read absolute figures of
+  different days against (the same code's figures moved 2-4x between sessions here):
+  ``python_loop_mops`` (millions of iterations a second of a plain Python ``+=`` loop),
+  ``memcpy_gib_per_s`` (numpy copying 64 MiB between existing buffers) and
+  ``fresh_shm_gib_per_s`` (a new 64 MiB ``/dev/shm`` file allocated, mapped and every page
+  touched: the memory a storage unit takes for puts; ``null`` without ``/dev/shm``).
+
 Read ratios from one run; absolute numbers drift on a shared 2-core machine.
 Usage: python benchmarks/hub_throughput.py --json [--transport zmq] [--peer] [--auth-rounds 5]
 """
@@ -89,6 +96,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import mmap
 import multiprocessing
 import os
 import statistics
@@ -517,6 +525,44 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_figures() -> dict:
+    """The machine's own speed (see ``machine`` in the module doc): best of three each."""
+    loop, copy, fresh = [], [], []
+    src = np.ones(64 << 20, dtype=np.uint8)
+    dst = np.empty_like(src)
+    for _ in range(3):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(1_000_000):
+            total += i
+        loop.append(1.0 / (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        copy.append(src.nbytes / (time.perf_counter() - t0) / GIB)
+        if os.path.isdir("/dev/shm"):
+            fresh.append(src.nbytes / _fresh_shm_seconds(src.nbytes) / GIB)
+    return {
+        "python_loop_mops": max(loop),
+        "memcpy_gib_per_s": max(copy),
+        "fresh_shm_gib_per_s": max(fresh) if fresh else None,
+    }
+
+
+def _fresh_shm_seconds(size: int) -> float:
+    fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="flowrl-bench-")
+    try:
+        t0 = time.perf_counter()
+        os.posix_fallocate(fd, 0, size)
+        seg = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        seg[::4096] = bytes(size // 4096)  # every page (mapped already where populated)
+        spent = time.perf_counter() - t0
+        seg.close()
+        return spent
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
 def zmq_floor(seq_len: int) -> dict:
     """Bare pyzmq between two processes: what any request over the hub's sockets costs."""
     with tempfile.TemporaryDirectory(prefix="flowrl-floor-") as folder:
@@ -718,6 +764,7 @@ def main() -> None:
         "seq_len": args.seq_len,
         "batch": args.batch,
     }
+    result["machine"] = machine_figures()
     result.update(put_get(args.transport, args.samples, args.seq_len, args.batch))
     p50, p99 = claim_latency(100_000, args.batch)
     result["claim_p50_ms"], result["claim_p99_ms"] = p50, p99

@@ -74,6 +74,9 @@ def test_hub_throughput_benchmark_reports_the_issue_figures(transport: str) -> N
         ]
     assert all(report[f] > 0 for f in figures), {f: report.get(f) for f in figures}
     assert report["transport"] == transport and report["samples"] == 256
+    machine = report["machine"]  # the machine's own speed, to read the figures against
+    assert machine["python_loop_mops"] > 0 and machine["memcpy_gib_per_s"] > 0
+    assert machine["fresh_shm_gib_per_s"] is None or machine["fresh_shm_gib_per_s"] > 0
 
 
 def test_observability_overhead_benchmark_reports_every_mode() -> None:

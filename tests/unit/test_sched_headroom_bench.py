@@ -1,6 +1,8 @@
-"""benchmarks/sched_headroom.py's clairvoyant probe at a tiny size: it must be a valid run
-of the simulator (every request finishes once) that lays the step out by true length and
-ends in TP8 (the figures belong to the benchmark)."""
+"""benchmarks/sched_headroom.py's probes at a tiny size: the clairvoyant one must be a valid
+run of the simulator (every request finishes once) that lays the step out by true length
+and ends in TP8; its predictor ranks by a predictor of the given correlation; the oracle
+run hands the planner and balancer the true remaining lengths (the figures belong to the
+benchmark)."""
 
 from __future__ import annotations
 

@@ -5,11 +5,17 @@ ports of 400 Gb/s per PoD. Fabrics (``flowrl.sim.network.run_fabric``, flow-leve
 
 - ``fat-tree 1:1``: all 256 ports on a non-blocking electrical core (the paper's ideal);
 - ``fat-tree 3:1``: 85 ports (3:1 oversubscribed leaf-spine / fat-tree);
-- ``static OCS``: 32 EPS ports + 224 optical ports laid out once for the mean of the two
-  phases' demand and never changed (one-shot, TopoOpt-like);
+- ``static OCS``: 32 EPS ports + 224 optical ports laid out once for the mean of the
+  all-reduce's, the weight sync's and the KV migrations' demand and never changed
+  (one-shot, TopoOpt-like);
 - ``rfabric``: 32 EPS + 224 OCS ports, the paper's templates and slack rule
   (``FabricPolicy(rule="slack", materializer="template")``);
-- ``rfabric+``: ours, demand-materialized circuits and the benefit rule.
+- ``rfabric+``: ours, demand-materialized circuits (the KV migrations' volume included in
+  the train layout, which the generation runs under) and the benefit rule.
+
+Both policies give the generation PoDs circuits among themselves while training trains
+(the paper's generation topology, laid "once before a new parallel deployment"), take them
+for the weight-sync tree and give them back once the weights have landed.
 
 Workloads (``FabricWorkload``): ``dense-72B`` (generation-bound: 120 s generation, 90 s
 training, 144 GB of bf16 gradients and weights), ``moe-671B`` (training-bound: 60 s
@@ -24,7 +30,8 @@ against minutes of compute); the per-phase transfer times can. Read ``phases_s``
 seconds per step of each kind of core traffic: ``weight_sync``, ``allreduce``,
 ``kv_migration`` — the balancer's KV moves between generation PoDs — and ``data_hub`` —
 rollouts from generation to training PoDs; the last two run during generation over the
-circuits then in place, and are timed as if each step's bytes went at once),
+circuits in place, and are timed as the step's bytes at the generation window's
+time-averaged capacity),
 ``phases_vs_fat_tree`` (the same over the non-blocking fat-tree's), ``ports`` (core ports
 per PoD and in total, electrical vs optical), ``step_vs_fat_tree`` (steady step time over
 the fat-tree's), ``reconfigurations`` over 6 steps (the first profiles), ``stall_s`` (delay
@@ -68,14 +75,11 @@ EPS_SLICE = 32
 
 
 def fabrics(gpus: int, delay: float, work: FabricWorkload) -> list[dict[str, object]]:
-    volumes = {"train": work.grad_bytes, "sync": work.weight_bytes}
+    volumes = {"train": work.grad_bytes, "sync": work.weight_bytes, "kv": work.kv_bytes}
     full = FabricSpec(gpus=gpus, ocs_delay_s=delay)
     over = FabricSpec(gpus=gpus, eps_ports=85, ocs_delay_s=delay)
     hybrid = FabricSpec(gpus=gpus, eps_ports=EPS_SLICE, ocs_delay_s=delay)
-    mean = (
-        phase_demand(hybrid, "train", work.grad_bytes)
-        + phase_demand(hybrid, "sync", work.weight_bytes)
-    ) / 2
+    mean = sum(phase_demand(hybrid, k, v) for k, v in volumes.items()) / len(volumes)  # type: ignore[arg-type]
     runs = [
         run_fabric(full, work, static=empty(full), name="fat-tree 1:1"),
         run_fabric(over, work, static=empty(over), name="fat-tree 3:1"),

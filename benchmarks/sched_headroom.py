@@ -20,13 +20,25 @@ shortens):
    ``switch`` of the step remains, then every node in TP8 — what a policy that sees only
    how many requests finished can do (``blind_ratio``, the best over the grid).
 
+4. **How much length knowledge the clairvoyant headroom needs** (``predicted``). The same
+   dedicated-node layout, the ``top`` set chosen by a length predictor whose correlation
+   with the true log-length is ``rho`` (``predicted_order``: ``rho * z + sqrt(1 - rho^2) *
+   noise``; ``rho=1`` is the clairvoyant, ``rho=0`` random), best of six layouts per
+   ``rho``; ``headroom_fraction`` there is planner+balancer's share of that policy's gain
+   (above 1 where planner+balancer is faster).
+5. **The planner told the truth** (``oracle_planner_balancer_*``): planner+balancer given
+   every pending request's true remaining length at every re-plan and balancer tick,
+   instead of the forecast.
+
 ``headroom_fraction`` is planner+balancer's gain over the better static baseline as a share
 of the clairvoyant's (``(ratio - 1) / (clairvoyant_ratio - 1)``; the issue asks for >= 0.9),
-``blind_headroom_fraction`` the same against the blind policy. Every run is one step of the
-same simulator and cost model.
+``blind_headroom_fraction`` the same against the blind policy; ``planner_balancer_vs_tp2``
+its gain over static TP2 (OrchestrRL's veRL-TO baseline). Every run is one step of the same
+simulator and cost model.
 
-Usage: ``python benchmarks/sched_headroom.py [--json] [--quick]`` (about two minutes;
-``--quick`` runs a smaller grid). Figures are deterministic for the seed.
+Usage: ``python benchmarks/sched_headroom.py [--json] [--quick]`` (about seven minutes, four
+of them the oracle run, whose exact lengths give the planner's LP many buckets; ``--quick``
+runs smaller grids and no oracle). Figures are deterministic for the seed.
 """
 
 from __future__ import annotations
@@ -40,18 +52,34 @@ import numpy as np
 
 from flowrl.sched import PlannerConfig
 from flowrl.sched.costmodel import switch_time
+from flowrl.sched.forecast import RemainingEstimate
 from flowrl.sim import ClusterSpec, Scheme, Simulator, Workload, standard_schemes
 from flowrl.sim.engine import DONE
 
 
-class _Clairvoyant(Simulator):
-    """At step start, the longest ``top`` fraction of requests (by their true length) go to
-    ``nodes`` TP8 nodes and the rest to TP2 nodes; when ``switch`` of the requests remain,
-    the TP2 nodes switch to TP8. Driven through the planner hook (``_replan``)."""
+def predicted_order(length: np.ndarray, rho: float, seed: object) -> np.ndarray:
+    """Requests by predicted length, longest first. The prediction is
+    ``rho * z + sqrt(1 - rho^2) * e`` in standard units of the true log-length ``z``
+    (``e`` independent noise): a predictor whose correlation with ``z`` is ``rho``."""
+    log_len = np.log(length.astype(np.float64))
+    z = (log_len - log_len.mean()) / max(float(log_len.std()), 1e-12)
+    noise = np.random.default_rng(seed).standard_normal(len(z))  # type: ignore[arg-type]
+    score = rho * z + np.sqrt(max(0.0, 1.0 - rho**2)) * noise
+    return np.argsort(-score, kind="stable")
 
-    def __init__(self, *args: object, nodes: int, top: float, switch: float, **kw: object):
+
+class _Clairvoyant(Simulator):
+    """At step start, the longest ``top`` fraction of requests (by their length as a
+    predictor of correlation ``rho`` with the true log-length ranks them) go to ``nodes``
+    TP8 nodes and the rest to TP2 nodes; when ``switch`` of the requests remain, the TP2
+    nodes switch to TP8. Driven through the planner hook (``_replan``). ``rho=1`` ranks by
+    the true length; ``rho=0`` at random."""
+
+    def __init__(
+        self, *args: object, nodes: int, top: float, switch: float, rho: float = 1.0, **kw: object
+    ):
         super().__init__(*args, **kw)  # type: ignore[arg-type]
-        self.dedicated, self.top, self.switch = nodes, top, switch
+        self.dedicated, self.top, self.switch, self.rho = nodes, top, switch, rho
         self._step = -1
         self._switched = False
 
@@ -61,7 +89,7 @@ class _Clairvoyant(Simulator):
         k = self.dedicated
         if self._step != s:  # step start: lay the step out by true length
             self._step, self._switched = s, False
-            order = np.argsort(-st.length, kind="stable")
+            order = predicted_order(st.length, self.rho, [self.seed, 17, st.base])
             cut = int(self.top * len(order))
             longest, rest = order[:cut], np.sort(order[cut:])
             for node in range(c.nodes):
@@ -83,6 +111,34 @@ class _Clairvoyant(Simulator):
                 self._place(mine, node, up, same_node=True)
 
 
+class _TrueLengths:
+    """Stands in for a simulator's forecaster where the planner and the balancer read it:
+    the true remaining length of every pending request (an oracle); the rest is the real
+    forecaster's."""
+
+    def __init__(self, sim: Simulator) -> None:
+        self._sim, self._real = sim, sim.forecaster
+
+    def estimates(
+        self, generated: object, running_generated: object = (), *, bucket: int | None = None
+    ) -> RemainingEstimate:
+        st = self._sim.st
+        pending = np.nonzero(st.state != DONE)[0]  # the snapshot's order
+        return RemainingEstimate.known(st.length[pending] - st.gen[pending])
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._real, name)
+
+
+def oracle_sim(seed: int, *, gpus: int = 64, requests: int = 16384) -> Simulator:
+    """planner+balancer told every pending request's true remaining length at each call."""
+    cluster = ClusterSpec(gpus=gpus)
+    scheme = standard_schemes(cluster)["planner+balancer"]
+    sim = Simulator(cluster, Workload(requests_per_step=requests), scheme, steps=1, seed=seed)
+    sim.forecaster = _TrueLengths(sim)  # type: ignore[assignment]
+    return sim
+
+
 def _makespans(requests: int, cap: int, seed: int) -> dict[str, float]:
     cluster = ClusterSpec(gpus=64)
     workload = Workload(requests_per_step=requests, max_len=cap)
@@ -95,7 +151,14 @@ def _makespans(requests: int, cap: int, seed: int) -> dict[str, float]:
 
 
 def clairvoyant_sim(
-    nodes: int, top: float, switch: float, seed: int, *, gpus: int = 64, requests: int = 16384
+    nodes: int,
+    top: float,
+    switch: float,
+    seed: int,
+    *,
+    gpus: int = 64,
+    requests: int = 16384,
+    rho: float = 1.0,
 ) -> _Clairvoyant:
     cluster = ClusterSpec(gpus=gpus)
     probe = Scheme(
@@ -113,7 +176,28 @@ def clairvoyant_sim(
         nodes=nodes,
         top=top,
         switch=switch,
+        rho=rho,
     )
+
+
+#: predictor correlations of the ablation, and the layouts (dedicated TP8 nodes, top
+#: fraction) tried for each; the step switches to TP8 at 10 % remaining
+RHOS = (0.99, 0.97, 0.9, 0.75, 0.5, 0.0)
+PREDICTED_LAYOUTS = ((2, 0.006), (2, 0.01), (3, 0.015), (3, 0.03), (4, 0.03), (4, 0.05))
+
+
+def predictor_sweep(seed: int, rhos: tuple[float, ...], layouts: tuple[tuple[int, float], ...]):
+    """The clairvoyant layout driven by a length predictor of correlation ``rho``: the best
+    makespan over ``layouts`` per ``rho``."""
+    out = []
+    for rho in rhos:
+        runs = [
+            (clairvoyant_sim(k, f, 0.1, seed, rho=rho).run().steps[0].makespan, k, f)
+            for k, f in layouts
+        ]
+        m, k, f = min(runs)
+        out.append({"rho": rho, "nodes": k, "top": f, "makespan": round(m, 1)})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,6 +243,16 @@ def main(argv: list[str] | None = None) -> int:
     clair = best_static / best_run["makespan"]
     blind_ratio = best_static / best_blind["makespan"]
     gain = default["ratio"] - 1.0
+    predicted = predictor_sweep(
+        args.seed,
+        RHOS[::3] if args.quick else RHOS,
+        PREDICTED_LAYOUTS[2:4] if args.quick else PREDICTED_LAYOUTS,
+    )
+    for r in predicted:
+        ratio = best_static / r["makespan"]
+        r["ratio"] = round(ratio, 4)
+        r["headroom_fraction"] = round(gain / (ratio - 1.0), 4) if ratio > 1.0 else None
+    oracle = None if args.quick else oracle_sim(args.seed).run().steps[0].makespan
     out = {
         "sweep": sweep,
         "best_ratio": max(r["ratio"] for r in sweep),
@@ -171,6 +265,12 @@ def main(argv: list[str] | None = None) -> int:
         "planner_balancer_ratio": default["ratio"],
         "headroom_fraction": round(gain / (clair - 1.0), 4),
         "blind_headroom_fraction": round(gain / (blind_ratio - 1.0), 4),
+        "predicted": predicted,
+        "oracle_planner_balancer_makespan": None if oracle is None else round(oracle, 1),
+        "oracle_planner_balancer_ratio": None if oracle is None else round(best_static / oracle, 4),
+        "planner_balancer_vs_tp2": round(
+            default["static-throughput"] / default["planner+balancer"], 4
+        ),
     }
     if args.json:
         print(json.dumps(out))
@@ -187,6 +287,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{default['ratio']:.3f}x: {out['headroom_fraction']:.0%} of the clairvoyant headroom, "
         f"{out['blind_headroom_fraction']:.0%} of the blind one"
     )
+    for r in predicted:
+        share = "-" if r["headroom_fraction"] is None else f"{r['headroom_fraction']:.0%}"
+        print(
+            f"predictor rho {r['rho']}: best {r['nodes']} nodes, top {r['top']} -> "
+            f"{r['makespan']} s, {r['ratio']:.3f}x; planner+balancer reaches {share} of it"
+        )
+    if oracle is not None:
+        print(
+            f"planner+balancer told the true remaining lengths: {oracle:.1f} s, "
+            f"{out['oracle_planner_balancer_ratio']:.3f}x"
+        )
     return 0
 
 

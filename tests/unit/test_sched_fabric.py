@@ -61,8 +61,8 @@ def test_generation_traffic_demands_have_the_expected_volumes() -> None:
 
 
 def test_generation_traffic_runs_over_the_circuits_in_place() -> None:
-    """KV migration between generation PoDs gets no circuits from either phase's layout
-    (the EPS slice carries it); the data hub's rollouts ride the weight-sync tree."""
+    """Under a static weight-sync tree KV migration between generation PoDs has only the
+    EPS slice; the data hub's rollouts ride the tree."""
     work = FabricWorkload(kv_bytes=64e9, hub_bytes=64e9)
     full = FabricSpec(gpus=2048)
     hybrid = FabricSpec(gpus=2048, eps_ports=32)
@@ -72,6 +72,28 @@ def test_generation_traffic_runs_over_the_circuits_in_place() -> None:
     assert ideal.hub_s <= sync_tree.hub_s < ideal.hub_s * 256 / 32
     assert (ideal.eps_ports, ideal.ocs_ports) == (256, 0)
     assert (sync_tree.eps_ports, sync_tree.ocs_ports) == (32, 224)
+
+
+def test_generation_pods_get_circuits_for_kv_migration() -> None:
+    """The train layout meshes the generation PoDs (they generate while training trains)
+    and the policies lay it back once the weights landed: KV moves ride circuits for all
+    but the sync's seconds, not only the 32-port EPS slice (8x the fat-tree's time)."""
+    work = FabricWorkload(kv_bytes=64e9)
+    full, hybrid = FabricSpec(gpus=2048), FabricSpec(gpus=2048, eps_ports=32)
+    t = hybrid.n_train
+    mesh = template(hybrid, "train")
+    mesh.check(hybrid)
+    assert mesh.circuits[t:, t:].sum() > 0 and mesh.circuits[:t, t:].sum() == 0
+    ideal = run_fabric(full, work, static=empty(full))
+    eps_only = run_fabric(hybrid, work, static=empty(hybrid))
+    assert eps_only.kv_s == pytest.approx(ideal.kv_s * 256 / 32)
+    for policy in (
+        FabricPolicy(hybrid, VOLUMES),
+        FabricPolicy(hybrid, {**VOLUMES, "kv": 64e9}, rule="benefit", materializer="demand"),
+    ):
+        run = run_fabric(hybrid, work, policy=policy)
+        assert ideal.kv_s <= run.kv_s < eps_only.kv_s / 4
+        assert any(d.phase == "gen" and d.reconfigure for d in policy.decisions())
 
 
 def test_flow_time_single_flow_and_fair_sharing() -> None:
@@ -162,11 +184,14 @@ def test_benefit_rule_serves_a_critical_sync_that_the_slack_rule_leaves_on_the_m
 def test_policy_runs_deterministically_and_counts_reconfigurations() -> None:
     spec = FabricSpec(gpus=2048, eps_ports=32)
     work = FabricWorkload(steps=5)
-    a = run_fabric(spec, work, policy=FabricPolicy(spec, VOLUMES), name="rfabric")
+    policy = FabricPolicy(spec, VOLUMES)
+    a = run_fabric(spec, work, policy=policy, name="rfabric")
     b = run_fabric(spec, work, policy=FabricPolicy(spec, VOLUMES), name="rfabric")
     assert a == b
-    # step 0 profiles (no prediction), then two changes per step (mesh <-> tree)
-    assert a.reconfigurations == 2 * (work.steps - 1) - 1
+    # step 0 profiles (no prediction), then two changes per step: the tree for the sync,
+    # the meshes again once the weights landed (the generation's KV moves get circuits)
+    assert [d.phase for d in policy.decisions() if d.reconfigure] == ["sync", "gen"] * 4
+    assert a.reconfigurations == 2 * (work.steps - 1)
     assert a.stall_s == 0.0 and a.slack_used_s == pytest.approx(a.reconfigurations * 0.05)
 
 

@@ -13,14 +13,23 @@ Intra-PoD traffic (TP, PP, EP within a PoD) is the same under every fabric and n
   the weights once, from the training PoDs evenly (the multicast tree's inter-PoD edges).
   Generation traffic stays inside its PoDs (TP, EP, AFD) and the responses streamed back are
   small: the EPS ports carry them. :func:`phase_demand` builds each PoD-by-PoD byte matrix.
-  Two more kinds of traffic cross the core during generation, and no policy reconfigures
-  for them (they run over whatever circuits are in place): ``kv`` — KV caches of requests
-  the balancer migrates between generation PoDs (each sends its bytes evenly to the other
-  generation PoDs); ``hub`` — the data hub's rollout columns, from the generation PoDs that
-  produce them to the training PoDs that consume them (evenly).
+  Two more kinds of traffic cross the core during generation and run over the circuits in
+  place: ``kv`` — KV caches of requests the balancer migrates between generation PoDs
+  (each sends its bytes evenly to the other generation PoDs), which the train layout's
+  generation mesh serves; ``hub`` — the data hub's rollout columns, from the generation
+  PoDs that produce them to the training PoDs that consume them (evenly), which ride the
+  EPS slice (the paper's "small slice of core bandwidth ... for streaming of generated
+  responses back to Train PoDs").
 - Templates (Figure 8): :func:`template` gives the paper's circuit layout per phase —
   a uniform mesh over the training PoDs (train), a bipartite tree from training to
-  generation PoDs (sync).
+  generation PoDs (sync). In asynchronous RL the next step's generation runs while
+  training trains, and the training mesh leaves the generation PoDs' optical ports idle:
+  the train layout gives them a mesh among the generation PoDs, which carries the KV of
+  requests migrated between generation instances (the paper materializes a generation
+  topology "once before a new parallel deployment" and keeps it for the deployment). The
+  sync tree takes every optical port; once the weights have landed
+  (:meth:`FabricPolicy.record_end`) the policy lays the train layout again, so the
+  generation keeps its circuits for all but the sync's seconds.
   :func:`materialize` (ours) instead derives circuits from the phase's demand matrix:
   repeatedly give one more circuit to the PoD pair whose transfer currently ends last
   (``demand / capacity``), within each PoD's port budget — the layout the bottleneck asks
@@ -78,6 +87,8 @@ F64 = NDArray[np.float64]
 I64 = NDArray[np.int64]
 Phase = Literal["train", "sync"]
 PHASES: tuple[Phase, ...] = ("train", "sync")
+#: a boundary the policy decides at: before a phase, or "gen" once the weights landed
+Boundary = Literal["train", "sync", "gen"]
 Traffic = Literal["train", "sync", "kv", "hub"]
 TRAFFIC: tuple[Traffic, ...] = (*PHASES, "kv", "hub")
 
@@ -193,8 +204,10 @@ def template(spec: FabricSpec, phase: Phase) -> Topology:
     """The paper's circuit template for a phase (Figure 8)."""
     c = np.zeros((spec.pods, spec.pods), dtype=np.int64)
     t, p, k = spec.n_train, spec.pods, spec.ocs_ports
-    if phase == "train":  # high-bisection mesh among training PoDs
+    if phase == "train":  # high-bisection mesh among training PoDs; the generation PoDs,
+        # generating meanwhile, get a mesh among themselves for migrated requests' KV
         _spread(spec, range(t), range(t), k // 2, c)
+        _spread(spec, range(t, p), range(t, p), k // 2, c)
     elif phase == "sync":  # tree: every training PoD to the generation PoDs
         _spread(spec, range(t), range(t, p), k, c)
     else:
@@ -266,7 +279,7 @@ class FabricDecision:
     ``stall`` is the part of the OCS delay the slack does not hide."""
 
     t: float
-    phase: Phase
+    phase: Boundary
     reconfigure: bool
     slack: float
     stall: float
@@ -278,9 +291,12 @@ class FabricDecision:
 class FabricPolicy:
     """The fabric coordinator: observe hub events, decide reconfigurations (see module doc).
 
-    ``volumes`` gives each phase's bytes (gradient, weight). ``critical`` names the phases
-    whose transfers delay the step, which the benefit rule weighs (with one-step off-policy
-    RL the weight sync has a step of slack: pass ``("train",)``). Call
+    ``volumes`` gives each phase's bytes (gradient, weight) and, under ``"kv"``, the KV
+    bytes each generation PoD migrates per step (the demand materializer gives them
+    circuits in the train layout; the template always meshes the generation PoDs).
+    ``critical`` names the phases whose transfers delay the step, which the benefit rule
+    weighs (with one-step off-policy RL the weight sync has a step of slack: pass
+    ``("train",)``). Call
     :meth:`observe` with every hub event; :meth:`decisions` lists what was decided, and
     :attr:`topology` is the circuit plan in force."""
 
@@ -313,7 +329,9 @@ class FabricPolicy:
             if self.materializer == "template":
                 self._plans[phase] = template(self.spec, phase)
             else:
-                d = phase_demand(self.spec, phase, self.volumes.get(phase, 0.0))
+                d = self._demand(phase)
+                if phase == "train":  # generation runs meanwhile: its KV moves get circuits
+                    d = d + self._kv_demand()
                 self._plans[phase] = materialize(self.spec, d, f"demand:{phase}")
         return self._plans[phase]
 
@@ -334,6 +352,27 @@ class FabricPolicy:
         """Tell the policy when a phase's traffic began (events that the hub does not carry,
         e.g. the first gradient all-reduce); used to learn the slack."""
         self._start(phase, t)
+
+    def record_end(self, phase: Phase, t: float) -> None:
+        """Tell the policy when a phase's traffic ended (no hub event says when the weights
+        landed). After the sync the generation PoDs get their circuits back: the train
+        layout is laid again, its delay hidden in the generation (no phase waits on it; the
+        circuits both layouts share stay up meanwhile). Under the benefit rule only when it
+        alternates layouts, and only where that speeds up the KV moves."""
+        if phase != "sync" or "sync" not in self._slack:
+            return  # profiling step: the sync kept the circuits in place
+        target = self.plan("train")
+        if np.array_equal(target.circuits, self.topology.circuits):
+            return
+        steady = self.rule == "benefit" and len(self._slack) == len(PHASES)
+        if steady and self._regime() != "alternate":
+            return
+        kv = self._kv_demand()
+        saved = transfer_time(self.spec, self.topology, kv) - transfer_time(self.spec, target, kv)
+        go = self.rule == "slack" or saved > 0.0
+        self._decisions.append(FabricDecision(t, "gen", go, math.inf, 0.0, saved))
+        if go:
+            self.topology = target
 
     def _mark(self, name: str, t: float) -> None:
         self._last[name] = t
@@ -372,10 +411,14 @@ class FabricPolicy:
     def _demand(self, phase: Phase) -> F64:
         return phase_demand(self.spec, phase, self.volumes.get(phase, 0.0))
 
+    def _kv_demand(self) -> F64:
+        return phase_demand(self.spec, "kv", self.volumes.get("kv", 0.0))
+
     def _blend(self) -> Topology:
-        """One layout for both phases: circuits for their summed demand."""
+        """One layout for both phases and the generation's KV moves: circuits for their
+        summed demand."""
         if "blend" not in self._plans:
-            total = sum(self._demand(p) for p in PHASES)
+            total = sum(self._demand(p) for p in PHASES) + self._kv_demand()
             self._plans["blend"] = materialize(self.spec, np.asarray(total), "demand:blend")
         return self._plans["blend"]
 

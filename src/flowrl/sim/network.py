@@ -15,11 +15,15 @@
   backward the weights are published and broadcast to the generation PoDs. The hub's events
   (``Claimed`` and ``Acked`` of ``train``, ``VersionPublished``) go to the policy, which
   reconfigures the optical core; a reconfiguration the slack does not hide stalls the phase.
-  Static fabrics run the same loop with fixed circuits. During each generation the
-  balancer's KV migrations (``kv_bytes`` per generation PoD) and the data hub's rollout
-  traffic (``hub_bytes``) cross the core over the circuits then in place; their transfer
-  times are reported as if each step's bytes went at once (they spread over the generation,
-  which hides them; the figure is the fabric's capacity for them, not a delay of the step).
+  When a weight sync's transfer ends the loop tells the policy (``record_end``), which may
+  give the generation PoDs their circuits back. Static fabrics run the same loop with fixed
+  circuits. During each generation the balancer's KV migrations (``kv_bytes`` per
+  generation PoD) and the data hub's rollout traffic (``hub_bytes``) cross the core over
+  the circuits in place, which may change during the generation: their transfer time is
+  that of the step's bytes at the generation window's time-averaged capacity
+  (``1 / sum_i (share_i / flow_time_i)`` over the layouts in force, a layout being
+  switched counting only the circuits it keeps). The bytes spread over the generation,
+  which hides them: the figure is the fabric's capacity for them, not a delay of the step.
 
 Invariants (asserted by tests): ``flow_time`` equals bytes/bandwidth for a single flow and
 never exceeds the time with the EPS alone; a non-blocking fabric (``eps_ports ==
@@ -29,6 +33,7 @@ non-decreasing ``t``; runs are deterministic.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import final
 
@@ -147,6 +152,56 @@ class FabricRun:
     ocs_ports: int
 
 
+def _topology_of(policy: FabricPolicy | None, static: Topology | None) -> Topology:
+    """The circuits in force: the policy's, else the static layout."""
+    if policy is not None:
+        return policy.topology
+    if static is None:
+        raise ConfigError("run_fabric needs exactly one of policy= or static=")
+    return static
+
+
+class _Layouts:
+    """The layouts in force over time, for the traffic that runs during generation."""
+
+    def __init__(self, spec: FabricSpec, first: Topology) -> None:
+        self.spec = spec
+        self.starts: list[float] = [0.0]
+        self.topos: list[Topology] = [first]
+
+    def note(self, t: float, topo: Topology) -> None:
+        """``topo`` is in force from ``t`` (after the OCS delay; meanwhile only the circuits
+        the old and new layouts share are up)."""
+        while len(self.starts) > 1 and self.starts[-1] > t:  # a switch cut short
+            self.starts.pop()
+            self.topos.pop()
+        old = self.topos[-1]
+        if np.array_equal(old.circuits, topo.circuits):
+            return
+        delay = self.spec.ocs_delay_s
+        if delay > 0:
+            kept = Topology(np.minimum(old.circuits, topo.circuits), topo.eps_ports, "switching")
+            self.starts.append(t)
+            self.topos.append(kept)
+        self.starts.append(t + delay)
+        self.topos.append(topo)
+
+    def mean_flow_time(self, demand: F64, t0: float, t1: float) -> float:
+        """Seconds to move ``demand`` at the mean capacity the layouts offer in [t0, t1]."""
+        if t1 <= t0:  # an instant: the layout in force then
+            t1 = t0 + 1e-9
+        ends = [*self.starts[1:], math.inf]
+        rate = 0.0
+        for start, end, topo in zip(self.starts, ends, self.topos, strict=True):
+            share = max(0.0, min(end, t1) - max(start, t0)) / (t1 - t0)
+            if share > 0:
+                ft = flow_time(self.spec, topo, demand)
+                if ft == 0.0:
+                    return 0.0
+                rate += share / ft
+        return 1.0 / rate if rate > 0 else math.inf
+
+
 def run_fabric(
     spec: FabricSpec,
     work: FabricWorkload,
@@ -160,6 +215,14 @@ def run_fabric(
         raise ConfigError("run_fabric needs exactly one of policy= or static=")
     seq = 0
     clock = 0.0
+    layouts = _Layouts(spec, _topology_of(policy, static))
+    weights_landed: list[float] = []  # the sync end not yet told to the policy
+
+    def tell_sync_ends(upto: float) -> None:
+        while policy is not None and weights_landed and weights_landed[0] <= upto:
+            t = weights_landed.pop(0)
+            policy.record_end("sync", t)
+            layouts.note(t, policy.topology)
 
     def emit(ev: Claimed | Acked | VersionPublished) -> None:
         nonlocal clock
@@ -167,23 +230,18 @@ def run_fabric(
         if t < clock:  # pragma: no cover - the loop below emits in time order
             raise AssertionError("events out of order")
         clock = t
+        tell_sync_ends(t)
         if policy is not None:
             policy.observe(ev)
+            layouts.note(t, policy.topology)
 
     def topology() -> Topology:
-        if policy is not None:
-            return policy.topology
-        if static is None:  # pragma: no cover - excluded on entry
-            raise ConfigError("run_fabric needs exactly one of policy= or static=")
-        return static
+        return _topology_of(policy, static)
 
-    def stall_for(phase: str, since: int) -> tuple[float, float]:
+    def stall_for(phase: str, since: int) -> float:
         if policy is None:
-            return 0.0, 0.0
-        new = [d for d in policy.decisions()[since:] if d.phase == phase and d.reconfigure]
-        stall = sum(d.stall for d in new)
-        hidden = sum(min(spec.ocs_delay_s, d.slack) for d in new)
-        return stall, hidden
+            return 0.0
+        return sum(d.stall for d in policy.decisions()[since:] if d.phase == phase)
 
     grad = phase_demand(spec, "train", work.grad_bytes)
     weights = phase_demand(spec, "sync", work.weight_bytes)
@@ -192,20 +250,19 @@ def run_fabric(
     gen_end: list[float] = []
     sync_end: list[float] = []
     train_end = 0.0
-    syncs, reduces, exposed_all, stalls, hidden_all, ends = [], [], [], [], [], []
-    kvs, hubs = [], []
+    syncs, reduces, exposed_all, stalls, ends = [], [], [], [], []
+    windows = []
     for s in range(work.steps):
-        kvs.append(flow_time(spec, topology(), kv))  # during generation: circuits in place
-        hubs.append(flow_time(spec, topology(), hub))
         start = gen_end[-1] if gen_end else 0.0
         if s > work.staleness:  # generation of s uses the weights of step s - 1 - staleness
             start = max(start, sync_end[s - 1 - work.staleness])
         gen_end.append(start + work.gen_s)
+        windows.append((start, gen_end[-1]))
         t0 = max(gen_end[s], train_end)
         seq += 1
         n_dec = len(policy.decisions()) if policy is not None else 0
         emit(Claimed(seq=seq, t=t0, task="train", lease=s, indices=()))
-        st_train, hid_train = stall_for("train", n_dec)
+        st_train = stall_for("train", n_dec)
         comm_start = t0 + work.first_comm_s + st_train
         if policy is not None:
             policy.record_start("train", t0 + work.first_comm_s)
@@ -215,19 +272,24 @@ def run_fabric(
         seq += 1
         n_dec = len(policy.decisions()) if policy is not None else 0
         emit(Acked(seq=seq, t=backward_end, task="train", lease=s, indices=()))
-        st_sync, hid_sync = stall_for("sync", n_dec)
+        st_sync = stall_for("sync", n_dec)
         publish = backward_end + work.optimizer_s
         train_end = publish
         seq += 1
         emit(VersionPublished(seq=seq, t=publish, version=s))
         sync = flow_time(spec, topology(), weights)
         sync_end.append(publish + st_sync + sync)
+        weights_landed.append(sync_end[-1])
         syncs.append(sync)
         reduces.append(reduce)
         exposed_all.append(exposed)
         stalls.append(st_train + st_sync)
-        hidden_all.append(hid_train + hid_sync)
         ends.append(max(train_end, sync_end[-1]))
+    tell_sync_ends(float("inf"))
+    done = policy.decisions() if policy is not None else []
+    hidden = sum(min(spec.ocs_delay_s, d.slack) for d in done if d.reconfigure)
+    kvs = [layouts.mean_flow_time(kv, *w) for w in windows]
+    hubs = [layouts.mean_flow_time(hub, *w) for w in windows]
     steady = slice(2, None)
     span = (ends[-1] - ends[1]) / (work.steps - 2)
     label = name or (topology().name if static is not None else "policy")
@@ -241,7 +303,7 @@ def run_fabric(
         exposed_s=float(np.mean(exposed_all[steady])),
         reconfigurations=policy.reconfigurations if policy is not None else 0,
         stall_s=float(np.sum(stalls)),
-        slack_used_s=float(np.sum(hidden_all)),
+        slack_used_s=float(hidden),
         eps_ports=spec.eps_ports,
         ocs_ports=spec.ocs_ports if policy is not None or topology().circuits.any() else 0,
     )

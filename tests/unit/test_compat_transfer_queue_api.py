@@ -281,3 +281,17 @@ def test_streaming_loaders_of_one_group_yield_the_same_batches(rank_aware) -> No
     rank0, rank0_again, rank1 = first_two(0), first_two(0), first_two(1)
     assert rank0 == rank0_again
     assert not {*rank0[0], *rank0[1]} & {*rank1[0], *rank1[1]}
+
+
+def test_kvbatchmeta_owns_copies_of_its_tags() -> None:
+    """Tags are copied deeply (empty ones included): changing the caller's dicts later
+    changes nothing in the meta, as in TransferQueue."""
+    tags = [{}, {"turns": [1, 2]}, {}]
+    meta = metadata.KVBatchMeta(keys=["a", "b", "c"], tags=tags, partition_id="p")
+    tags[0]["late"] = True
+    tags[1]["turns"].append(3)
+    assert meta.tags == [{}, {"turns": [1, 2]}, {}]
+    assert all(mine is not theirs for mine, theirs in zip(meta.tags, tags, strict=True))
+    real = pytest.importorskip("transfer_queue.metadata", reason="TransferQueue not installed")
+    theirs = real.KVBatchMeta(keys=["a", "b", "c"], tags=[{}, {"turns": [1, 2]}, {}])
+    assert theirs.tags == meta.tags

@@ -458,7 +458,8 @@ class KVBatchMeta:
             raise ConfigError("KVBatchMeta: duplicated keys")
         if self.fields is not None and len(set(self.fields)) != len(self.fields):
             raise ConfigError("KVBatchMeta: duplicated fields")
-        self.tags = copy.deepcopy(self.tags)
+        # (an empty tag, the usual case, copied without deepcopy's machinery per item)
+        self.tags = [{} if type(t) is dict and not t else copy.deepcopy(t) for t in self.tags]
         self.extra_info = copy.deepcopy(self.extra_info)
 
     @property

@@ -41,41 +41,52 @@ def water_fill(n_req: int, loads: F64, a: F64, cap: NDArray) -> tuple[I64, B]:
     with infinite load and cost takes none (callers silence the ``inf * 0`` that gives).
 
     The fluid level fills the least loaded nodes first; its floor, then one request at a
-    time to the node that ends lowest with it, place the rest.
+    time to the node that ends lowest with it, place the rest. (Flat indices and array
+    methods: on a few nodes numpy's call overhead is the cost.)
     """
-    ri = np.arange(len(loads))[:, None]
-    ok = cap.sum(axis=1) >= n_req
-    order = np.argsort(loads, axis=1, kind="stable")
-    ls = loads[ri, order]
-    inv = 1.0 / a[ri, order]
-    lam = (n_req + np.cumsum(ls * inv, axis=1)) / np.cumsum(inv, axis=1)
-    nxt = np.concatenate([ls[:, 1:], np.full((len(ls), 1), np.inf)], axis=1)
-    k = np.argmax(lam <= nxt, axis=1)  # the level is at most the next node's load
-    fluid = np.empty_like(ls)
-    fluid[ri, order] = np.maximum(lam[ri[:, 0], k][:, None] - ls, 0.0) * inv
-    out = np.floor(np.minimum(fluid, cap)).astype(np.int64)
-    short = np.where(ok, n_req - out.sum(axis=1), 0)
-    while short.any():
-        room = cap - out
-        after = np.where(room > 0, loads + (out + 1) * a, np.inf)
-        lim = np.minimum(short, (room > 0).sum(axis=1))
-        ok &= (short == 0) | (lim > 0)
-        lim = np.where(ok, lim, 0)
-        top = int(lim.max())
-        take = np.argsort(after, axis=1, kind="stable")[:, :top]
-        out[ri, take] += np.arange(top)[None, :] < lim[:, None]
-        short -= lim
+    n_rows, n = loads.shape
+    loads, a = np.ascontiguousarray(loads), np.ascontiguousarray(a)
+    base = np.arange(0, n_rows * n, n)[:, None]
+    ok = np.add.reduce(cap, axis=1) >= n_req
+    order = loads.argsort(axis=1, kind="stable") + base  # flat indices
+    ls = loads.ravel()[order]
+    inv = 1.0 / a.ravel()[order]
+    lam = (n_req + np.add.accumulate(ls * inv, axis=1)) / np.add.accumulate(inv, axis=1)
+    nxt = np.concatenate([ls[:, 1:], np.full((n_rows, 1), np.inf)], axis=1)
+    k = (lam <= nxt).argmax(axis=1)  # the level is at most the next node's load
+    fluid = np.empty(n_rows * n)
+    fluid[order] = np.maximum(lam.ravel()[base[:, 0] + k][:, None] - ls, 0.0) * inv
+    out = np.floor(np.minimum(fluid.reshape(n_rows, n), cap)).astype(np.int64)
+    short = n_req - np.add.reduce(out, axis=1)
+    short[~ok] = 0
+    room = cap - out > 0
+    has = np.add.reduce(room, axis=1)
+    while (full := (short >= has) & (has > 0)).any():  # every node with room takes one
+        give = room & full[:, None]
+        out += give
+        short -= np.add.reduce(give, axis=1)
+        room = cap - out > 0
+        has = np.add.reduce(room, axis=1)
+    ok &= (short == 0) | (has > 0)
+    short[~ok] = 0
+    if short.any():  # then one each to the nodes that end lowest with it
+        after = loads + (out + 1) * a
+        after[~room] = np.inf
+        top = int(short.max())
+        take = after.argsort(axis=1, kind="stable")[:, :top] + base
+        out.ravel()[take] += np.arange(top) < short[:, None]
     return out, ok
 
 
 def _pack(n_req: int, order: I64, cap: I64) -> tuple[I64, B]:
     """First-fit of ``n_req`` requests onto nodes in ``order``, each up to ``cap``, per row."""
-    ri = np.arange(len(cap))[:, None]
-    take = cap[ri, order]
-    before = np.cumsum(take, axis=1) - take
-    out = np.empty_like(cap)
-    out[ri, order] = np.minimum(np.maximum(n_req - before, 0), take)
-    return out, cap.sum(axis=1) >= n_req
+    n_rows, n = cap.shape
+    flat = order + np.arange(0, n_rows * n, n)[:, None]
+    take = cap.ravel()[flat]
+    before = np.add.accumulate(take, axis=1) - take
+    out = np.empty(n_rows * n, dtype=np.int64)
+    out[flat] = np.minimum(np.maximum(n_req - before, 0), take)
+    return out.reshape(n_rows, n), np.add.reduce(cap, axis=1) >= n_req
 
 
 @final

@@ -1,18 +1,22 @@
-"""Steepest descent over single-request moves and swaps, for a fixed mode layout.
+"""Steepest descent over single-request moves and swaps, for fixed mode layouts.
 
-:func:`refine` is the last step of every assignment the planner's solvers make
+:func:`refine_many` is the last step of every assignment the planner's solvers make
 (:mod:`flowrl.sched.solver`). Every round scores every (source, destination, bucket) move
 at once — the two nodes' new times against the other nodes' latest, plus the migration it
 adds or saves (moving a request back to the node that holds it saves one) — and, when no
 move helps, every swap of one request between the node that finishes last and another
-node. It takes the best move that lowers the objective, or keeps it with fewer nodes at the
-makespan (a plateau step: the makespan is a max).
+node. Of the three best-scored, it takes the first that lowers the objective, or keeps it
+with fewer nodes at the makespan (a plateau step: the makespan is a max); with none, it
+stops.
 
-A round costs a fixed number of numpy operations on ``(nodes, nodes, buckets)`` arrays,
-whatever the layout: a node's time with one request more or fewer is read off its
-throughput and co-runner sums and the top two latencies of the buckets it holds (the
-node-time model of :mod:`flowrl.sched.problem`), and a move's score *is* its objective
-(less the terms no move changes), so no candidate is re-evaluated from scratch.
+A round costs a fixed number of numpy operations whatever the layout: a node's time with
+one request more or fewer is read off its throughput and co-runner sums and the top two
+latencies of the buckets it holds (the node-time model of :mod:`flowrl.sched.problem`),
+and a move's score *is* its objective (less the terms no move changes), so no candidate is
+re-evaluated from scratch. Many assignments descend at once, in lockstep (a leading *row*
+axis; an off node has no KV room, so nothing moves to it, and holds nothing): on a
+planner's clusters numpy's per-call overhead, not arithmetic, sets the pace. A row gives
+the answer it would alone.
 
 Invariant (asserted by tests): the result is never worse than the input under
 :func:`~flowrl.sched.problem.evaluate`, keeps every bucket's total, and keeps every node
@@ -26,124 +30,168 @@ from numpy.typing import NDArray
 
 from flowrl.sched.problem import PlanProblem
 
-__all__ = ["refine"]
+__all__ = ["refine", "refine_many"]
 
 F64 = NDArray[np.float64]
 I64 = NDArray[np.int64]
+#: rows refined together at most hold this many (node, node, bucket) move scores
+CHUNK_ELEMENTS = 1 << 20
+TOP = 3  # candidates a round tries, best score first
 
 
 def _rest_max(t: F64) -> F64:
-    """``[i, d]``: the latest of the node times ``t`` other than nodes ``i`` and ``d``."""
-    k = len(t)
-    top = np.argsort(-t, kind="stable")[:3]
-    rest = np.zeros((k, k))
-    idx = np.arange(k)
-    for i in top[::-1]:
-        rest = np.where((idx[:, None] != i) & (idx[None, :] != i), t[i], rest)
+    """``[r, i, d]``: the latest of row ``r``'s node times other than nodes ``i`` and ``d``."""
+    n_rows, n = t.shape
+    top = np.argsort(-t, axis=1, kind="stable")[:, :3]
+    rows = np.arange(n_rows)
+    rest = np.zeros((n_rows, n, n))
+    idx = np.arange(n)
+    for q in range(top.shape[1] - 1, -1, -1):
+        i = top[:, q][:, None, None]
+        keep = (idx[None, :, None] != i) & (idx[None, None, :] != i)
+        rest = np.where(keep, t[rows, top[:, q]][:, None, None], rest)
     return rest
 
 
-def _first_better(score: F64, t: F64, *changes: tuple[NDArray, F64]) -> tuple[int, ...] | None:
-    """The first of the three best-scored candidates that lowers the objective, or keeps it
-    with fewer nodes at the makespan. ``score`` is the objective relative to ``t.max()``;
-    each of ``changes`` gives, broadcast to ``score``'s shape, a node a candidate changes
-    and that node's new time."""
-    base = float(t.max())
-    at_span = int((t >= base - 1e-9).sum())
-    for flat in np.argsort(score, axis=None, kind="stable")[:3]:
-        s = float(score.flat[flat])
-        if not s <= base:  # sorted: nothing later is better (inf and nan included)
-            return None
-        ix = tuple(int(v) for v in np.unravel_index(flat, score.shape))
-        if s < base:
-            return ix
-        trial = t.copy()
-        for node, value in changes:
-            trial[np.broadcast_to(node, score.shape)[ix]] = np.broadcast_to(value, score.shape)[ix]
-        if int((trial >= trial.max() - 1e-9).sum()) < at_span:
-            return ix
-    return None
+def _top(score: F64) -> tuple[tuple[I64, ...], F64]:
+    """The ``TOP`` best-scored candidates of every row: their indices into ``score[r]``
+    (a tuple of (rows, TOP) arrays) and their scores."""
+    flat = score.reshape(len(score), -1)
+    top = np.argsort(flat, axis=1, kind="stable")[:, :TOP]
+    s = flat[np.arange(len(score))[:, None], top]
+    return np.unravel_index(top, score.shape[1:]), s
 
 
-def refine(p: PlanProblem, mode: I64, c: I64, rounds: int | None = None) -> I64:
-    """Improve counts ``c`` for ``mode`` by single moves and swaps (module docstring); at
-    most ``rounds`` rounds (default ``8 * nodes``): a counted budget."""
-    on = np.nonzero(mode >= 0)[0]
-    k = len(on)
-    if k < 2:
-        return c
-    m = mode[on]
-    w, co, lat = p.work[m], p.co[m], p.lat[m]  # (k, nb)
-    sw = p.switch[on, m]
-    limit = p.kv_limit * p.cap[m] + 1e-6
-    hold = p.holdings[on]
+def _choose(s: F64, t: F64, changes: list[tuple[I64, F64]]) -> I64:
+    """Per row, which of its top candidates (``-1``: none) lowers the objective, or keeps
+    it with fewer nodes at the makespan: the first such. ``s`` is the candidates' objective
+    relative to ``t.max()``; ``changes`` the nodes each changes and their new times."""
+    base = t.max(axis=1)[:, None]
+    rows = np.arange(len(t))[:, None]
+    trial = np.repeat(t[:, None, :], s.shape[1], axis=1)
+    for node, value in changes:
+        trial[rows, np.arange(s.shape[1])[None, :], node] = value
+    crowd = (trial >= trial.max(axis=2, keepdims=True) - 1e-9).sum(axis=2)
+    at_span = (t >= base - 1e-9).sum(axis=1)[:, None]
+    better = (s < base) | ((s == base) & (crowd < at_span))
+    return np.where(better.any(axis=1), np.argmax(better, axis=1), -1)
+
+
+def _descend(p: PlanProblem, modes: I64, counts: I64, rounds: int) -> I64:
+    """:func:`refine_many` on one chunk of rows."""
+    n_rows, n = modes.shape
+    ar = np.arange(n_rows)
+    rows = ar[:, None]
+    on = modes >= 0
+    mm = np.maximum(modes, 0)
+    w = np.where(on[..., None], p.work[mm], 0.0)  # (rows, nodes, buckets)
+    co = np.where(on[..., None], p.co[mm], 0.0)
+    lat = np.where(on[..., None], p.lat[mm], 0.0)
+    sw = np.where(on, p.switch[np.arange(n)[None, :], mm], 0.0)
+    limit = np.where(on, p.kv_limit * p.cap[mm] + 1e-6, -np.inf)
+    hold = p.holdings[None]
     mig = p.mig_weight * p.mig
-    other = ~np.eye(k, dtype=bool)
-    pair = np.arange(k)
+    node = np.arange(n)
+    other = node[:, None] != node[None, :]
     dkv = p.kv[:, None] - p.kv[None, :]  # [o, i]: KV a node gains taking o for i
     distinct = ~np.eye(p.n_buckets, dtype=bool)
-    cur = c[on].copy()
-    for _ in range(8 * p.n_nodes if rounds is None else rounds):
+    cur = counts.copy()
+    active = on.sum(axis=1) >= 2
+    for _ in range(rounds):
+        if not active.any():
+            break
         present = cur > 0
         held = np.where(present, lat, 0.0)
-        top2 = np.sort(np.hstack([held, np.zeros((k, 1))]), axis=1)[:, -2:]
-        longest, second = top2[:, 1], top2[:, 0]
+        top2 = np.sort(np.concatenate([held, np.zeros((n_rows, n, 1))], axis=2), axis=2)
+        longest, second = top2[..., -1], top2[..., -2]
         # the longest latency left when one request of bucket b goes
-        drop = np.where((cur == 1) & (held >= longest[:, None]), second[:, None], longest[:, None])
-        thr = np.einsum("kb,kb->k", w, cur)
-        cos = np.einsum("kb,kb->k", co, cur)
-        n = cur.sum(axis=1)
-        t = sw + np.where(n > 0, np.maximum(thr, longest + cos), 0.0)
+        drop = np.where(
+            (cur == 1) & (held >= longest[..., None]), second[..., None], longest[..., None]
+        )
+        thr = np.einsum("rkb,rkb->rk", w, cur)
+        cos = np.einsum("rkb,rkb->rk", co, cur)
+        busy = cur.sum(axis=2)
+        t = sw + np.where(busy > 0, np.maximum(thr, longest + cos), 0.0)
         rest = _rest_max(t)
-        t_out = sw[:, None] + np.where(
-            n[:, None] > 1,
-            np.maximum(thr[:, None] - w, drop + (cos[:, None] - co)),
+        t_out = sw[..., None] + np.where(
+            busy[..., None] > 1,
+            np.maximum(thr[..., None] - w, drop + (cos[..., None] - co)),
             0.0,
         )
-        t_in = sw[:, None] + np.maximum(
-            thr[:, None] + w, np.maximum(longest[:, None], lat) + (cos[:, None] + co)
+        t_in = sw[..., None] + np.maximum(
+            thr[..., None] + w, np.maximum(longest[..., None], lat) + (cos[..., None] + co)
         )
         # one more request leaves its holder / comes back to it: +-mig, exactly 0 if both
         leave = (cur <= hold).astype(np.float64)
         back = (cur < hold).astype(np.float64)
-        span = np.maximum(rest[:, :, None], np.maximum(t_out[:, None, :], t_in[None, :, :]))
+        span = np.maximum(rest[..., None], np.maximum(t_out[:, :, None, :], t_in[:, None, :, :]))
         kv = cur @ p.kv
-        ok = present[:, None, :] & (kv[:, None] + p.kv <= limit[:, None])[None] & other[..., None]
-        dmig = mig * (leave[:, None, :] - back[None, :, :])
-        score = np.where(ok, span + dmig, np.inf)
-        mv = _first_better(
-            score, t, (pair[:, None, None], t_out[:, None, :]), (pair[None, :, None], t_in[None])
-        )
-        if mv is not None:
-            i, d, b = mv
-            cur[i, b] -= 1
-            cur[d, b] += 1
+        fits = kv[..., None] + p.kv <= limit[..., None]  # [r, d, b]
+        ok = present[:, :, None, :] & fits[:, None, :, :] & other[None, :, :, None]
+        dmig = mig * (leave[:, :, None, :] - back[:, None, :, :])
+        (i, d, b), s = _top(np.where(ok, span + dmig, np.inf))
+        q = _choose(s, t, [(i, t_out[rows, i, b]), (d, t_in[rows, d, b])])
+        moved = active & (q >= 0)
+        r, q_r = ar[moved], q[moved]
+        cur[r, i[r, q_r], b[r, q_r]] -= 1
+        cur[r, d[r, q_r], b[r, q_r]] += 1
+        stuck = active & (q < 0)
+        if not stuck.any():
             continue
-        j = int(np.argmax(t))  # swaps: j gives one of bucket o and takes one of bucket i
-        tj = sw[j] + np.maximum(
-            thr[j] - w[j][:, None] + w[j][None, :],
-            np.maximum(drop[j][:, None], lat[j][None, :]) + (cos[j] - co[j][:, None] + co[j]),
-        )  # [o, i]
-        td = sw[:, None, None] + np.maximum(
-            thr[:, None, None] + w[:, :, None] - w[:, None, :],
-            np.maximum(drop[:, None, :], lat[:, :, None])
-            + (cos[:, None, None] + co[:, :, None] - co[:, None, :]),
-        )  # [d, o, i]: d takes o, gives i
-        fit = (kv[:, None, None] + dkv <= limit[:, None, None]) & (kv[j] - dkv <= limit[j])
-        have = (present[j][:, None] & distinct)[None] & present[:, None, :]
-        gain = mig[:, None] * (leave[j][:, None] - back[:, :, None]) + mig * (
-            leave[:, None, :] - back[j][None, None, :]
+        # swaps: j, the node that finishes last, gives one of bucket o and takes one of i
+        j = np.argmax(t, axis=1)
+        wj, coj, cj = w[ar, j], co[ar, j], cos[ar, j]
+        tj = sw[ar, j][:, None, None] + np.maximum(
+            thr[ar, j][:, None, None] - wj[:, :, None] + wj[:, None, :],
+            np.maximum(drop[ar, j][:, :, None], lat[ar, j][:, None, :])
+            + (cj[:, None, None] - coj[:, :, None] + coj[:, None, :]),
+        )  # [r, o, i]
+        td = sw[..., None, None] + np.maximum(
+            thr[..., None, None] + w[..., :, None] - w[..., None, :],
+            np.maximum(drop[:, :, None, :], lat[..., :, None])
+            + (cos[..., None, None] + co[..., :, None] - co[..., None, :]),
+        )  # [r, d, o, i]: d takes o, gives i
+        kj = kv[ar, j][:, None, None, None]
+        fit = (kv[..., None, None] + dkv <= limit[..., None, None]) & (
+            kj - dkv <= limit[ar, j][:, None, None, None]
         )
-        sc = np.maximum(rest[j][:, None, None], np.maximum(tj[None], td)) + gain
-        sc = np.where(fit & have & other[j][:, None, None], sc, np.inf)
-        sw_ix = _first_better(sc, t, (np.array(j), tj[None]), (pair[:, None, None], td))
-        if sw_ix is None:
-            break
-        d, o, i = sw_ix
-        cur[j, o] -= 1
-        cur[j, i] += 1
-        cur[d, o] += 1
-        cur[d, i] -= 1
-    out = c.copy()
-    out[on] = cur
-    return out
+        pj = present[ar, j]
+        have = (pj[:, :, None] & distinct)[:, None] & present[:, :, None, :]
+        gain = mig[:, None] * (leave[ar, j][:, None, :, None] - back[..., None]) + mig * (
+            leave[:, :, None, :] - back[ar, j][:, None, None, :]
+        )
+        sc = np.maximum(rest[ar, j][..., None, None], np.maximum(tj[:, None], td)) + gain
+        not_j = node[None, :] != j[:, None]
+        sc = np.where(fit & have & not_j[..., None, None], sc, np.inf)
+        (d, o, i), s = _top(sc)
+        jj = np.broadcast_to(j[:, None], d.shape)
+        q = _choose(s, t, [(jj, tj[rows, o, i]), (d, td[rows, d, o, i])])
+        swapped = stuck & (q >= 0)
+        r, q_r = ar[swapped], q[swapped]
+        ro, ri_, rd = o[r, q_r], i[r, q_r], d[r, q_r]
+        cur[r, j[r], ro] -= 1
+        cur[r, j[r], ri_] += 1
+        cur[r, rd, ro] += 1
+        cur[r, rd, ri_] -= 1
+        active &= ~stuck | swapped
+    return cur
+
+
+def refine_many(p: PlanProblem, modes: I64, counts: I64, rounds: int | None = None) -> I64:
+    """Improve each row's counts (``counts[r]`` for ``modes[r]``) by single moves and swaps
+    (module docstring); at most ``rounds`` rounds a row (default ``8 * nodes``): a counted
+    budget."""
+    modes = np.atleast_2d(np.asarray(modes, dtype=np.int64))
+    counts = np.asarray(counts, dtype=np.int64).reshape(len(modes), p.n_nodes, p.n_buckets)
+    budget = 8 * p.n_nodes if rounds is None else rounds
+    step = max(1, CHUNK_ELEMENTS // max(p.n_nodes**2 * p.n_buckets, 1))
+    parts = [
+        _descend(p, modes[a : a + step], counts[a : a + step], budget)
+        for a in range(0, len(modes), step)
+    ]
+    return np.concatenate(parts) if parts else counts.copy()
+
+
+def refine(p: PlanProblem, mode: I64, c: I64, rounds: int | None = None) -> I64:
+    """:func:`refine_many` for one assignment."""
+    return refine_many(p, np.asarray(mode)[None], np.asarray(c)[None], rounds)[0]

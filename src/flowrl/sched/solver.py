@@ -59,7 +59,7 @@ from scipy.optimize import linear_sum_assignment
 from flowrl.sched import _highs
 from flowrl.sched._greedy import assign_greedy_many, water_fill
 from flowrl.sched._mix_score import fluid_scores
-from flowrl.sched._refine import refine
+from flowrl.sched._refine import refine, refine_many
 from flowrl.sched.problem import PlanProblem, evaluate, feasible, moved_counts, node_times
 
 __all__ = [
@@ -742,21 +742,24 @@ def solve_relaxed(
         starts.append(fit_budget(p, np.where(p.allowed[:, m], m, -1).astype(np.int64)))
     tried = _search_mixes(p, starts, max_evals=max_evals, probe=probe)
     # the best few mixes get three assignments each (the greedy's, the LP polish, keep what
-    # you hold), each improved by single moves
-    out: tuple[float, I64, I64, str] | None = None
+    # you hold), each improved by single moves (all descend together)
+    found: list[tuple[I64, I64, str]] = []
     for _, mode, c in tried[: finalists if polish else 1]:
-        found = [(c, "greedy")]
+        found.append((mode, c, "greedy"))
         if polish:
             found += [
-                (x, how)
+                (mode, x, how)
                 for x, how in ((_polish(p, mode, c), "lp"), (_keep_start(p, mode), "keep"))
                 if x is not None
             ]
-        for x, how in found:
-            cc = refine(p, mode, x) if polish else x
-            obj = evaluate(p, mode, cc).objective
-            if out is None or obj < out[0] - 1e-9:
-                out = (obj, mode, cc, how)
+    if polish and found:
+        done = refine_many(p, np.array([f[0] for f in found]), np.array([f[1] for f in found]))
+        found = [(mode, cc, how) for (mode, _, how), cc in zip(found, done, strict=True)]
+    out: tuple[float, I64, I64, str] | None = None
+    for mode, cc, how in found:
+        obj = evaluate(p, mode, cc).objective
+        if out is None or obj < out[0] - 1e-9:
+            out = (obj, mode, cc, how)
     if out is None:
         return None
     _, mode, c, method = out

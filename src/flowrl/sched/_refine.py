@@ -25,6 +25,8 @@ within its KV limit if the input was.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from numpy.typing import NDArray
 
@@ -34,6 +36,7 @@ __all__ = ["refine", "refine_many"]
 
 F64 = NDArray[np.float64]
 I64 = NDArray[np.int64]
+B = NDArray[np.bool_]
 #: rows refined together at most hold this many (node, node, bucket) move scores
 CHUNK_ELEMENTS = 1 << 20
 TOP = 3  # candidates a round tries, best score first
@@ -54,11 +57,17 @@ def _rest_max(t: F64) -> F64:
 
 
 def _top(score: F64) -> tuple[tuple[I64, ...], F64]:
-    """The ``TOP`` best-scored candidates of every row: their indices into ``score[r]``
-    (a tuple of (rows, TOP) arrays) and their scores."""
-    flat = score.reshape(len(score), -1)
-    top = np.argsort(flat, axis=1, kind="stable")[:, :TOP]
-    s = flat[np.arange(len(score))[:, None], top]
+    """The ``TOP`` best-scored candidates of every row, ties to the lower index (a stable
+    sort's first ``TOP``, by repeated ``argmin``): their indices into ``score[r]`` (a tuple
+    of (rows, TOP) arrays) and their scores."""
+    rows = np.arange(len(score))
+    flat = score.reshape(len(score), -1).copy()
+    top = np.empty((len(score), min(TOP, flat.shape[1])), dtype=np.int64)
+    s = np.empty(top.shape)
+    for q in range(top.shape[1]):
+        top[:, q] = flat.argmin(axis=1)
+        s[:, q] = flat[rows, top[:, q]]
+        flat[rows, top[:, q]] = np.inf  # an inf score is never taken: repeats are harmless
     return np.unravel_index(top, score.shape[1:]), s
 
 
@@ -75,6 +84,25 @@ def _choose(s: F64, t: F64, changes: list[tuple[I64, F64]]) -> I64:
     at_span = (t >= base - 1e-9).sum(axis=1)[:, None]
     better = (s < base) | ((s == base) & (crowd < at_span))
     return np.where(better.any(axis=1), np.argmax(better, axis=1), -1)
+
+
+Changes = Callable[[tuple[I64, ...]], list[tuple[I64, F64]]]
+
+
+def _pick(score: F64, t: F64, changes: Changes) -> tuple[tuple[I64, ...], B]:
+    """Per row, the candidate :func:`_choose` takes from its top ``TOP``: its index into
+    ``score[r]`` (a tuple of per-row arrays) and whether there is one. ``changes`` gives
+    the nodes candidates change and their new times (only needed on a plateau, where a
+    best score equals the objective: otherwise the best candidate alone decides)."""
+    rows = np.arange(len(score))
+    flat = score.reshape(len(score), -1)
+    first = flat.argmin(axis=1)
+    best, base = flat[rows, first], t.max(axis=1)
+    if not (best == base).any():
+        return np.unravel_index(first, score.shape[1:]), best < base
+    ix, s = _top(score)
+    q = _choose(s, t, changes(ix))
+    return tuple(x[rows, np.maximum(q, 0)] for x in ix), q >= 0
 
 
 def _descend(p: PlanProblem, modes: I64, counts: I64, rounds: int) -> I64:
@@ -129,13 +157,18 @@ def _descend(p: PlanProblem, modes: I64, counts: I64, rounds: int) -> I64:
         fits = kv[..., None] + p.kv <= limit[..., None]  # [r, d, b]
         ok = present[:, :, None, :] & fits[:, None, :, :] & other[None, :, :, None]
         dmig = mig * (leave[:, :, None, :] - back[:, None, :, :])
-        (i, d, b), s = _top(np.where(ok, span + dmig, np.inf))
-        q = _choose(s, t, [(i, t_out[rows, i, b]), (d, t_in[rows, d, b])])
-        moved = active & (q >= 0)
-        r, q_r = ar[moved], q[moved]
-        cur[r, i[r, q_r], b[r, q_r]] -= 1
-        cur[r, d[r, q_r], b[r, q_r]] += 1
-        stuck = active & (q < 0)
+        (i, d, b), found = _pick(
+            np.where(ok, span + dmig, np.inf),
+            t,
+            lambda ix, t_out=t_out, t_in=t_in: [
+                (ix[0], t_out[rows, ix[0], ix[2]]),
+                (ix[1], t_in[rows, ix[1], ix[2]]),
+            ],
+        )
+        moved = active & found
+        cur[ar[moved], i[moved], b[moved]] -= 1
+        cur[ar[moved], d[moved], b[moved]] += 1
+        stuck = active & ~found
         if not stuck.any():
             continue
         # swaps: j, the node that finishes last, gives one of bucket o and takes one of i
@@ -163,16 +196,20 @@ def _descend(p: PlanProblem, modes: I64, counts: I64, rounds: int) -> I64:
         sc = np.maximum(rest[ar, j][..., None, None], np.maximum(tj[:, None], td)) + gain
         not_j = node[None, :] != j[:, None]
         sc = np.where(fit & have & not_j[..., None, None], sc, np.inf)
-        (d, o, i), s = _top(sc)
-        jj = np.broadcast_to(j[:, None], d.shape)
-        q = _choose(s, t, [(jj, tj[rows, o, i]), (d, td[rows, d, o, i])])
-        swapped = stuck & (q >= 0)
-        r, q_r = ar[swapped], q[swapped]
-        ro, ri_, rd = o[r, q_r], i[r, q_r], d[r, q_r]
-        cur[r, j[r], ro] -= 1
-        cur[r, j[r], ri_] += 1
-        cur[r, rd, ro] += 1
-        cur[r, rd, ri_] -= 1
+        (d, o, i), found = _pick(
+            sc,
+            t,
+            lambda ix, j=j, tj=tj, td=td: [
+                (np.broadcast_to(j[:, None], ix[0].shape), tj[rows, ix[1], ix[2]]),
+                (ix[0], td[rows, ix[0], ix[1], ix[2]]),
+            ],
+        )
+        swapped = stuck & found
+        r = ar[swapped]
+        cur[r, j[r], o[r]] -= 1
+        cur[r, j[r], i[r]] += 1
+        cur[r, d[r], o[r]] += 1
+        cur[r, d[r], i[r]] -= 1
         active &= ~stuck | swapped
     return cur
 

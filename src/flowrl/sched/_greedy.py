@@ -137,8 +137,12 @@ class _Rows:
 
 def _greedy_at(p: PlanProblem, g: _Rows, theta: F64) -> tuple[I64, B, F64, F64]:
     """One packing under ``theta`` per row: ``(counts, ok, makespan, objective)``. Call it
-    with floating-point warnings silenced: off nodes divide by zero and multiply inf by 0."""
+    with floating-point warnings silenced: off nodes divide by zero and multiply inf by 0.
+
+    Without a latency bound (the wave's bulk: ``lat = co = 0``) a node's time is its
+    throughput bound alone, and the latency terms are skipped (they would add zeros)."""
     n_rows, n = g.on.shape
+    latency = bool(p.lat.any() or p.co.any())
     thr = np.zeros((n_rows, n))
     co = np.zeros((n_rows, n))
     longest = np.zeros((n_rows, n))
@@ -146,24 +150,30 @@ def _greedy_at(p: PlanProblem, g: _Rows, theta: F64) -> tuple[I64, B, F64, F64]:
     c = np.zeros((n_rows, n, p.n_buckets), dtype=np.int64)
     ok = np.ones(n_rows, dtype=bool)
     slack = theta[:, None] - g.sw
-    for b in np.argsort(-p.bucket_len, kind="stable"):
-        n_req = int(p.count[b])
+    for b in np.argsort(-p.bucket_len, kind="stable").tolist():
+        n_req, kv = int(p.count[b]), float(p.kv[b])
         if not n_req:
             continue
-        w, k, lat = g.work[b], g.co[b], g.lat[b]
-        level = np.maximum(longest, lat)
-        tail = level + co
-        # co is 0 in the bulk: no latency bound (x / 0 = inf)
-        room = np.minimum((slack - thr) / w, (slack - level - co) / k)
-        room = np.minimum(np.minimum(room, kvleft / p.kv[b] + 1e-9), n_req)
+        w = g.work[b]
+        room = (slack - thr) / w
+        if latency:
+            k, lat = g.co[b], g.lat[b]
+            level = np.maximum(longest, lat)
+            tail = level + co
+            room = np.minimum(room, (slack - level - co) / k)  # co is 0 for an off node
+            load = g.sw + np.maximum(thr, tail) + g.off
+            cost = np.where(thr >= tail, w, k) + g.off
+        else:
+            load = g.sw + thr + g.off
+            cost = w + g.off
+        room = np.minimum(np.minimum(room, kvleft / kv + 1e-9), n_req)
         cap = np.floor(np.fmax(room, 0.0)).astype(np.int64)  # nan (0 / 0): none
-        load = g.sw + np.maximum(thr, tail) + g.off
         if g.some_critical[b]:
             got, fit = _pack(n_req, np.lexsort((load, longest < lat)), cap)
             crit = g.critical[b]
             ok &= ~crit | fit
         if not g.all_critical[b]:
-            filled, fit = water_fill(n_req, load, np.where(thr >= tail, w, k) + g.off, cap)
+            filled, fit = water_fill(n_req, load, cost, cap)
             if g.some_critical[b]:
                 got = np.where(crit[:, None], got, filled)
                 ok &= crit | fit
@@ -171,9 +181,10 @@ def _greedy_at(p: PlanProblem, g: _Rows, theta: F64) -> tuple[I64, B, F64, F64]:
                 got, ok = filled, ok & fit
         c[:, :, b] = got
         thr += got * w
-        co += got * k
-        longest = np.where(got > 0, level, longest)
-        kvleft -= got * p.kv[b]
+        kvleft -= got * kv
+        if latency:
+            co += got * k
+            longest = np.where(got > 0, level, longest)
     busy = c.any(axis=2)
     t = np.where(g.on, g.sw + np.where(busy, np.maximum(thr, longest + co), 0.0), 0.0)
     span = t.max(axis=1)

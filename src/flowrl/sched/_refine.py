@@ -26,6 +26,9 @@ within its KV limit if the input was.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import final
 
 import numpy as np
 from numpy.typing import NDArray
@@ -89,6 +92,20 @@ def _choose(s: F64, t: F64, changes: list[tuple[I64, F64]]) -> I64:
 Changes = Callable[[tuple[I64, ...]], list[tuple[I64, F64]]]
 
 
+def _move_changes(ix: tuple[I64, ...], *, t_out: F64, t_in: F64) -> list[tuple[I64, F64]]:
+    """Moves ``(source, destination, bucket)``: the two nodes' new times."""
+    i, d, b = ix
+    rows = np.arange(len(i))[:, None]
+    return [(i, t_out[rows, i, b]), (d, t_in[rows, d, b])]
+
+
+def _swap_changes(ix: tuple[I64, ...], *, j: I64, tj: F64, td: F64) -> list[tuple[I64, F64]]:
+    """Swaps ``(d, o, i)`` with node ``j``: the two nodes' new times."""
+    d, o, i = ix
+    rows = np.arange(len(d))[:, None]
+    return [(np.broadcast_to(j[:, None], d.shape), tj[rows, o, i]), (d, td[rows, d, o, i])]
+
+
 def _pick(score: F64, t: F64, changes: Changes) -> tuple[tuple[I64, ...], B]:
     """Per row, the candidate :func:`_choose` takes from its top ``TOP``: its index into
     ``score[r]`` (a tuple of per-row arrays) and whether there is one. ``changes`` gives
@@ -105,18 +122,100 @@ def _pick(score: F64, t: F64, changes: Changes) -> tuple[tuple[I64, ...], B]:
     return tuple(x[rows, np.maximum(q, 0)] for x in ix), q >= 0
 
 
+@final
+@dataclass(frozen=True, slots=True)
+class _Nodes:
+    """Per-row node coefficients of the layouts (an off node: zeros and no KV room)."""
+
+    w: F64  # (rows, nodes, buckets)
+    co: F64
+    lat: F64
+    sw: F64  # (rows, nodes)
+    limit: F64
+    latency: bool  # False in the wave's bulk (lat = co = 0): the tail terms are skipped
+
+    @classmethod
+    def of(cls, p: PlanProblem, modes: I64) -> _Nodes:
+        on = modes >= 0
+        mm = np.maximum(modes, 0)
+        return cls(
+            w=np.where(on[..., None], p.work[mm], 0.0),
+            co=np.where(on[..., None], p.co[mm], 0.0),
+            lat=np.where(on[..., None], p.lat[mm], 0.0),
+            sw=np.where(on, p.switch[np.arange(p.n_nodes)[None, :], mm], 0.0),
+            limit=np.where(on, p.kv_limit * p.cap[mm] + 1e-6, -np.inf),
+            latency=bool(p.lat.any() or p.co.any()),
+        )
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class _Times:
+    """Node times under the current counts and after one request more or fewer."""
+
+    t: F64  # (rows, nodes)
+    out: F64  # (rows, nodes, buckets): one request of the bucket fewer
+    into: F64  # one more
+    thr: F64  # throughput sums
+    cos: F64 | None  # co-runner sums (None without a latency bound)
+    drop: F64 | None  # the longest latency left when one request of the bucket goes
+
+    @classmethod
+    def of(cls, g: _Nodes, cur: I64) -> _Times:
+        thr = np.einsum("rkb,rkb->rk", g.w, cur)
+        sw = g.sw[..., None]
+        if not g.latency:  # max(thr, 0) is thr: every count and coefficient is >= 0
+            return cls(
+                g.sw + thr,
+                sw + np.maximum(thr[..., None] - g.w, 0.0),
+                sw + (thr[..., None] + g.w),
+                thr,
+                None,
+                None,
+            )
+        held = np.where(cur > 0, g.lat, 0.0)
+        top2 = np.sort(np.concatenate([held, np.zeros((*held.shape[:2], 1))], axis=2), axis=2)
+        longest, second = top2[..., -1:], top2[..., -2:-1]
+        drop = np.where((cur == 1) & (held >= longest), second, longest)
+        cos = np.einsum("rkb,rkb->rk", g.co, cur)
+        busy = cur.sum(axis=2)
+        t = g.sw + np.where(busy > 0, np.maximum(thr, longest[..., 0] + cos), 0.0)
+        out = sw + np.where(
+            busy[..., None] > 1,
+            np.maximum(thr[..., None] - g.w, drop + (cos[..., None] - g.co)),
+            0.0,
+        )
+        into = sw + np.maximum(
+            thr[..., None] + g.w, np.maximum(longest, g.lat) + (cos[..., None] + g.co)
+        )
+        return cls(t, out, into, thr, cos, drop)
+
+    def swapped(self, g: _Nodes, j: I64) -> tuple[F64, F64]:
+        """``(tj, td)``: node ``j``'s time after giving one request of bucket ``o`` and
+        taking one of ``i`` (``[r, o, i]``), and node ``d``'s after taking ``o`` and giving
+        ``i`` (``[r, d, o, i]``)."""
+        ar = np.arange(len(j))
+        wj = g.w[ar, j]
+        thr_j = self.thr[ar, j][:, None, None] - wj[:, :, None] + wj[:, None, :]
+        thr_d = self.thr[..., None, None] + g.w[..., :, None] - g.w[..., None, :]
+        sw_j, sw_d = g.sw[ar, j][:, None, None], g.sw[..., None, None]
+        if self.cos is None or self.drop is None:  # no latency bound
+            return sw_j + np.maximum(thr_j, 0.0), sw_d + np.maximum(thr_d, 0.0)
+        coj = g.co[ar, j]
+        tail_j = np.maximum(self.drop[ar, j][:, :, None], g.lat[ar, j][:, None, :]) + (
+            self.cos[ar, j][:, None, None] - coj[:, :, None] + coj[:, None, :]
+        )
+        tail_d = np.maximum(self.drop[:, :, None, :], g.lat[..., :, None]) + (
+            self.cos[..., None, None] + g.co[..., :, None] - g.co[..., None, :]
+        )
+        return sw_j + np.maximum(thr_j, tail_j), sw_d + np.maximum(thr_d, tail_d)
+
+
 def _descend(p: PlanProblem, modes: I64, counts: I64, rounds: int) -> I64:
     """:func:`refine_many` on one chunk of rows."""
     n_rows, n = modes.shape
     ar = np.arange(n_rows)
-    rows = ar[:, None]
-    on = modes >= 0
-    mm = np.maximum(modes, 0)
-    w = np.where(on[..., None], p.work[mm], 0.0)  # (rows, nodes, buckets)
-    co = np.where(on[..., None], p.co[mm], 0.0)
-    lat = np.where(on[..., None], p.lat[mm], 0.0)
-    sw = np.where(on, p.switch[np.arange(n)[None, :], mm], 0.0)
-    limit = np.where(on, p.kv_limit * p.cap[mm] + 1e-6, -np.inf)
+    g = _Nodes.of(p, modes)
     hold = p.holdings[None]
     mig = p.mig_weight * p.mig
     node = np.arange(n)
@@ -124,46 +223,26 @@ def _descend(p: PlanProblem, modes: I64, counts: I64, rounds: int) -> I64:
     dkv = p.kv[:, None] - p.kv[None, :]  # [o, i]: KV a node gains taking o for i
     distinct = ~np.eye(p.n_buckets, dtype=bool)
     cur = counts.copy()
-    active = on.sum(axis=1) >= 2
+    active = (modes >= 0).sum(axis=1) >= 2
     for _ in range(rounds):
         if not active.any():
             break
-        present = cur > 0
-        held = np.where(present, lat, 0.0)
-        top2 = np.sort(np.concatenate([held, np.zeros((n_rows, n, 1))], axis=2), axis=2)
-        longest, second = top2[..., -1], top2[..., -2]
-        # the longest latency left when one request of bucket b goes
-        drop = np.where(
-            (cur == 1) & (held >= longest[..., None]), second[..., None], longest[..., None]
-        )
-        thr = np.einsum("rkb,rkb->rk", w, cur)
-        cos = np.einsum("rkb,rkb->rk", co, cur)
-        busy = cur.sum(axis=2)
-        t = sw + np.where(busy > 0, np.maximum(thr, longest + cos), 0.0)
+        tm = _Times.of(g, cur)
+        t = tm.t
         rest = _rest_max(t)
-        t_out = sw[..., None] + np.where(
-            busy[..., None] > 1,
-            np.maximum(thr[..., None] - w, drop + (cos[..., None] - co)),
-            0.0,
-        )
-        t_in = sw[..., None] + np.maximum(
-            thr[..., None] + w, np.maximum(longest[..., None], lat) + (cos[..., None] + co)
-        )
+        present = cur > 0
         # one more request leaves its holder / comes back to it: +-mig, exactly 0 if both
         leave = (cur <= hold).astype(np.float64)
         back = (cur < hold).astype(np.float64)
-        span = np.maximum(rest[..., None], np.maximum(t_out[:, :, None, :], t_in[:, None, :, :]))
+        span = np.maximum(rest[..., None], np.maximum(tm.out[:, :, None, :], tm.into[:, None]))
         kv = cur @ p.kv
-        fits = kv[..., None] + p.kv <= limit[..., None]  # [r, d, b]
+        fits = kv[..., None] + p.kv <= g.limit[..., None]  # [r, d, b]
         ok = present[:, :, None, :] & fits[:, None, :, :] & other[None, :, :, None]
         dmig = mig * (leave[:, :, None, :] - back[:, None, :, :])
         (i, d, b), found = _pick(
             np.where(ok, span + dmig, np.inf),
             t,
-            lambda ix, t_out=t_out, t_in=t_in: [
-                (ix[0], t_out[rows, ix[0], ix[2]]),
-                (ix[1], t_in[rows, ix[1], ix[2]]),
-            ],
+            partial(_move_changes, t_out=tm.out, t_in=tm.into),
         )
         moved = active & found
         cur[ar[moved], i[moved], b[moved]] -= 1
@@ -173,37 +252,19 @@ def _descend(p: PlanProblem, modes: I64, counts: I64, rounds: int) -> I64:
             continue
         # swaps: j, the node that finishes last, gives one of bucket o and takes one of i
         j = np.argmax(t, axis=1)
-        wj, coj, cj = w[ar, j], co[ar, j], cos[ar, j]
-        tj = sw[ar, j][:, None, None] + np.maximum(
-            thr[ar, j][:, None, None] - wj[:, :, None] + wj[:, None, :],
-            np.maximum(drop[ar, j][:, :, None], lat[ar, j][:, None, :])
-            + (cj[:, None, None] - coj[:, :, None] + coj[:, None, :]),
-        )  # [r, o, i]
-        td = sw[..., None, None] + np.maximum(
-            thr[..., None, None] + w[..., :, None] - w[..., None, :],
-            np.maximum(drop[:, :, None, :], lat[..., :, None])
-            + (cos[..., None, None] + co[..., :, None] - co[..., None, :]),
-        )  # [r, d, o, i]: d takes o, gives i
+        tj, td = tm.swapped(g, j)
         kj = kv[ar, j][:, None, None, None]
-        fit = (kv[..., None, None] + dkv <= limit[..., None, None]) & (
-            kj - dkv <= limit[ar, j][:, None, None, None]
+        fit = (kv[..., None, None] + dkv <= g.limit[..., None, None]) & (
+            kj - dkv <= g.limit[ar, j][:, None, None, None]
         )
-        pj = present[ar, j]
-        have = (pj[:, :, None] & distinct)[:, None] & present[:, :, None, :]
+        have = (present[ar, j][:, :, None] & distinct)[:, None] & present[:, :, None, :]
         gain = mig[:, None] * (leave[ar, j][:, None, :, None] - back[..., None]) + mig * (
             leave[:, :, None, :] - back[ar, j][:, None, None, :]
         )
         sc = np.maximum(rest[ar, j][..., None, None], np.maximum(tj[:, None], td)) + gain
         not_j = node[None, :] != j[:, None]
         sc = np.where(fit & have & not_j[..., None, None], sc, np.inf)
-        (d, o, i), found = _pick(
-            sc,
-            t,
-            lambda ix, j=j, tj=tj, td=td: [
-                (np.broadcast_to(j[:, None], ix[0].shape), tj[rows, ix[1], ix[2]]),
-                (ix[0], td[rows, ix[0], ix[1], ix[2]]),
-            ],
-        )
+        (d, o, i), found = _pick(sc, t, partial(_swap_changes, j=j, tj=tj, td=td))
         swapped = stuck & found
         r = ar[swapped]
         cur[r, j[r], o[r]] -= 1

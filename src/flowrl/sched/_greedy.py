@@ -179,6 +179,8 @@ def _greedy_at(p: PlanProblem, g: _Rows, theta: F64) -> tuple[I64, B, F64, F64]:
                 ok &= crit | fit
             else:
                 got, ok = filled, ok & fit
+        if not ok.any():  # every row failed: what the rest would place is never read
+            break
         c[:, :, b] = got
         thr += got * w
         kvleft -= got * kv

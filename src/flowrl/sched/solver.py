@@ -644,20 +644,17 @@ def _moves(p: PlanProblem, mode: I64) -> I64:
         reps += members[np.argsort(held[members], kind="stable")[:2]].tolist()
     targets = [*p.cand.tolist(), -1]
     single = [(i, m) for i in reps for m in targets if m != mode[i]]
-    single = [(i, m) for i, m in single if m < 0 or p.allowed[i, m]]
-    rows = []
-    for i, m in single:
-        r = mode.copy()
-        r[i] = m
-        rows.append(r)
-    for a, (i, mi) in enumerate(single):
-        for j, mj in single[a + 1 :]:
-            if i != j:
-                r = mode.copy()
-                r[i], r[j] = mi, mj
-                rows.append(r)
-    rows += _neighbours(p, mode)
-    return np.array(rows, dtype=np.int64).reshape(-1, p.n_nodes)
+    node, to = np.array([(i, m) for i, m in single if m < 0 or p.allowed[i, m]]).reshape(-1, 2).T
+    a, b = np.triu_indices(len(node), k=1)
+    a, b = a[node[a] != node[b]], b[node[a] != node[b]]
+    # one change each, then every pair of changes on two different nodes
+    rows = np.repeat(mode[None, :], len(node) + len(a), axis=0)
+    rows[np.arange(len(node)), node] = to
+    pairs = np.arange(len(node), len(rows))
+    rows[pairs, node[a]] = to[a]
+    rows[pairs, node[b]] = to[b]
+    groups = _neighbours(p, mode)
+    return np.concatenate([rows, np.array(groups, dtype=np.int64).reshape(-1, p.n_nodes)])
 
 
 def _search_mixes(

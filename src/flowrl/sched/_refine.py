@@ -213,20 +213,24 @@ class _Times:
 
 def _descend(p: PlanProblem, modes: I64, counts: I64, rounds: int) -> I64:
     """:func:`refine_many` on one chunk of rows."""
-    n_rows, n = modes.shape
-    ar = np.arange(n_rows)
-    g = _Nodes.of(p, modes)
+    n = p.n_nodes
     hold = p.holdings[None]
     mig = p.mig_weight * p.mig
     node = np.arange(n)
     other = node[:, None] != node[None, :]
     dkv = p.kv[:, None] - p.kv[None, :]  # [o, i]: KV a node gains taking o for i
     distinct = ~np.eye(p.n_buckets, dtype=bool)
-    cur = counts.copy()
+    out = counts.copy()
+    rows = np.arange(len(modes))  # the rows of `out` that the working arrays hold
+    g, ar, cur = _Nodes.of(p, modes), np.arange(len(rows)), counts.copy()
     active = (modes >= 0).sum(axis=1) >= 2
     for _ in range(rounds):
-        if not active.any():
-            break
+        if 2 * active.sum() <= len(active):  # drop the rows that have stopped
+            out[rows] = cur
+            rows, cur = rows[active], cur[active]
+            if not len(rows):
+                break
+            g, ar, active = _Nodes.of(p, modes[rows]), np.arange(len(rows)), active[active]
         tm = _Times.of(g, cur)
         t = tm.t
         rest = _rest_max(t)
@@ -272,7 +276,8 @@ def _descend(p: PlanProblem, modes: I64, counts: I64, rounds: int) -> I64:
         cur[r, d[r], o[r]] += 1
         cur[r, d[r], i[r]] -= 1
         active &= ~stuck | swapped
-    return cur
+    out[rows] = cur
+    return out
 
 
 def refine_many(p: PlanProblem, modes: I64, counts: I64, rounds: int | None = None) -> I64:

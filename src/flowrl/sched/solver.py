@@ -7,13 +7,16 @@
   *Latency-critical* buckets (whose lone latency exceeds the balanced throughput time) go to
   the nodes already at that latency level first, then to the least loaded — so the tail is
   concentrated on few nodes that carry little other work; the other buckets are water-filled.
-  Milliseconds even at 512 GPUs: the "feasible plan fast" path.
+  Milliseconds even at 512 GPUs: the "feasible plan fast" path. The kernel
+  (:mod:`flowrl.sched._greedy`) runs many layouts at once.
 - :func:`assign_lp` — modes fixed; the greedy fixes which nodes host which latency level,
   then an LP (HiGHS) re-balances the counts with migration cost; largest-remainder rounding
   and a KV repair follow; both assignments are then improved by :func:`refine` and the
   better is returned.
 - :func:`refine` — steepest descent over single-request moves (any node to any node) and
-  swaps (with the node that finishes last), scored in one numpy pass per round.
+  swaps (with the node that finishes last), scored in one numpy pass per round
+  (:mod:`flowrl.sched._refine`; :func:`~flowrl.sched._refine.refine_many` descends many
+  assignments in lockstep).
 - :func:`solve_relaxed` — the LP relaxation of the full MILP picks a mode *mix* (fractional
   node counts per mode, rounded by largest remainder), plus the current and every
   homogeneous layout as starts, each brought within the GPU budget by :func:`fit_budget`
@@ -28,7 +31,8 @@
   moves to the best while it improves (at most ``max_evals`` greedy assignments). Two
   changes at once is what crossing the GPU budget needs: a half node traded for a node
   off, a slow mode taken off for a fast one kept. The best ``finalists`` layouts get
-  :func:`assign_lp`'s treatment and the best plan wins.
+  three assignments each (the greedy's, an LP polish, keep what you hold), all refined
+  together, and the best plan wins.
 - :func:`solve_milp` — the full MILP (binary modes and bucket-presence indicators, integer
   counts) with HiGHS branch-and-cut, optionally warm-started, under a time limit. The
   planner's ``method="milp"`` warm-starts it from the fast plan; tests compare the fast plan
@@ -38,6 +42,10 @@ Quality (``tests/unit/test_sched_planner_exact.py``, ``benchmarks/sched_sim.py``
 :func:`solve_relaxed` is a heuristic with no proven bound; measured within 1.03x of the
 exact optimum on generated half-node instances of 8-128 GPUs and on the simulator's tail
 snapshots.
+
+Speed: on a planner's clusters (tens of nodes) numpy's per-call overhead, not arithmetic,
+sets the pace, so the search gives the greedy its ``probe`` layouts in one batch and the
+finalists' assignments descend together; every row's result is what it would be alone.
 
 Every budget but :func:`solve_milp`'s is counted (bisection rounds, evaluated mixes, simplex
 iterations), never timed, so a plan depends only on its inputs.

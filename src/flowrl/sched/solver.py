@@ -306,7 +306,11 @@ class _Layout:
         return self.t + 1
 
 
-def _full_model(p: PlanProblem):
+def _full_model(p: PlanProblem, relaxed: bool = False):
+    """The MILP's arrays. ``relaxed``: its LP relaxation without the presence variables
+    ``z``: a fractional ``z`` is best at ``c / N_b`` (it only weighs on the latency rows), so
+    ``c <= N_b x`` and latency rows on ``c / N_b`` give the same optimum with a third fewer
+    rows and columns (the ``z`` columns stay, fixed at 0, so the layout is shared)."""
     n, nb = p.n_nodes, p.n_buckets
     cand = p.cand
     mc = len(cand)
@@ -348,18 +352,18 @@ def _full_model(p: PlanProblem):
     lo.append(p.count.astype(float))
     hi.append(p.count.astype(float))
     r += nb
-    # R4 c - N_b z <= 0
+    # R4 c - N_b z <= 0, R5 z - x <= 0 (relaxed: c - N_b x <= 0)
     add(r + idx, lay.c0 + idx, np.ones(nmb))
-    add(r + idx, lay.z0 + idx, -p.count[b_of].astype(float))
+    add(r + idx, nm_of if relaxed else lay.z0 + idx, -p.count[b_of].astype(float))
     lo.append(np.full(nmb, -np.inf))
     hi.append(np.zeros(nmb))
     r += nmb
-    # R5 z - x <= 0
-    add(r + idx, lay.z0 + idx, np.ones(nmb))
-    add(r + idx, nm_of, -np.ones(nmb))
-    lo.append(np.full(nmb, -np.inf))
-    hi.append(np.zeros(nmb))
-    r += nmb
+    if not relaxed:
+        add(r + idx, lay.z0 + idx, np.ones(nmb))
+        add(r + idx, nm_of, -np.ones(nmb))
+        lo.append(np.full(nmb, -np.inf))
+        hi.append(np.zeros(nmb))
+        r += nmb
     # R6 throughput per node
     add(r + node_of_nm, idx_nm, p.switch[node_of_nm, mode_of_nm])
     add(r + node_of, lay.c0 + idx, p.work[mode_of, b_of])
@@ -373,8 +377,12 @@ def _full_model(p: PlanProblem):
     lo.append(np.zeros(n))
     hi.append(np.zeros(n))
     r += n
-    # R8 latency: (switch + lat) z + u_n <= T
-    add(r + idx, lay.z0 + idx, p.lat[mode_of, b_of] + p.switch[node_of, mode_of])
+    # R8 latency: (switch + lat) z + u_n <= T (relaxed: z = c / N_b)
+    presence = p.lat[mode_of, b_of] + p.switch[node_of, mode_of]
+    if relaxed:
+        add(r + idx, lay.c0 + idx, presence / p.count[b_of])
+    else:
+        add(r + idx, lay.z0 + idx, presence)
     add(r + idx, lay.u0 + node_of, np.ones(nmb))
     add(r + idx, np.full(nmb, lay.t), -np.ones(nmb))
     lo.append(np.full(nmb, -np.inf))
@@ -407,7 +415,7 @@ def _full_model(p: PlanProblem):
     col_hi = np.full(lay.size, np.inf)
     col_hi[: lay.c0] = p.allowed[node_of_nm, mode_of_nm].astype(float)
     col_hi[lay.c0 : lay.z0] = p.count[b_of]
-    col_hi[lay.z0 : lay.mv0] = 1.0
+    col_hi[lay.z0 : lay.mv0] = 0.0 if relaxed else 1.0
     integer = np.zeros(lay.size, dtype=bool)
     integer[: lay.mv0] = True
     return lay, cost, a, np.concatenate(lo), np.concatenate(hi), np.zeros(lay.size), col_hi, integer
@@ -738,7 +746,7 @@ def solve_relaxed(
     (:func:`_coarsen`: it only has to pick a mode mix) under ``lp_iterations`` simplex
     iterations; when that binds, the search starts from the current and homogeneous layouts.
     """
-    lay, cost, a, lo, hi, clo, chi, _ = _full_model(_coarsen(p, lp_buckets))
+    lay, cost, a, lo, hi, clo, chi, _ = _full_model(_coarsen(p, lp_buckets), relaxed=True)
     res = _highs.solve(cost, a, lo, hi, clo, chi, iteration_limit=lp_iterations)
     starts = [fit_budget(p, p.current)]
     if res.ok:

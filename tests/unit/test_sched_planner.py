@@ -10,6 +10,7 @@ from flowrl.sched import (
     ClusterSnapshot,
     PlannerConfig,
     RemainingEstimate,
+    _highs,
     build_problem,
     candidate_modes,
     evaluate,
@@ -17,7 +18,6 @@ from flowrl.sched import (
     plan,
 )
 from flowrl.sched.problem import node_times
-from flowrl.sched import _highs
 from flowrl.sched.solver import _full_model, assign_greedy, assign_lp, solve_milp, solve_relaxed
 from flowrl.sim import ClusterSpec, Scheme, Simulator, Workload
 from flowrl.sim.plan_instances import plan_instance

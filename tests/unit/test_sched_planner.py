@@ -10,6 +10,7 @@ from flowrl.sched import (
     ClusterSnapshot,
     PlannerConfig,
     RemainingEstimate,
+    _highs,
     build_problem,
     candidate_modes,
     evaluate,
@@ -17,8 +18,9 @@ from flowrl.sched import (
     plan,
 )
 from flowrl.sched.problem import node_times
-from flowrl.sched.solver import assign_greedy, assign_lp, solve_milp, solve_relaxed
+from flowrl.sched.solver import _full_model, assign_greedy, assign_lp, solve_milp, solve_relaxed
 from flowrl.sim import ClusterSpec, Scheme, Simulator, Workload
+from flowrl.sim.plan_instances import plan_instance
 
 pytest.importorskip("highspy")
 
@@ -162,3 +164,17 @@ def test_bad_inputs_raise(captured) -> None:
         PlannerConfig(time_limit=0)
     with pytest.raises(ConfigError):
         RemainingEstimate(est.mean, est.second[:-1], est.tail)
+
+
+@pytest.mark.parametrize("tail", [True, False])
+def test_relaxation_without_presence_variables_has_the_same_optimum(tail: bool) -> None:
+    """The mode-mix LP drops the presence variables (``z = c / N_b`` is optimal in the
+    relaxation): the optimum must be the full model's LP relaxation's."""
+    p = plan_instance(4, gpus=32, n_modes=4, switch_costs=True, latency_bound=tail)
+    got = []
+    for relaxed in (False, True):
+        _, cost, a, lo, hi, clo, chi, _ = _full_model(p, relaxed=relaxed)
+        res = _highs.solve(cost, a, lo, hi, clo, chi)  # no integrality: the LP relaxation
+        assert res.status == "Optimal"
+        got.append(res.objective)
+    assert got[1] == pytest.approx(got[0], rel=1e-9)

@@ -7,13 +7,16 @@
   *Latency-critical* buckets (whose lone latency exceeds the balanced throughput time) go to
   the nodes already at that latency level first, then to the least loaded — so the tail is
   concentrated on few nodes that carry little other work; the other buckets are water-filled.
-  Milliseconds even at 512 GPUs: the "feasible plan fast" path.
+  Milliseconds even at 512 GPUs: the "feasible plan fast" path. The kernel
+  (:mod:`flowrl.sched._greedy`) runs many layouts at once.
 - :func:`assign_lp` — modes fixed; the greedy fixes which nodes host which latency level,
   then an LP (HiGHS) re-balances the counts with migration cost; largest-remainder rounding
   and a KV repair follow; both assignments are then improved by :func:`refine` and the
   better is returned.
 - :func:`refine` — steepest descent over single-request moves (any node to any node) and
-  swaps (with the node that finishes last), scored in one numpy pass per round.
+  swaps (with the node that finishes last), scored in one numpy pass per round
+  (:mod:`flowrl.sched._refine`; :func:`~flowrl.sched._refine.refine_many` descends many
+  assignments in lockstep).
 - :func:`solve_relaxed` — the LP relaxation of the full MILP picks a mode *mix* (fractional
   node counts per mode, rounded by largest remainder), plus the current and every
   homogeneous layout as starts, each brought within the GPU budget by :func:`fit_budget`
@@ -28,7 +31,8 @@
   moves to the best while it improves (at most ``max_evals`` greedy assignments). Two
   changes at once is what crossing the GPU budget needs: a half node traded for a node
   off, a slow mode taken off for a fast one kept. The best ``finalists`` layouts get
-  :func:`assign_lp`'s treatment and the best plan wins.
+  three assignments each (the greedy's, an LP polish, keep what you hold), all refined
+  together, and the best plan wins.
 - :func:`solve_milp` — the full MILP (binary modes and bucket-presence indicators, integer
   counts) with HiGHS branch-and-cut, optionally warm-started, under a time limit. The
   planner's ``method="milp"`` warm-starts it from the fast plan; tests compare the fast plan
@@ -39,6 +43,10 @@ Quality (``tests/unit/test_sched_planner_exact.py``, ``benchmarks/sched_sim.py``
 exact optimum on generated half-node instances of 8-128 GPUs and on the simulator's tail
 snapshots.
 
+Speed: on a planner's clusters (tens of nodes) numpy's per-call overhead, not arithmetic,
+sets the pace, so the search gives the greedy its ``probe`` layouts in one batch and the
+finalists' assignments descend together; every row's result is what it would be alone.
+
 Every budget but :func:`solve_milp`'s is counted (bisection rounds, evaluated mixes, simplex
 iterations), never timed, so a plan depends only on its inputs.
 
@@ -47,6 +55,7 @@ Invariant (asserted by tests): every plan these return is ``feasible`` for the p
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import final
 
@@ -56,7 +65,9 @@ from scipy import sparse
 from scipy.optimize import linear_sum_assignment
 
 from flowrl.sched import _highs
+from flowrl.sched._greedy import assign_greedy_many, water_fill
 from flowrl.sched._mix_score import fluid_scores
+from flowrl.sched._refine import refine, refine_many
 from flowrl.sched.problem import PlanProblem, evaluate, feasible, moved_counts, node_times
 
 __all__ = [
@@ -72,7 +83,6 @@ __all__ = [
 
 F64 = NDArray[np.float64]
 I64 = NDArray[np.int64]
-BISECTION_ROUNDS = 12
 MAX_EVALS = 60  # mixes the search gives the greedy assignment (PlannerConfig.max_evals)
 
 
@@ -86,107 +96,9 @@ class Solution:
     bound: float = float("nan")
 
 
-def _fill_bucket(n_req: int, loads: F64, a: F64, cap: I64) -> I64 | None:
-    """Integer water-filling of ``n_req`` requests (cost ``a`` each) onto ``loads``."""
-    if cap.sum() < n_req:
-        return None
-    order = np.argsort(loads, kind="stable")
-    ls, inv = loads[order], 1.0 / a[order]
-    lam = (n_req + np.cumsum(ls * inv)) / np.cumsum(inv)
-    nxt = np.append(ls[1:], np.inf)
-    k = int(np.argmax(lam <= nxt))
-    x = np.zeros(len(loads))
-    x[order[: k + 1]] = np.maximum(lam[k] - ls[: k + 1], 0.0) * inv[: k + 1]
-    x = np.minimum(x, cap)
-    out = np.floor(x).astype(np.int64)
-    short = n_req - int(out.sum())
-    while short > 0:
-        room = cap - out
-        after = loads + (out + 1) * a
-        after[room <= 0] = np.inf
-        take = np.argsort(after, kind="stable")[: min(short, int((room > 0).sum()))]
-        if not len(take) or np.isinf(after[take[0]]):
-            return None
-        out[take] += 1
-        short -= len(take)
-    return out
-
-
-def _pack_bucket(n_req: int, order: I64, cap: I64) -> I64 | None:
-    """First-fit of ``n_req`` requests onto nodes in ``order``, each up to ``cap``."""
-    if cap.sum() < n_req:
-        return None
-    take = cap[order]
-    before = np.cumsum(take) - take
-    out = np.zeros(len(cap), dtype=np.int64)
-    out[order] = np.clip(n_req - before, 0, take)
-    return out
-
-
-def _critical(p: PlanProblem, mode: I64) -> NDArray[np.bool_]:
-    """Buckets whose lone latency exceeds the balanced throughput time of the layout."""
-    on = np.nonzero(mode >= 0)[0]
-    m = mode[on]
-    balanced = (p.switch[on, m].sum() + (p.work[m] @ p.count).sum() / len(on)) / len(on)
-    return p.lat[m].min(axis=0) > balanced
-
-
-def _greedy_at(p: PlanProblem, mode: I64, theta: float, critical: NDArray[np.bool_]) -> I64 | None:
-    on = np.nonzero(mode >= 0)[0]
-    m = mode[on]
-    sw = p.switch[on, m]
-    thr = np.zeros(len(on))
-    co = np.zeros(len(on))
-    longest = np.zeros(len(on))
-    kvleft = p.kv_limit * p.cap[m]
-    c = np.zeros((p.n_nodes, p.n_buckets), dtype=np.int64)
-    for b in np.argsort(-p.bucket_len, kind="stable"):
-        n_req = int(p.count[b])
-        if not n_req:
-            continue
-        w, k, lat = p.work[m, b], p.co[m, b], p.lat[m, b]
-        level = np.maximum(longest, lat)
-        with np.errstate(divide="ignore"):  # co is 0 in the bulk: no latency bound
-            room = np.minimum((theta - sw - thr) / w, (theta - sw - level - co) / k)
-        cap = np.floor(np.clip(np.minimum(room, kvleft / p.kv[b] + 1e-9), 0, n_req))
-        cap = cap.astype(np.int64)
-        load = sw + np.maximum(thr, level + co)
-        if critical[b]:
-            got = _pack_bucket(n_req, np.lexsort((load, longest < lat)), cap)
-        else:
-            got = _fill_bucket(n_req, load, np.where(thr >= level + co, w, k), cap)
-        if got is None:
-            return None
-        c[on, b] = got
-        thr += got * w
-        co += got * k
-        longest = np.where(got > 0, level, longest)
-        kvleft -= got * p.kv[b]
-    return c
-
-
 def assign_greedy(p: PlanProblem, mode: I64) -> I64 | None:
-    """Counts for fixed ``mode``: bisection on ``theta`` over :func:`_greedy_at` (module doc)."""
-    mode = np.asarray(mode, dtype=np.int64)
-    if not (mode >= 0).any():
-        return None
-    critical = _critical(p, mode)
-    best: tuple[float, I64] | None = None
-    hi = np.inf
-    lo = 0.0
-    for _ in range(BISECTION_ROUNDS + 1):
-        theta = hi if np.isinf(hi) else 0.5 * (lo + hi)
-        c = _greedy_at(p, mode, theta, critical)
-        if c is None:
-            if np.isinf(hi):
-                return None  # KV limits admit no assignment at all
-            lo = theta
-            continue
-        ev = evaluate(p, mode, c)
-        if best is None or ev.objective < best[0]:
-            best = (ev.objective, c)
-        hi = min(theta, ev.makespan)
-    return None if best is None else best[1]
+    """Counts for fixed ``mode`` (:func:`flowrl.sched._greedy.assign_greedy_many`)."""
+    return assign_greedy_many(p, np.asarray(mode, dtype=np.int64)[None, :])[0]
 
 
 def _round_counts(p: PlanProblem, mode: I64, frac: F64, elig: NDArray[np.bool_]) -> I64 | None:
@@ -330,17 +242,6 @@ def _row_times(p: PlanProblem, node: I64, m: I64, rows: F64) -> F64:
     return p.switch[node, m] + np.where(rows.sum(axis=-1) > 0, np.maximum(thr, tail), 0.0)
 
 
-def _rest_max(t: F64) -> F64:
-    """``[i, d]``: the latest of the node times ``t`` other than nodes ``i`` and ``d``."""
-    k = len(t)
-    top = np.argsort(-t, kind="stable")[:3]
-    rest = np.zeros((k, k))
-    idx = np.arange(k)
-    for i in top[::-1]:
-        rest = np.where((idx[:, None] != i) & (idx[None, :] != i), t[i], rest)
-    return rest
-
-
 def _keep_start(p: PlanProblem, mode: I64) -> I64 | None:
     """Counts that move only what must move: nodes that stay on keep what they hold; the
     requests of nodes going off are water-filled onto the others, longest bucket first; a
@@ -357,99 +258,13 @@ def _keep_start(p: PlanProblem, mode: I64) -> I64 | None:
             continue
         load = _row_times(p, idx, m, c[idx].astype(np.float64))
         room = (p.kv_limit * p.cap[m] - c[idx] @ p.kv) // p.kv[b]
-        got = _fill_bucket(n_req, load, np.maximum(p.work[m, b], 1e-9), np.maximum(room, 0))
-        if got is None:
+        got, ok = water_fill(
+            n_req, load[None], np.maximum(p.work[m, b], 1e-9)[None], np.maximum(room, 0)[None]
+        )
+        if not ok[0]:
             return None
-        c[idx, b] += got
+        c[idx, b] += got[0]
     return _repair_kv(p, mode, c, np.repeat(on[:, None], p.n_buckets, axis=1))
-
-
-def refine(p: PlanProblem, mode: I64, c: I64, rounds: int | None = None) -> I64:
-    """Steepest descent over single-request moves and swaps between nodes.
-
-    Every round scores every (source, destination, bucket) move at once — the two nodes' new
-    times against the other nodes' latest, plus the migration it adds or saves (moving a
-    request back to the node that holds it saves one) — and, when no move helps, every swap
-    of one request between the node that finishes last and another node; it takes the best
-    the full objective confirms (keeping the objective with fewer nodes at the makespan
-    counts as progress). At most ``rounds`` rounds (default ``8 * nodes``): a counted budget.
-    The LP's rounding leaves requests on the wrong side of a node boundary and moves some it
-    need not; this fixes both.
-    """
-    on = np.nonzero(mode >= 0)[0]
-    k_on = len(on)
-    if k_on < 2:
-        return c
-    c = c.copy()
-    m_on = mode[on]
-    limit = p.kv_limit * p.cap[m_on] + 1e-6
-    eye = np.eye(p.n_buckets)
-    swap = eye[:, None, :] - eye[None, :, :]  # [out, in]: -1 out, +1 in (as seen by the taker)
-    hold = p.holdings[on]
-    pair = np.arange(k_on)
-    mig = p.mig_weight * p.mig
-
-    def key(cc: I64) -> tuple[float, int]:
-        ev = evaluate(p, mode, cc)
-        return ev.objective, int((ev.node_time >= ev.makespan - 1e-9).sum())
-
-    best = key(c)
-
-    def first_better(score: F64, apply) -> bool:
-        nonlocal c, best
-        for flat in np.argsort(score, axis=None, kind="stable")[:3]:
-            if not np.isfinite(score.flat[flat]):
-                return False
-            trial = apply(np.unravel_index(flat, score.shape))
-            k = key(trial)
-            if k < best:
-                c, best = trial, k
-                return True
-        return False
-
-    def move(ix: tuple) -> I64:
-        i, d, b = ix
-        trial = c.copy()
-        trial[on[i], b] -= 1
-        trial[on[d], b] += 1
-        return trial
-
-    for _ in range(8 * p.n_nodes if rounds is None else rounds):
-        cur = c[on].astype(np.float64)
-        t = _row_times(p, on, m_on, cur)
-        rest = _rest_max(t)
-        t_out = _row_times(p, on[:, None], m_on[:, None], cur[:, None, :] - eye)
-        t_in = _row_times(p, on[:, None], m_on[:, None], cur[:, None, :] + eye)
-        leave = (cur <= hold) * mig  # one more request leaves its holder
-        back = (cur < hold) * mig  # one comes back to its holder
-        span = np.maximum(rest[:, :, None], np.maximum(t_out[:, None, :], t_in[None, :, :]))
-        kv = cur @ p.kv
-        ok = (cur > 0)[:, None, :] & (kv[:, None] + p.kv <= limit[:, None])[None, :, :]
-        ok &= (pair[:, None] != pair[None, :])[..., None]
-        if first_better(np.where(ok, span + leave[:, None, :] - back[None, :, :], np.inf), move):
-            continue
-        j = int(np.argmax(t))  # swaps: j gives one of bucket o and takes one of bucket i
-        tj = _row_times(p, on[j : j + 1], m_on[j : j + 1], cur[j] - swap)  # [o, i]
-        td = _row_times(p, on[:, None, None], m_on[:, None, None], cur[:, None, None, :] + swap)
-        dkv = p.kv[:, None] - p.kv[None, :]  # KV d gains
-        fit = (kv[:, None, None] + dkv <= limit[:, None, None]) & (kv[j] - dkv <= limit[j])
-        have = (cur[j] > 0)[:, None] & (cur > 0)[:, None, :]  # [d, o, i]
-        gain = leave[j][:, None] - back[j][None, :] + leave[:, None, :] - back[:, :, None]
-        sc = np.maximum(rest[j][:, None, None], np.maximum(tj[None], td)) + gain
-        sc = np.where(fit & have & (pair != j)[:, None, None], sc, np.inf)
-
-        def swap_at(ix: tuple, j: int = j) -> I64:
-            d, o, i = ix
-            trial = c.copy()
-            trial[on[j], o] -= 1
-            trial[on[j], i] += 1
-            trial[on[d], o] += 1
-            trial[on[d], i] -= 1
-            return trial
-
-        if not first_better(sc, swap_at):
-            break
-    return c
 
 
 # -- the full model ---------------------------------------------------------------------------
@@ -491,7 +306,11 @@ class _Layout:
         return self.t + 1
 
 
-def _full_model(p: PlanProblem):
+def _full_model(p: PlanProblem, relaxed: bool = False):
+    """The MILP's arrays. ``relaxed``: its LP relaxation without the presence variables
+    ``z``: a fractional ``z`` is best at ``c / N_b`` (it only weighs on the latency rows), so
+    ``c <= N_b x`` and latency rows on ``c / N_b`` give the same optimum with a third fewer
+    rows and columns (the ``z`` columns stay, fixed at 0, so the layout is shared)."""
     n, nb = p.n_nodes, p.n_buckets
     cand = p.cand
     mc = len(cand)
@@ -533,18 +352,18 @@ def _full_model(p: PlanProblem):
     lo.append(p.count.astype(float))
     hi.append(p.count.astype(float))
     r += nb
-    # R4 c - N_b z <= 0
+    # R4 c - N_b z <= 0, R5 z - x <= 0 (relaxed: c - N_b x <= 0)
     add(r + idx, lay.c0 + idx, np.ones(nmb))
-    add(r + idx, lay.z0 + idx, -p.count[b_of].astype(float))
+    add(r + idx, nm_of if relaxed else lay.z0 + idx, -p.count[b_of].astype(float))
     lo.append(np.full(nmb, -np.inf))
     hi.append(np.zeros(nmb))
     r += nmb
-    # R5 z - x <= 0
-    add(r + idx, lay.z0 + idx, np.ones(nmb))
-    add(r + idx, nm_of, -np.ones(nmb))
-    lo.append(np.full(nmb, -np.inf))
-    hi.append(np.zeros(nmb))
-    r += nmb
+    if not relaxed:
+        add(r + idx, lay.z0 + idx, np.ones(nmb))
+        add(r + idx, nm_of, -np.ones(nmb))
+        lo.append(np.full(nmb, -np.inf))
+        hi.append(np.zeros(nmb))
+        r += nmb
     # R6 throughput per node
     add(r + node_of_nm, idx_nm, p.switch[node_of_nm, mode_of_nm])
     add(r + node_of, lay.c0 + idx, p.work[mode_of, b_of])
@@ -558,8 +377,12 @@ def _full_model(p: PlanProblem):
     lo.append(np.zeros(n))
     hi.append(np.zeros(n))
     r += n
-    # R8 latency: (switch + lat) z + u_n <= T
-    add(r + idx, lay.z0 + idx, p.lat[mode_of, b_of] + p.switch[node_of, mode_of])
+    # R8 latency: (switch + lat) z + u_n <= T (relaxed: z = c / N_b)
+    presence = p.lat[mode_of, b_of] + p.switch[node_of, mode_of]
+    if relaxed:
+        add(r + idx, lay.c0 + idx, presence / p.count[b_of])
+    else:
+        add(r + idx, lay.z0 + idx, presence)
     add(r + idx, lay.u0 + node_of, np.ones(nmb))
     add(r + idx, np.full(nmb, lay.t), -np.ones(nmb))
     lo.append(np.full(nmb, -np.inf))
@@ -592,7 +415,7 @@ def _full_model(p: PlanProblem):
     col_hi = np.full(lay.size, np.inf)
     col_hi[: lay.c0] = p.allowed[node_of_nm, mode_of_nm].astype(float)
     col_hi[lay.c0 : lay.z0] = p.count[b_of]
-    col_hi[lay.z0 : lay.mv0] = 1.0
+    col_hi[lay.z0 : lay.mv0] = 0.0 if relaxed else 1.0
     integer = np.zeros(lay.size, dtype=bool)
     integer[: lay.mv0] = True
     return lay, cost, a, np.concatenate(lo), np.concatenate(hi), np.zeros(lay.size), col_hi, integer
@@ -837,20 +660,17 @@ def _moves(p: PlanProblem, mode: I64) -> I64:
         reps += members[np.argsort(held[members], kind="stable")[:2]].tolist()
     targets = [*p.cand.tolist(), -1]
     single = [(i, m) for i in reps for m in targets if m != mode[i]]
-    single = [(i, m) for i, m in single if m < 0 or p.allowed[i, m]]
-    rows = []
-    for i, m in single:
-        r = mode.copy()
-        r[i] = m
-        rows.append(r)
-    for a, (i, mi) in enumerate(single):
-        for j, mj in single[a + 1 :]:
-            if i != j:
-                r = mode.copy()
-                r[i], r[j] = mi, mj
-                rows.append(r)
-    rows += _neighbours(p, mode)
-    return np.array(rows, dtype=np.int64).reshape(-1, p.n_nodes)
+    node, to = np.array([(i, m) for i, m in single if m < 0 or p.allowed[i, m]]).reshape(-1, 2).T
+    a, b = np.triu_indices(len(node), k=1)
+    a, b = a[node[a] != node[b]], b[node[a] != node[b]]
+    # one change each, then every pair of changes on two different nodes
+    rows = np.repeat(mode[None, :], len(node) + len(a), axis=0)
+    rows[np.arange(len(node)), node] = to
+    pairs = np.arange(len(node), len(rows))
+    rows[pairs, node[a]] = to[a]
+    rows[pairs, node[b]] = to[b]
+    groups = _neighbours(p, mode)
+    return np.concatenate([rows, np.array(groups, dtype=np.int64).reshape(-1, p.n_nodes)])
 
 
 def _search_mixes(
@@ -867,37 +687,43 @@ def _search_mixes(
     tried: list[tuple[float, I64, I64]] = []
     seen: set[bytes] = set()
 
-    def score(md: I64) -> tuple[float, I64, I64] | None:
-        md = assign_roles(p, md)
-        key = md.tobytes()
-        if key in seen or len(seen) >= max_evals:
-            return None
-        seen.add(key)
-        c = assign_greedy(p, md)
-        if c is None:
-            return None
-        ev = evaluate(p, md, c)
-        e = (ev.makespan + p.switch_weight * ev.switch_s + _migration_floor(p, md), md, c)
-        tried.append(e)
-        return e
+    def score(layouts: Iterable[I64], want: int) -> list[tuple[float, I64, I64]]:
+        """Give the greedy the first ``want`` of ``layouts`` it can assign that were not
+        seen (after role assignment), in batches of what is still wanted: the same
+        layouts, scored the same, as one at a time."""
+        todo = iter(layouts)
+        got: list[tuple[float, I64, I64]] = []
+        while len(got) < want and len(seen) < max_evals:
+            batch: list[I64] = []
+            for md in todo:
+                md = assign_roles(p, md)
+                if (key := md.tobytes()) in seen:
+                    continue
+                seen.add(key)
+                batch.append(md)
+                if len(batch) >= want - len(got) or len(seen) >= max_evals:
+                    break
+            if not batch:
+                break
+            for md, c in zip(batch, assign_greedy_many(p, np.array(batch)), strict=True):
+                if c is not None:
+                    ev = evaluate(p, md, c)
+                    floor = _migration_floor(p, md)
+                    got.append((ev.makespan + p.switch_weight * ev.switch_s + floor, md, c))
+        tried.extend(got)
+        return got
 
     # the starts are ranked by the fluid estimate too: only the best few get the greedy
-    ranked = np.argsort(fluid_scores(p, np.array(starts)), kind="stable")
-    for k in ranked[: max(probe, 1)]:
-        score(starts[int(k)])
+    ranked = np.argsort(fluid_scores(p, np.array(starts)), kind="stable")[: max(probe, 1)]
+    score((starts[int(k)] for k in ranked), len(ranked))
     while tried and len(seen) < max_evals:
         best = min(tried, key=lambda e: e[0])
         cand = _moves(p, best[1])
         if not len(cand):
             break
         fl = fluid_scores(p, cand)
-        got: list[tuple[float, I64, I64]] = []
-        for k in np.argsort(fl, kind="stable"):
-            if not np.isfinite(fl[k]) or len(got) >= probe or len(seen) >= max_evals:
-                break
-            e = score(cand[int(k)])
-            if e is not None:
-                got.append(e)
+        order = np.argsort(fl, kind="stable")
+        got = score((cand[int(k)] for k in order if np.isfinite(fl[k])), probe)
         if not got or min(e[0] for e in got) >= best[0] - 1e-9:
             break
     tried.sort(key=lambda e: e[0])
@@ -920,7 +746,7 @@ def solve_relaxed(
     (:func:`_coarsen`: it only has to pick a mode mix) under ``lp_iterations`` simplex
     iterations; when that binds, the search starts from the current and homogeneous layouts.
     """
-    lay, cost, a, lo, hi, clo, chi, _ = _full_model(_coarsen(p, lp_buckets))
+    lay, cost, a, lo, hi, clo, chi, _ = _full_model(_coarsen(p, lp_buckets), relaxed=True)
     res = _highs.solve(cost, a, lo, hi, clo, chi, iteration_limit=lp_iterations)
     starts = [fit_budget(p, p.current)]
     if res.ok:
@@ -929,21 +755,24 @@ def solve_relaxed(
         starts.append(fit_budget(p, np.where(p.allowed[:, m], m, -1).astype(np.int64)))
     tried = _search_mixes(p, starts, max_evals=max_evals, probe=probe)
     # the best few mixes get three assignments each (the greedy's, the LP polish, keep what
-    # you hold), each improved by single moves
-    out: tuple[float, I64, I64, str] | None = None
+    # you hold), each improved by single moves (all descend together)
+    found: list[tuple[I64, I64, str]] = []
     for _, mode, c in tried[: finalists if polish else 1]:
-        found = [(c, "greedy")]
+        found.append((mode, c, "greedy"))
         if polish:
             found += [
-                (x, how)
+                (mode, x, how)
                 for x, how in ((_polish(p, mode, c), "lp"), (_keep_start(p, mode), "keep"))
                 if x is not None
             ]
-        for x, how in found:
-            cc = refine(p, mode, x) if polish else x
-            obj = evaluate(p, mode, cc).objective
-            if out is None or obj < out[0] - 1e-9:
-                out = (obj, mode, cc, how)
+    if polish and found:
+        done = refine_many(p, np.array([f[0] for f in found]), np.array([f[1] for f in found]))
+        found = [(mode, cc, how) for (mode, _, how), cc in zip(found, done, strict=True)]
+    out: tuple[float, I64, I64, str] | None = None
+    for mode, cc, how in found:
+        obj = evaluate(p, mode, cc).objective
+        if out is None or obj < out[0] - 1e-9:
+            out = (obj, mode, cc, how)
     if out is None:
         return None
     _, mode, c, method = out

@@ -194,7 +194,7 @@ def test_ctrl_c_ends_the_run_with_one_line_saying_how_to_resume(tmp_path: Path) 
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+        proc.communicate()  # reaps it and closes its pipes (a timeout left them open)
     assert proc.returncode == 130
     lines = [ln for ln in err.splitlines() if ln.startswith("flowrl run grpo:")]
     assert len(lines) == 1 and "Traceback" not in err, err

@@ -84,6 +84,7 @@ from flowrl.recipes.grpo_stages import (
 from flowrl.recipes.grpo_task import make_task, max_new_tokens
 from flowrl.recipes.grpo_trainer import Trainer, evaluate, update_policy
 from flowrl.recipes.grpo_update import checkpoint_globals
+from flowrl.recipes.interrupt import CtrlC
 from flowrl.recipes.progress import bar, format_step, log
 from flowrl.recipes.stall import HEALTH_CHECK_S, next_batch
 from flowrl.tracking import (
@@ -123,10 +124,11 @@ def run(cfg: GRPOConfig, *, resume: str | Path | None = None) -> dict[str, Any]:
     log.info("run folder: %s", run_dir)
     split = None
     try:
-        if cores is not None:  # the rollout process starts now; it imports during the warm-up
-            start = 0 if checkpoint is None else checkpoint["step"]
-            split = Disaggregated(cfg, cores, start_step=start)
-        return _train(cfg, run_dir, checkpoint, resume, t_start, split)
+        with CtrlC() as ctrl_c:
+            if cores is not None:  # the rollout process starts now; it imports in the warm-up
+                start = 0 if checkpoint is None else checkpoint["step"]
+                split = Disaggregated(cfg, cores, start_step=start)
+            return _train(cfg, run_dir, checkpoint, resume, t_start, split, ctrl_c)
     except KeyboardInterrupt:
         raise Interrupted(run_dir) from None
     finally:
@@ -168,6 +170,7 @@ def _train(
     resume: str | Path | None,
     t_start: float,
     split: Disaggregated | None,
+    ctrl_c: CtrlC,
 ) -> dict[str, Any]:
     task = make_task(cfg, cfg.seed)
     held_out = list(make_task(cfg, 10_000 + cfg.seed).sample(cfg.eval_size))
@@ -234,6 +237,7 @@ def _train(
     step_start, step_cpu = t_rl, time.process_time()
     try:
         while trainer.step < cfg.steps:
+            ctrl_c.check()  # (a Ctrl-C a finalizer swallowed stops the run here)
             t_wait = time.time()
             batch = next_batch(
                 loader,

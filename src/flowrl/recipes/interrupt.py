@@ -3,8 +3,8 @@
 Python raises ``KeyboardInterrupt`` wherever the main thread is when SIGINT arrives. If
 that is inside a finalizer (``__del__``, a ``weakref.finalize`` callback: numpy, torch,
 mmap and the hub's shared memory run them as garbage goes), Python prints "Exception
-ignored" and the run goes on: a fresh-clone CI run saw a GRPO job keep training for two
-minutes after its Ctrl-C. :class:`CtrlC` also remembers the signal, and a loop that calls
+ignored" and the run goes on (the likely cause of a fresh-clone CI run whose GRPO job
+kept training for two minutes after its Ctrl-C). :class:`CtrlC` also remembers the signal, and a loop that calls
 :meth:`CtrlC.check` between steps stops there.
 """
 

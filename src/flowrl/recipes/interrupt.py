@@ -4,8 +4,8 @@ Python raises ``KeyboardInterrupt`` wherever the main thread is when SIGINT arri
 that is inside a finalizer (``__del__``, a ``weakref.finalize`` callback: numpy, torch,
 mmap and the hub's shared memory run them as garbage goes), Python prints "Exception
 ignored" and the run goes on (the likely cause of a fresh-clone CI run whose GRPO job
-kept training for two minutes after its Ctrl-C). :class:`CtrlC` also remembers the signal, and a loop that calls
-:meth:`CtrlC.check` between steps stops there.
+kept training for two minutes after its Ctrl-C). :class:`CtrlC` also remembers the
+signal, and a loop that calls :meth:`CtrlC.check` between steps stops there.
 """
 
 from __future__ import annotations

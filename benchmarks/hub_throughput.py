@@ -96,7 +96,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import mmap
 import multiprocessing
 import os
 import statistics
@@ -119,6 +118,7 @@ from flowrl._controller.samplers import FifoSampler
 from flowrl._launch.processes import start_hub
 from flowrl._pipeline.prefetch import Prefetcher
 from flowrl._protocol.commands import Cell, Claim, Commit
+from flowrl._store.shm import _Segment
 from flowrl._transport.auth import HubKey
 
 GIB = 1024**3
@@ -549,18 +549,14 @@ def machine_figures() -> dict:
 
 
 def _fresh_shm_seconds(size: int) -> float:
-    fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="flowrl-bench-")
-    try:
+    """A new segment made as a storage unit makes one (``_Segment``), every page touched."""
+    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="flowrl-bench-") as folder:
         t0 = time.perf_counter()
-        os.posix_fallocate(fd, 0, size)
-        seg = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        seg[::4096] = bytes(size // 4096)  # every page (mapped already where populated)
+        seg = _Segment(os.path.join(folder, "segment"), size)
+        seg.map[::4096] = bytes(size // 4096)  # (mapped already where MAP_POPULATE exists)
         spent = time.perf_counter() - t0
-        seg.close()
-        return spent
-    finally:
-        os.close(fd)
-        os.unlink(path)
+        seg.map.close()
+    return spent
 
 
 def zmq_floor(seq_len: int) -> dict:

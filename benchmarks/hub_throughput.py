@@ -555,7 +555,7 @@ def _fresh_shm_seconds(size: int) -> float:
         seg = _Segment(os.path.join(folder, "segment"), size)
         seg.map[::4096] = bytes(size // 4096)  # (mapped already where MAP_POPULATE exists)
         spent = time.perf_counter() - t0
-        seg.map.close()
+        seg.discard()
     return spent
 
 

@@ -54,23 +54,110 @@ def test_a_segment_lives_as_long_as_arrays_use_it(arena: ShmArena) -> None:
     ] * 2
     assert where[1] is not None and where[1][1] % 64 == 0  # aligned
     assert arena.locate(pa.py_buffer(b"x" * 10).address, 10) is None  # not in the arena
+    full = os.stat(f"{arena.folder}/{segments[0]}").st_ino
     del bufs[:3]
     gc.collect()
-    assert segments_in(arena.folder) == segments[1:]  # the full one went with its arrays
+    # the full one was retired with its arrays: renamed (no client opens it by its old
+    # name) and kept to be reused
+    left = segments_in(arena.folder)
+    assert segments[0] not in left and segments[1] in left
+    (free,) = [f for f in left if f.startswith("free-")]
+    assert os.stat(f"{arena.folder}/{free}").st_ino == full
     assert np.frombuffer(bufs[0], dtype=np.uint8)[:2].tolist() == [3, 3]
 
 
-def test_a_new_segment_at_a_dead_ones_address_keeps_its_entry(arena: ShmArena) -> None:
-    """CPython unmaps a segment before its finalizer runs: a new segment mapped at the
-    same address meanwhile must not lose its entry to the late finalizer."""
-    buf = stored(arena, 1)
-    path, _ = arena.locate(buf.address, buf.size) or ("", 0)
-    base = next(iter(arena._live))
-    arena._live[base] = ("newer", 1 << 20)  # as if a new segment took the address over
-    arena._forget(base, path)  # the dead one's late finalizer
-    assert arena._live[base] == ("newer", 1 << 20) and arena._bases == [base]
-    arena._forget(base, "newer")
-    assert arena._live == {} and arena._bases == []
+def fill(arena: ShmArena, value: int) -> list[pa.Buffer]:
+    """A segment's worth of stored buffers (three of 300 KB in a 1 MiB segment)."""
+    return [stored(arena, value) for _ in range(3)]
+
+
+def inode(path: str) -> int:
+    return os.stat(path).st_ino
+
+
+def test_a_retired_segment_is_reused_under_a_new_name_when_no_client_maps_it(
+    arena: ShmArena,
+) -> None:
+    first = fill(arena, 1)
+    old_path = where(arena, first)
+    old_inode = inode(old_path)
+    kept = fill(arena, 2)  # the next segment
+    del first
+    gc.collect()
+    again = fill(arena, 3)  # a third segment's worth: the retired one, renamed
+    new_path = where(arena, again)
+    assert new_path != old_path and not os.path.exists(old_path)
+    assert inode(new_path) == old_inode
+    assert [np.frombuffer(b, np.uint8)[[0, -1]].tolist() for b in kept + again] == [[2, 2]] * 3 + [
+        [3, 3]
+    ] * 3  # the live arrays' bytes did not change
+    assert not [f for f in segments_in(arena.folder) if f.startswith("free-")]
+
+
+def test_a_segment_a_client_maps_is_not_reused_until_the_client_lets_go(
+    arena: ShmArena,
+) -> None:
+    first = fill(arena, 1)
+    path, offset = arena.locate(first[0].address, 10) or ("", 0)
+    retired = inode(path)
+    maps = ShmMaps()
+    (read,) = maps.buffers([wire.ShmRef(path, offset, 300_000)], [], unit=0)
+    lane = shm.map_lent(path)  # a producer's lane over the same segment
+    fill(arena, 2)
+    del first
+    gc.collect()  # retired; the reader's array and the lane still map it
+    for client in ("lane", "reader"):
+        fresh = fill(arena, 3)  # a new segment: the retired one is locked
+        assert inode(where(arena, fresh)) != retired
+        assert np.frombuffer(read, np.uint8)[[0, -1]].tolist() == [1, 1]  # unchanged
+        if client == "lane":
+            del lane
+        else:
+            del read
+            maps.buffers([], [], unit=0)  # a read forgets retired segments: the lock goes
+    assert inode(where(arena, fill(arena, 4))) == retired  # reused at last
+
+
+def where(arena: ShmArena, bufs: list[pa.Buffer]) -> str:
+    """The path of the segment holding ``bufs``."""
+    found = arena.locate(bufs[0].address, 10)
+    assert found is not None
+    return found[0]
+
+
+def test_a_client_that_opened_a_segment_before_it_was_reused_reads_it_as_evicted(
+    arena: ShmArena,
+) -> None:
+    first = fill(arena, 1)
+    path = where(arena, first)
+    fd = os.open(path, os.O_RDONLY)  # opened, not yet locked: then the unit moves on
+    try:
+        fill(arena, 2)
+        del first
+        gc.collect()
+        reused = fill(arena, 3)
+        assert inode(where(arena, reused)) == os.fstat(fd).st_ino
+        with pytest.raises(shm.SegmentGone):
+            shm._lock_named(fd, path)  # the name no longer means the file it opened
+    finally:
+        os.close(fd)
+    with pytest.raises(shm.SegmentGone):
+        shm.map_lent(path)  # a lane asking for a grant's segment retired meanwhile
+
+
+def test_free_segments_beyond_the_arenas_budget_are_deleted() -> None:
+    arena = ShmArena(
+        f"{SHM_PREFIX}test-{secrets.token_hex(4)}", 1 << 20, 1 << 20, free_bytes=2 << 20
+    )
+    try:
+        held = [fill(arena, i) for i in range(5)]
+        fill(arena, 9)  # the current one: the five above are full
+        del held
+        gc.collect()
+        assert len([f for f in segments_in(arena.folder) if f.startswith("free-")]) == 2
+    finally:
+        arena.close()
+    assert not os.path.exists(arena.folder)
 
 
 def test_without_room_bytes_stay_where_they_are(

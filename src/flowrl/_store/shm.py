@@ -8,12 +8,17 @@ maps the segment read-only and builds its arrays over it: no copy on either side
 nothing on the socket but the offsets, so a read costs about one small round trip.
 
 Lifetime without reference counting: the arena keeps only the segment it fills; a full
-segment is kept alive by the arrays built over it, and when the last of them is gone its
-memory is unmapped and its file unlinked (``weakref.finalize``). Segment names carry a
-random token of the unit's incarnation and a segment's bytes are never rewritten, so a
-name always means the same bytes: a client that still maps an unlinked segment reads the
-same samples' old bytes, never another sample's. Without ``/dev/shm``, or without room in
-it, buffers stay in the process heap and reads send them over the socket as before.
+segment is kept alive by the arrays built over it (its *epoch*), and when the last of them
+is gone it is retired: renamed to a free name, so no client can open it by its old name,
+and kept for reuse. Making a segment costs most of a put (allocating, zeroing and mapping
+64 MiB took 80-110 ms against 14-20 ms to write it), so the arena reuses a retired one
+when no client still maps it, under a new name: each client holds a shared ``flock`` on
+every segment it maps (for as long as the mapping lives) and checks after taking it that
+the name still means the file it opened; the arena reuses only a segment it can lock
+exclusively. A name thus always means the same bytes for whoever maps it: a client that
+still maps a retired segment reads the same samples' old bytes, never another sample's.
+Free segments beyond ``free_bytes`` are deleted. Without ``/dev/shm``, or without room
+in it, buffers stay in the process heap and reads send them over the socket as before.
 
 Leftovers. An arena's ``owner`` file names the process that fills it (pid and start
 time, so a reused pid is not taken for it). A unit killed with SIGKILL cannot remove its
@@ -26,7 +31,9 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import fcntl
 import glob
+import itertools
 import mmap
 import os
 import secrets
@@ -44,6 +51,7 @@ __all__ = [
     "SHM_MIN_BYTES",
     "SHM_PREFIX",
     "Placed",
+    "SegmentGone",
     "ShmArena",
     "ShmMaps",
     "ShmUnavailable",
@@ -60,6 +68,8 @@ SHM_PREFIX = "/dev/shm/flowrl-"
 #: does not reserve 64 MiB of shared memory for its first few reads).
 FIRST_SEGMENT_BYTES = 4 << 20
 SEGMENT_BYTES = 64 << 20
+#: Retired segments an arena keeps for reuse, in bytes (the rest are deleted).
+FREE_BYTES = 1 << 30
 _ALIGN = 64  # cache-line aligned buffers
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 OWNER_FILE = "owner"  # "<pid> <start time>" of the process filling the arena
@@ -79,7 +89,9 @@ class Placed(NamedTuple):
 
 
 class _Segment:
-    __slots__ = ("base", "map", "path", "size", "used")
+    """A segment file, mapped; ``fd`` stays open: the arena locks it to reuse the file."""
+
+    __slots__ = ("base", "fd", "map", "path", "size", "used")
 
     def __init__(self, path: str, size: int) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -87,19 +99,31 @@ class _Segment:
             os.posix_fallocate(fd, 0, size)  # ENOSPC now, not SIGBUS on a later write
             self.map = mmap.mmap(fd, size, flags=_MAP_FLAGS)  # pages mapped now, not per write
         except BaseException:
+            os.close(fd)
             os.unlink(path)
             raise
-        finally:
-            os.close(fd)
+        self.fd = fd
         self.path = path
         self.size = size
         self.used = 0
         self.base = int(np.frombuffer(self.map, dtype=np.uint8, count=1).ctypes.data)
 
+    def rename(self, path: str) -> None:
+        os.rename(self.path, path)
+        self.path = path
+
+    def discard(self) -> None:
+        """Delete the file (clients that still map it keep their pages). The map goes with
+        the last reference to it: an array dying may still hold it while its epoch's
+        finalizer runs."""
+        os.close(self.fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
 
 class ShmArena:
     """Bump-allocated segments in ``folder`` (created, and emptied of a dead incarnation's
-    segments). One thread copies in; a segment may be forgotten from any thread (the one
+    segments). One thread copies in; a segment may be retired from any thread (the one
     that drops its last array, e.g. zmq's, after a zero-copy send), hence the lock."""
 
     def __init__(
@@ -109,6 +133,7 @@ class ShmArena:
         first_segment_bytes: int = FIRST_SEGMENT_BYTES,
         *,
         spare: bool = False,
+        free_bytes: int = FREE_BYTES,
     ) -> None:
         if not folder.startswith(SHM_PREFIX):
             raise ValueError(f"an arena folder must start with {SHM_PREFIX!r}, got {folder!r}")
@@ -118,13 +143,17 @@ class ShmArena:
         _write_owner(folder)
         self.folder = folder
         self.segment_bytes = segment_bytes
+        self.free_bytes = free_bytes
         self._next_size = min(first_segment_bytes, segment_bytes)
         self._token = secrets.token_hex(6)
-        self._count = 0
-        self._current: _Segment | None = None
+        self._names = itertools.count(1)
+        # The segment being filled and its epoch's view (the arena's reference to it).
+        self._current: tuple[_Segment, memoryview] | None = None
         self._lock = threading.Lock()
-        self._bases: list[int] = []  # sorted start addresses of the live segments
+        self._closed = False
+        self._bases: list[int] = []  # sorted start addresses of the segments in use
         self._live: dict[int, tuple[str, int]] = {}  # base -> (path, size)
+        self._free: list[_Segment] = []  # retired, oldest first
         # With ``spare``, the next segment is made by a thread while this one fills:
         # making one (allocating and mapping every page of up to 64 MiB) took 80-340 ms
         # on a loaded machine, inside the put that found the current segment full.
@@ -139,17 +168,18 @@ class ShmArena:
         return placed
 
     def allocate(self, size: int) -> Placed | None:
-        """``size`` fresh bytes of one segment, never handed out before (a client on this
-        machine writes a put's payload there itself: see ``unit_server``'s grants); None
-        if there is no room. The view keeps the segment alive."""
-        seg = self._current
-        if seg is None or seg.size - seg.used < size:
-            seg = self._new_segment(size)
-            if seg is None:
+        """``size`` bytes of one segment, not handed out in its current epoch (a client on
+        this machine writes a put's payload there itself: see ``unit_server``'s grants);
+        None if there is no room. The view keeps the segment's epoch alive."""
+        current = self._current
+        if current is None or current[0].size - current[0].used < size:
+            current = self._next_segment(size)
+            if current is None:
                 return None
+        seg, view = current
         start = seg.used
         seg.used = -(-(start + size) // _ALIGN) * _ALIGN
-        return Placed(memoryview(seg.map)[start : start + size], seg.path, start)
+        return Placed(view[start : start + size], seg.path, start)
 
     def locate(self, address: int, size: int) -> tuple[str, int] | None:
         """(segment path, offset) of ``size`` bytes at ``address`` if the arena holds them."""
@@ -163,8 +193,50 @@ class ShmArena:
         return (path, offset) if offset + size <= seg_size else None
 
     def close(self) -> None:
-        self._current = None
+        with self._lock:
+            self._closed = True
+            free, self._free = self._free, []
+        self._current = None  # (outside the lock: its epoch's finalizer takes it)
+        for seg in free:
+            seg.discard()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _next_segment(self, size: int) -> tuple[_Segment, memoryview] | None:
+        seg = self._reuse(size)
+        if seg is None:
+            seg = self._new_segment(size)
+            if seg is None:
+                return None
+        if self._spare is not None and not self._free:
+            self._spare.make(self._next_path(), self._next_size)
+        epoch = np.frombuffer(seg.map, dtype=np.uint8)  # the arrays built from now on
+        weakref.finalize(epoch, self._retire, seg)
+        with self._lock:
+            bisect.insort(self._bases, seg.base)
+            self._live[seg.base] = (seg.path, seg.size)
+        self._current = (seg, epoch.data)  # the arena holds only this epoch
+        return self._current
+
+    def _reuse(self, size: int) -> _Segment | None:
+        """A retired segment of at least ``size`` bytes that no client maps, renamed."""
+        with self._lock:
+            for i, seg in enumerate(self._free):
+                if seg.size < size:
+                    continue
+                try:
+                    fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a client still maps it (and may read it)
+                try:
+                    seg.rename(self._next_path())
+                except OSError:
+                    continue  # (the folder went away: the segment is discarded on close)
+                finally:
+                    fcntl.flock(seg.fd, fcntl.LOCK_UN)
+                del self._free[i]
+                seg.used = 0
+                return seg
+        return None
 
     def _new_segment(self, size: int) -> _Segment | None:
         size = max(self._next_size, -(-size // _ALIGN) * _ALIGN)
@@ -175,30 +247,27 @@ class ShmArena:
             except OSError:  # no room in /dev/shm (or it went away): keep bytes in the heap
                 return None
         self._next_size = min(2 * self._next_size, self.segment_bytes)
-        if self._spare is not None:
-            self._spare.make(self._next_path(), self._next_size)
-        with self._lock:
-            # A dead segment may have been unmapped at this address before its finalizer
-            # ran (CPython unmaps first): the new one takes its entry over.
-            if seg.base not in self._live:
-                bisect.insort(self._bases, seg.base)
-            self._live[seg.base] = (seg.path, seg.size)
-        weakref.finalize(seg.map, self._forget, seg.base, seg.path)
-        self._current = seg  # the arena holds only this one; arrays hold the others
         return seg
 
     def _next_path(self) -> str:
-        self._count += 1
-        return f"{self.folder}/{self._token}-{self._count}"
+        return f"{self.folder}/{self._token}-{next(self._names)}"
 
-    def _forget(self, base: int, path: str) -> None:
-        """The segment's memory is gone (no array uses it any more): drop its file."""
+    def _retire(self, seg: _Segment) -> None:
+        """No array uses the segment any more: hide it from new maps and keep it to reuse
+        (deleting the oldest free ones beyond ``free_bytes``)."""
         with self._lock:
-            if self._live.get(base, ("",))[0] == path:  # not taken over by a newer one
-                del self._live[base]
-                self._bases.remove(base)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+            del self._live[seg.base]
+            self._bases.remove(seg.base)
+            gone = [seg]
+            if not self._closed:
+                with contextlib.suppress(OSError):
+                    seg.rename(f"{self.folder}/free-{next(self._names)}")
+                    self._free.append(seg)
+                    gone = []
+                while sum(s.size for s in self._free) > self.free_bytes:
+                    gone.append(self._free.pop(0))
+        for old in gone:
+            old.discard()
 
 
 class _Spare:
@@ -227,8 +296,7 @@ class _Spare:
         self._thread.join()
         self._thread, made, self._made = None, self._made, None
         if made is not None and made.size < size:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(made.path)
+            made.discard()
             return None
         return made
 
@@ -282,28 +350,53 @@ def _alive(pid: int, start: int) -> bool:
 
 def map_lent(path: str) -> mmap.mmap:
     """A storage unit's segment mapped for writing: the bytes the unit lent this client
-    (``unit_server``'s grants). Only a regular file of this user under ``SHM_PREFIX``;
-    ShmUnavailable otherwise (another machine's /dev/shm, another user's unit)."""
+    (``unit_server``'s grants), locked against reuse while mapped (module docstring).
+    Only a regular file of this user under ``SHM_PREFIX``; ShmUnavailable otherwise
+    (another machine's /dev/shm, another user's unit), SegmentGone if the unit retired it
+    meanwhile (a grant let go before its client mapped it)."""
     if not path.startswith(SHM_PREFIX) or os.path.normpath(path) != path:
         raise ShmUnavailable(path)
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        if os.path.isdir(os.path.dirname(path)):
+            raise SegmentGone(path) from None
+        raise ShmUnavailable(path) from None
     except OSError:
         raise ShmUnavailable(path) from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
             raise ShmUnavailable(path)
+        _lock_named(fd, path)
         return mmap.mmap(fd, 0, flags=_MAP_FLAGS)  # pages mapped once, not per write
     except (OSError, ValueError):
         raise ShmUnavailable(path) from None
     finally:
-        os.close(fd)
+        os.close(fd)  # the map holds a duplicate, and with it the lock
+
+
+def _lock_named(fd: int, path: str) -> None:
+    """Lock the segment open at ``fd`` against reuse (shared: many clients map it), then
+    check ``path`` still names it: an arena renames a segment it retires before it tries
+    to reuse it. SegmentGone if not."""
+    fcntl.flock(fd, fcntl.LOCK_SH)  # an arena holds it exclusively only while renaming
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        raise SegmentGone(path) from None
+    opened = os.fstat(fd)
+    if (named.st_dev, named.st_ino) != (opened.st_dev, opened.st_ino):
+        raise SegmentGone(path)
 
 
 class ShmUnavailable(Exception):
     """The unit's shared memory cannot be mapped here (another container's /dev/shm, or
     another user's unit): read over zmq instead."""
+
+
+class SegmentGone(ShmUnavailable):
+    """The unit retired the segment (none of its bytes are stored any more)."""
 
 
 class ShmMaps:
@@ -316,6 +409,7 @@ class ShmMaps:
     def buffers(self, refs: list[Any], frames: list[Any], unit: int) -> list[Any]:
         """The buffers a shm read answered: in place where ``refs`` names one, else the
         next frame's."""
+        self._forget_retired()
         out: list[Any] = []
         rest = iter(frames)
         for ref in refs:
@@ -333,6 +427,13 @@ class ShmMaps:
     def clear(self) -> None:
         with self._lock:
             self._maps.clear()  # arrays still built over a segment keep it mapped
+
+    def _forget_retired(self) -> None:
+        """Let go of segments their unit retired (renamed: no stored sample uses them):
+        once no array of ours uses one either, its lock goes and the unit may reuse it."""
+        with self._lock:
+            for gone in [p for p in self._maps if not os.path.exists(p)]:
+                del self._maps[gone]
 
     def _view(self, ref: Any, unit: int) -> memoryview:
         seg = self._maps.get(ref.path)
@@ -352,20 +453,22 @@ class ShmMaps:
         except FileNotFoundError:
             if not os.path.isdir(os.path.dirname(path)):
                 raise ShmUnavailable(path) from None  # not this machine's /dev/shm
-            raise UnknownIndexError(
-                f"samples read from storage unit {unit} were evicted while being read"
-            ) from None
+            raise _evicted(unit) from None
         except OSError as exc:
             raise TransportError(f"cannot open storage unit {unit}'s {path}: {exc}") from None
         try:
+            _lock_named(fd, path)
             seg = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        except SegmentGone:
+            raise _evicted(unit) from None
         except (OSError, ValueError) as exc:
             raise TransportError(f"cannot map storage unit {unit}'s {path}: {exc}") from None
         finally:
-            os.close(fd)
+            os.close(fd)  # the map holds a duplicate, and with it the lock
         with self._lock:
-            # Forget segments unlinked since (no stored sample uses them any more).
-            for gone in [p for p in self._maps if not os.path.exists(p)]:
-                del self._maps[gone]
             self._maps[path] = seg
         return seg
+
+
+def _evicted(unit: int) -> UnknownIndexError:
+    return UnknownIndexError(f"samples read from storage unit {unit} were evicted while being read")

@@ -6,7 +6,9 @@ between. Instead, a unit on this machine lends each client thread a stretch of i
 arena (``wire.Grant``, ``GRANT_BYTES`` at a time); the thread copies a put's buffers
 there once, in order, and the write names where they lie (``Write.refs``) instead of
 carrying them. The unit builds its arrays over those bytes as they are: one copy in all,
-and the socket carries a few hundred bytes.
+and the socket carries a few hundred bytes. A lane's mapping locks its segment against
+reuse (``shm.map_lent``): a write into a grant the unit let go lands in bytes no sample
+uses, never in a reused segment.
 
 Each lent byte is written once (the thread moves on, and the unit refuses a write naming
 bytes before the last one named), so stored arrays never change under a reader. A unit
@@ -25,7 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from flowrl._store.shm import SHM_MIN_BYTES, ShmUnavailable, map_lent
+from flowrl._store.shm import SHM_MIN_BYTES, SegmentGone, ShmUnavailable, map_lent
 from flowrl._transport import wire
 from flowrl._transport.session import Session
 
@@ -108,6 +110,9 @@ class Lanes:
         try:
             seg = lane.map if lane is not None and lane.path == granted.path else None
             lane = _Lane(granted, seg or map_lent(granted.path))
+        except SegmentGone:  # let go (and retired) before we mapped it: frames this time
+            lanes.pop(unit, None)
+            return None
         except ShmUnavailable:  # another machine's (or user's) /dev/shm
             self._usable[unit] = False
             lanes.pop(unit, None)

@@ -3,6 +3,7 @@ put's indices reserved with a put's commit (issue 28, puts at the speed of the w
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -130,3 +131,40 @@ def test_a_lane_idle_for_half_the_units_patience_asks_for_a_new_grant(hub: Any) 
     assert hub._data._lanes._local.lanes[0].grant != lane.grant
     meta = hub.claim("train", 12, timeout=5)
     assert hub.get(meta)["reward"].tolist() == list(range(12))
+
+
+def test_memory_is_reused_across_steps_and_never_under_a_reader() -> None:
+    """Steps of put, read, ack: the unit reuses retired segments (the same files under new
+    names) once no client maps them, and an array a reader still holds keeps its bytes."""
+    big = 1 << 17  # 1 MiB a sample: a step of 96 fills more than a 64 MiB segment
+    cols = [Column.tensor("ids", "int64", (big,)), Column.scalar("reward", "float32")]
+    hub = flowrl.launch_hub(cols, tasks={"train": ["ids", "reward"]})
+    try:
+        address = hub.address.removeprefix("ipc://")
+        arena = f"/dev/shm/flowrl-{address.rsplit('/', 2)[-2].removeprefix('flowrl-')}-unit0"
+        seen: dict[int, set[str]] = {}  # segment inode -> the names it had
+        held = None
+        for step in range(5):
+            for k in range(24):
+                first = (step * 24 + k) * 4
+                ids = np.arange(first, first + 4, dtype=np.int64)[:, None] + np.zeros(big, np.int64)
+                hub.put({"ids": ids, "reward": np.arange(first, first + 4, dtype=np.float32)})
+            for name in os.listdir(arena):
+                if name != "owner":
+                    seen.setdefault(os.stat(f"{arena}/{name}").st_ino, set()).add(name)
+            for _ in range(24):
+                meta = hub.claim("train", 4, timeout=10)
+                got = hub.get(meta)
+                firsts = got["ids"][:, [0, -1]]
+                assert np.array_equal(
+                    firsts, np.repeat(got["reward"].astype(np.int64), 2).reshape(4, 2)
+                )
+                if held is None:
+                    held = (got["ids"], got["reward"].copy())  # kept across the steps below
+                hub.ack(meta)
+        assert any(len(names) > 1 for names in seen.values())  # a file under a second name
+        ids, reward = held
+        assert np.array_equal(ids[:, 0], reward.astype(np.int64))  # unchanged under its reader
+        assert np.array_equal(ids[:, -1], reward.astype(np.int64))
+    finally:
+        hub.close()

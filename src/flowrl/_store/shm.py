@@ -409,7 +409,7 @@ class ShmMaps:
     def buffers(self, refs: list[Any], frames: list[Any], unit: int) -> list[Any]:
         """The buffers a shm read answered: in place where ``refs`` names one, else the
         next frame's."""
-        self._forget_retired()
+        self.forget_retired()
         out: list[Any] = []
         rest = iter(frames)
         for ref in refs:
@@ -428,7 +428,7 @@ class ShmMaps:
         with self._lock:
             self._maps.clear()  # arrays still built over a segment keep it mapped
 
-    def _forget_retired(self) -> None:
+    def forget_retired(self) -> None:
         """Let go of segments their unit retired (renamed: no stored sample uses them):
         once no array of ours uses one either, its lock goes and the unit may reuse it."""
         with self._lock:

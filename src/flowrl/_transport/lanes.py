@@ -24,7 +24,7 @@ from __future__ import annotations
 import mmap
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from flowrl._store.shm import SHM_MIN_BYTES, SegmentGone, ShmUnavailable, map_lent
@@ -60,8 +60,14 @@ class Lanes:
     """Each thread's lanes to the units of a session (``lend``: write a put's buffers
     there, or None where the unit lends nothing)."""
 
-    def __init__(self, session: Session, same_machine: Sequence[bool]) -> None:
+    def __init__(
+        self,
+        session: Session,
+        same_machine: Sequence[bool],
+        before_grant: Callable[[], None] = lambda: None,
+    ) -> None:
         self._session = session
+        self._before_grant = before_grant
         self._usable = list(same_machine)  # per unit: False once it lent nothing
         self._local = threading.local()
 
@@ -102,6 +108,7 @@ class Lanes:
         if lane is not None and lane.end - lane.next >= need and now - lane.used < GRANT_IDLE_S / 2:
             lane.used = now
             return lane
+        self._before_grant()
         granted = self._session.call(unit, wire.Grant(size=max(GRANT_BYTES, need)))[0]
         if not isinstance(granted, wire.Granted) or granted.grant == 0:
             self._usable[unit] = False  # no shared memory there (or none left): frames

@@ -61,7 +61,8 @@ class RemoteData(DataPort):
         self.n_units = len(session.unit_addresses)
         self._shm = [a.startswith("ipc://") for a in session.unit_addresses]
         self._shm_maps = ShmMaps()
-        self._lanes = Lanes(session, self._shm)
+        # A new grant may reuse a segment this client read: let go of the retired ones.
+        self._lanes = Lanes(session, self._shm, before_grant=self._shm_maps.forget_retired)
         self.puts = PutsInFlight(session, self.discard, control.abort)
 
     def write(

@@ -16,7 +16,7 @@ import flowrl
 from flowrl import Column, HubConfig
 from flowrl._client.batch import LazyColumn
 from flowrl._store import shm
-from flowrl._store.shm import SHM_PREFIX, ShmArena, ShmMaps, ShmUnavailable
+from flowrl._store.shm import SHM_PREFIX, ShmArena, ShmMaps, ShmUnavailable, _Segment
 from flowrl._transport import wire
 from flowrl.errors import TransportError, UnknownIndexError
 
@@ -151,10 +151,13 @@ def test_free_segments_beyond_the_arenas_budget_are_deleted() -> None:
     )
     try:
         held = [fill(arena, i) for i in range(5)]
-        fill(arena, 9)  # the current one: the five above are full
+        current = fill(arena, 9)  # (held) the five above are full
         del held
-        gc.collect()
-        assert len([f for f in segments_in(arena.folder) if f.startswith("free-")]) == 2
+        gc.collect()  # five retired: renamed at once, filed when the next segment is due
+        assert len([f for f in segments_in(arena.folder) if f.startswith("free-")]) == 5
+        fill(arena, 8)  # the next segment: two of the five kept, one of them reused
+        assert len([f for f in segments_in(arena.folder) if f.startswith("free-")]) == 1
+        assert len(segments_in(arena.folder)) == 3 and current
     finally:
         arena.close()
     assert not os.path.exists(arena.folder)
@@ -408,3 +411,38 @@ def test_a_units_next_segment_is_made_ahead_by_a_thread() -> None:
         assert arena.locate(np.frombuffer(second.view, np.uint8).ctypes.data, 10) == (made, 0)
     finally:
         arena.close()
+
+
+def test_segments_retired_by_other_threads_are_reused_with_their_readers_bytes_intact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Epochs end in whatever thread drops their last array (zmq's, a gc pass): retiring
+    takes no lock the arena's thread holds, and what any thread still holds never changes."""
+    import queue
+    import threading
+
+    made = []
+    monkeypatch.setattr(shm, "_Segment", lambda *a: made.append(a) or _Segment(*a))
+    arena = ShmArena(f"{SHM_PREFIX}test-{secrets.token_hex(4)}", 1 << 20, 1 << 20)
+    handed: queue.Queue[list[pa.Buffer] | None] = queue.Queue(maxsize=8)
+    bad: list[int] = []
+
+    def dropper() -> None:  # holds each batch a while, checks it, then drops it here
+        while (bufs := handed.get()) is not None:
+            value = np.frombuffer(bufs[0], np.uint8)[0]
+            if any((np.frombuffer(b, np.uint8) != value).any() for b in bufs):
+                bad.append(int(value))
+            del bufs
+
+    thread = threading.Thread(target=dropper)
+    thread.start()
+    try:
+        for i in range(300):
+            handed.put([stored(arena, i % 251) for _ in range(2)])
+    finally:
+        handed.put(None)
+        thread.join()
+        arena.close()
+    assert bad == []
+    assert 0 < len(made) < 20, len(made)  # of ~200 segments filled: the rest were reused
+    assert not os.path.exists(arena.folder)

@@ -30,6 +30,7 @@ launched them.
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import fcntl
 import glob
@@ -123,8 +124,10 @@ class _Segment:
 
 class ShmArena:
     """Bump-allocated segments in ``folder`` (created, and emptied of a dead incarnation's
-    segments). One thread copies in; a segment may be retired from any thread (the one
-    that drops its last array, e.g. zmq's, after a zero-copy send), hence the lock."""
+    segments). One thread uses it (the unit's); a segment's epoch may end in any thread
+    (the one that drops its last array, e.g. zmq's, after a zero-copy send, or a garbage
+    collection pass), so retiring takes no lock: it renames the segment and queues it for
+    the arena's thread."""
 
     def __init__(
         self,
@@ -146,13 +149,13 @@ class ShmArena:
         self.free_bytes = free_bytes
         self._next_size = min(first_segment_bytes, segment_bytes)
         self._token = secrets.token_hex(6)
-        self._names = itertools.count(1)
+        self._names = itertools.count(1)  # (next() is atomic: retiring threads use it too)
         # The segment being filled and its epoch's view (the arena's reference to it).
         self._current: tuple[_Segment, memoryview] | None = None
-        self._lock = threading.Lock()
         self._closed = False
         self._bases: list[int] = []  # sorted start addresses of the segments in use
         self._live: dict[int, tuple[str, int]] = {}  # base -> (path, size)
+        self._retired: collections.deque[_Segment] = collections.deque()  # from any thread
         self._free: list[_Segment] = []  # retired, oldest first
         # With ``spare``, the next segment is made by a thread while this one fills:
         # making one (allocating and mapping every page of up to 64 MiB) took 80-340 ms
@@ -183,25 +186,25 @@ class ShmArena:
 
     def locate(self, address: int, size: int) -> tuple[str, int] | None:
         """(segment path, offset) of ``size`` bytes at ``address`` if the arena holds them."""
-        with self._lock:
-            i = bisect.bisect_right(self._bases, address) - 1
-            if i < 0:
-                return None
-            base = self._bases[i]
-            path, seg_size = self._live[base]
+        i = bisect.bisect_right(self._bases, address) - 1
+        if i < 0:
+            return None
+        base = self._bases[i]
+        path, seg_size = self._live[base]
         offset = address - base
         return (path, offset) if offset + size <= seg_size else None
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            free, self._free = self._free, []
-        self._current = None  # (outside the lock: its epoch's finalizer takes it)
-        for seg in free:
+        self._closed = True  # (segments retired from now on are discarded at once)
+        self._current = None
+        self._take_retired()
+        for seg in self._free:
             seg.discard()
+        self._free = []
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def _next_segment(self, size: int) -> tuple[_Segment, memoryview] | None:
+        self._take_retired()
         seg = self._reuse(size)
         if seg is None:
             seg = self._new_segment(size)
@@ -211,31 +214,29 @@ class ShmArena:
             self._spare.make(self._next_path(), self._next_size)
         epoch = np.frombuffer(seg.map, dtype=np.uint8)  # the arrays built from now on
         weakref.finalize(epoch, self._retire, seg)
-        with self._lock:
-            bisect.insort(self._bases, seg.base)
-            self._live[seg.base] = (seg.path, seg.size)
+        bisect.insort(self._bases, seg.base)
+        self._live[seg.base] = (seg.path, seg.size)
         self._current = (seg, epoch.data)  # the arena holds only this epoch
         return self._current
 
     def _reuse(self, size: int) -> _Segment | None:
         """A retired segment of at least ``size`` bytes that no client maps, renamed."""
-        with self._lock:
-            for i, seg in enumerate(self._free):
-                if seg.size < size:
-                    continue
-                try:
-                    fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue  # a client still maps it (and may read it)
-                try:
-                    seg.rename(self._next_path())
-                except OSError:
-                    continue  # (the folder went away: the segment is discarded on close)
-                finally:
-                    fcntl.flock(seg.fd, fcntl.LOCK_UN)
-                del self._free[i]
-                seg.used = 0
-                return seg
+        for i, seg in enumerate(self._free):
+            if seg.size < size:
+                continue
+            try:
+                fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a client still maps it (and may read it)
+            try:
+                seg.rename(self._next_path())
+            except OSError:
+                continue  # (the folder went away: the segment is discarded on close)
+            finally:
+                fcntl.flock(seg.fd, fcntl.LOCK_UN)
+            del self._free[i]
+            seg.used = 0
+            return seg
         return None
 
     def _new_segment(self, size: int) -> _Segment | None:
@@ -253,21 +254,32 @@ class ShmArena:
         return f"{self.folder}/{self._token}-{next(self._names)}"
 
     def _retire(self, seg: _Segment) -> None:
-        """No array uses the segment any more: hide it from new maps and keep it to reuse
-        (deleting the oldest free ones beyond ``free_bytes``)."""
-        with self._lock:
+        """No array uses the segment any more (its epoch's finalizer, in any thread):
+        rename it, so no client opens it by its old name from now on (clients that map
+        it let go when they see the name gone), and queue it to be reused."""
+        if self._closed:
+            seg.discard()
+            return
+        try:
+            seg.rename(f"{self.folder}/free-{next(self._names)}")
+        except OSError:
+            seg.discard()  # (the arena is closing: its folder went away)
+            return
+        self._retired.append(seg)
+
+    def _take_retired(self) -> None:
+        """Move the segments retired since into the free list (the arena's thread), and
+        delete the oldest free ones beyond ``free_bytes``."""
+        while self._retired:
+            seg = self._retired.popleft()
             del self._live[seg.base]
             self._bases.remove(seg.base)
-            gone = [seg]
-            if not self._closed:
-                with contextlib.suppress(OSError):
-                    seg.rename(f"{self.folder}/free-{next(self._names)}")
-                    self._free.append(seg)
-                    gone = []
-                while sum(s.size for s in self._free) > self.free_bytes:
-                    gone.append(self._free.pop(0))
-        for old in gone:
-            old.discard()
+            if self._closed:
+                seg.discard()
+            else:
+                self._free.append(seg)
+        while self._free and sum(s.size for s in self._free) > self.free_bytes:
+            self._free.pop(0).discard()
 
 
 class _Spare:

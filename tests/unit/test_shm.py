@@ -102,16 +102,16 @@ def test_a_segment_a_client_maps_is_not_reused_until_the_client_lets_go(
     retired = inode(path)
     maps = ShmMaps()
     (read,) = maps.buffers([wire.ShmRef(path, offset, 300_000)], [], unit=0)
-    lane = shm.map_lent(path)  # a producer's lane over the same segment
-    fill(arena, 2)
+    lane = shm.lock_lent(path)  # a producer's lane over the same segment (its lock)
+    held = [fill(arena, 2)]  # (held: the only segment retired is the first)
     del first
     gc.collect()  # retired; the reader's array and the lane still map it
     for client in ("lane", "reader"):
-        fresh = fill(arena, 3)  # a new segment: the retired one is locked
-        assert inode(where(arena, fresh)) != retired
+        held.append(fill(arena, 3))  # a new segment: the retired one is locked
+        assert inode(where(arena, held[-1])) != retired
         assert np.frombuffer(read, np.uint8)[[0, -1]].tolist() == [1, 1]  # unchanged
         if client == "lane":
-            del lane
+            os.close(lane)
         else:
             del read
             maps.buffers([], [], unit=0)  # a read forgets retired segments: the lock goes
@@ -142,7 +142,7 @@ def test_a_client_that_opened_a_segment_before_it_was_reused_reads_it_as_evicted
     finally:
         os.close(fd)
     with pytest.raises(shm.SegmentGone):
-        shm.map_lent(path)  # a lane asking for a grant's segment retired meanwhile
+        shm.lock_lent(path)  # a lane asking for a grant's segment retired meanwhile
 
 
 def test_free_segments_beyond_the_arenas_budget_are_deleted() -> None:
@@ -446,3 +446,49 @@ def test_segments_retired_by_other_threads_are_reused_with_their_readers_bytes_i
     assert bad == []
     assert 0 < len(made) < 20, len(made)  # of ~200 segments filled: the rest were reused
     assert not os.path.exists(arena.folder)
+
+
+def test_a_kept_write_mapping_does_not_hold_its_segment_against_reuse(arena: ShmArena) -> None:
+    """Put lanes keep their mappings beyond the grant (mapping 64 MiB again cost 8-15 ms);
+    only the lane's lock keeps the unit from reusing the segment."""
+    from flowrl._transport.lanes import _WriteMaps
+
+    first = fill(arena, 1)
+    path = where(arena, first)
+    maps = _WriteMaps()
+    lock = shm.lock_lent(path)
+    mapped = maps.of(lock)
+    assert maps.of(lock) is mapped  # the same file: the same mapping
+    held = [fill(arena, 2)]  # (held: the only segment retired is the first)
+    del first
+    gc.collect()  # retired while the lane still holds its lock
+    held.append(fill(arena, 3))
+    assert inode(where(arena, held[-1])) != inode(f"/proc/self/fd/{lock}")
+    retired = os.fstat(lock).st_ino
+    os.close(lock)  # the lane ends; its mapping stays
+    assert inode(where(arena, fill(arena, 4))) == retired  # reused all the same
+    again = shm.lock_lent(arena._live[arena._bases[-1]][0])  # a later grant there
+    assert maps.of(again) is mapped  # under its new name: the mapping kept
+    os.close(again)
+    maps.close()
+
+
+def test_write_mappings_of_files_the_unit_deleted_are_let_go(arena: ShmArena) -> None:
+    from flowrl._transport.lanes import _WriteMaps
+
+    first = fill(arena, 1)
+    maps = _WriteMaps()
+    lock = shm.lock_lent(where(arena, first))
+    maps.of(lock)
+    os.close(lock)
+    arena.free_bytes = 0  # retired segments are deleted, not kept
+    fill(arena, 2)
+    del first
+    gc.collect()
+    fill(arena, 3)  # the next segment: the retired one is deleted
+    later = fill(arena, 4)
+    lock = shm.lock_lent(where(arena, later))
+    maps.of(lock)
+    os.close(lock)
+    assert len(maps._maps) == 1  # the deleted file's mapping went
+    maps.close()

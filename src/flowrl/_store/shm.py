@@ -56,7 +56,8 @@ __all__ = [
     "ShmArena",
     "ShmMaps",
     "ShmUnavailable",
-    "map_lent",
+    "lock_lent",
+    "map_apart",
     "shm_folder",
     "sweep_dead_arenas",
 ]
@@ -220,8 +221,11 @@ class ShmArena:
         return self._current
 
     def _reuse(self, size: int) -> _Segment | None:
-        """A retired segment of at least ``size`` bytes that no client maps, renamed."""
-        for i, seg in enumerate(self._free):
+        """A retired segment of at least ``size`` bytes that no client maps, renamed: the
+        newest first (its pages are the likeliest in caches, and clients keep the
+        mappings of the few they wrote last)."""
+        for i in range(len(self._free) - 1, -1, -1):
+            seg = self._free[i]
             if seg.size < size:
                 continue
             try:
@@ -360,12 +364,13 @@ def _alive(pid: int, start: int) -> bool:
     return now != -1 and (start == 0 or now in (start, 0))
 
 
-def map_lent(path: str) -> mmap.mmap:
-    """A storage unit's segment mapped for writing: the bytes the unit lent this client
-    (``unit_server``'s grants), locked against reuse while mapped (module docstring).
-    Only a regular file of this user under ``SHM_PREFIX``; ShmUnavailable otherwise
-    (another machine's /dev/shm, another user's unit), SegmentGone if the unit retired it
-    meanwhile (a grant let go before its client mapped it)."""
+def lock_lent(path: str) -> int:
+    """A storage unit's segment that it lent this client to write (``unit_server``'s
+    grants), open and locked against reuse until the descriptor returned is closed
+    (module docstring). Only a regular file of this user under ``SHM_PREFIX``;
+    ShmUnavailable otherwise (another machine's /dev/shm, another user's unit),
+    SegmentGone if the unit retired it meanwhile (a grant let go before its client
+    locked it)."""
     if not path.startswith(SHM_PREFIX) or os.path.normpath(path) != path:
         raise ShmUnavailable(path)
     try:
@@ -381,11 +386,22 @@ def map_lent(path: str) -> mmap.mmap:
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
             raise ShmUnavailable(path)
         _lock_named(fd, path)
-        return mmap.mmap(fd, 0, flags=_MAP_FLAGS)  # pages mapped once, not per write
-    except (OSError, ValueError):
-        raise ShmUnavailable(path) from None
-    finally:
-        os.close(fd)  # the map holds a duplicate, and with it the lock
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def map_apart(fd: int) -> tuple[mmap.mmap, int]:
+    """A writable mapping of the file open at ``fd`` that does not hold ``fd``'s lock (a
+    mapping keeps its descriptor's lock for its life; this one opens the file anew), and
+    the descriptor it keeps (``st_nlink`` 0: the unit deleted the file)."""
+    apart = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # a new open file, whatever its name now
+    try:
+        return mmap.mmap(apart, 0, flags=_MAP_FLAGS), apart  # pages mapped once, not per write
+    except BaseException:
+        os.close(apart)
+        raise
 
 
 def _lock_named(fd: int, path: str) -> None:

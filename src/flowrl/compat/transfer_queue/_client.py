@@ -370,8 +370,9 @@ class TransferQueueClient:
             indices[new] = bound
         if old.size and columns:
             self._update(known[old], columns, _take(values, old, len(keys)))
-        self.directory.update(partition, indices.tolist(), tags, [c.name for c in columns])
-        merged, common = self.directory.describe(indices.tolist())
+        merged, common = self.directory.update(
+            partition, indices.tolist(), tags, [c.name for c in columns]
+        )
         return KVBatchMeta(keys=keys, tags=merged, partition_id=partition, fields=common)
 
     def kv_put(

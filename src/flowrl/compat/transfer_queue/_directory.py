@@ -92,11 +92,13 @@ class KeyDirectory:
         indices: Sequence[int],
         tags: Sequence[dict[str, Any]] | None,
         fields: Sequence[str],
-    ) -> None:
-        """Merge a tag into each sample's and record fields written to all of them."""
+    ) -> tuple[list[dict[str, Any]], list[str]]:
+        """Merge a tag into each sample's and record fields written to all of them; what
+        :meth:`describe` then says of them (one call, one round trip from another process)."""
         if tags is not None:
             _check_lengths("update", tags, indices)
         with self._lock:
+            entries = []
             for i, index in enumerate(indices):
                 entry = self._entries.get(index)
                 if entry is None:
@@ -106,17 +108,14 @@ class KeyDirectory:
                 new = tuple(f for f in fields if f not in entry.fields)
                 if new:
                     entry.fields += new
+                entries.append(entry)
             self._bump()
+            return _described(entries)
 
     def describe(self, indices: Sequence[int]) -> tuple[list[dict[str, Any]], list[str]]:
         """Each sample's tag, and the fields every one of them has (in write order)."""
         with self._lock:
-            entries = [self._entries.get(i) for i in indices]
-        tags = [dict(e.tag) if e else {} for e in entries]
-        if not entries or any(e is None for e in entries):
-            return tags, []
-        common = [f for f in entries[0].fields if all(f in e.fields for e in entries)]  # type: ignore[union-attr]
-        return tags, common
+            return _described([self._entries.get(i) for i in indices])
 
     def listing(self, partition: str | None) -> dict[str, dict[str, dict[str, Any]]]:
         """``{partition: {key: tag}}`` for one partition (if it has keys) or all."""
@@ -178,6 +177,15 @@ class KeyDirectory:
         """The declarations of the named columns that some client declared."""
         with self._lock:
             return [self._columns[n] for n in names if n in self._columns]
+
+
+def _described(entries: Sequence[_Entry | None]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Each entry's tag (a copy), and the fields every one of them has (in write order)."""
+    tags = [dict(e.tag) if e else {} for e in entries]
+    if not entries or any(e is None for e in entries):
+        return tags, []
+    common = [f for f in entries[0].fields if all(f in e.fields for e in entries)]  # type: ignore[union-attr]
+    return tags, common
 
 
 def _check_lengths(where: str, names: Sequence[Any], indices: Sequence[int]) -> None:
@@ -313,8 +321,9 @@ class RemoteDirectory:
         indices: Sequence[int],
         tags: Sequence[dict[str, Any]] | None,
         fields: Sequence[str],
-    ) -> None:
-        self._call("update", partition, list(indices), tags, list(fields))
+    ) -> tuple[list[dict[str, Any]], list[str]]:
+        merged, common = self._call("update", partition, list(indices), tags, list(fields))
+        return merged, common
 
     def describe(self, indices: Sequence[int]) -> tuple[list[dict[str, Any]], list[str]]:
         tags, fields = self._call("describe", list(indices))

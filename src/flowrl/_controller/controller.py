@@ -51,6 +51,7 @@ from flowrl.errors import (
     ConfigError,
     EndOfStream,
     HubClosed,
+    LeaseError,
     SchemaError,
     UnknownColumnError,
     UnknownTaskError,
@@ -64,6 +65,7 @@ from flowrl.events import (
     Put,
     StreamEnded,
     TaskRegistered,
+    TaskUnregistered,
     VersionPublished,
 )
 
@@ -96,7 +98,8 @@ class Controller:
         self.closed = False
         self.closed_columns: set[str] = set()
         self.on_evict: Callable[[np.ndarray, np.ndarray], None] | None = None
-        self.partitions: dict[str, int] = {"": 0}
+        self.partitions: dict[str, int] = {"": 0}  # the names in use, by id
+        self.next_partition = 1  # the id the next new partition name gets
         self.watermark = 0  # indices below it may have been handed out (IndexWatermark)
         self.replaying = False  # recover(): apply journaled events without re-emitting them
         self.declared: dict[str, Column] = {}
@@ -112,11 +115,17 @@ class Controller:
         if new:
             self._emit(ColumnsDeclared, columns=new)
 
-    def register_task(self, task: str, columns: tuple[str, ...]) -> None:
+    def register_task(
+        self, task: str, columns: tuple[str, ...], partition: str | None = None
+    ) -> None:
+        """Register a consuming task; ``partition``: it reads that partition's samples
+        only (None: every sample). Registering it again the same way changes nothing."""
         if not isinstance(task, str) or not task:
             raise ConfigError(f"task name must be a non-empty str, got {task!r}")
         if not columns:
             raise ConfigError(f"task {task!r} must consume at least one column")
+        if partition is not None and not isinstance(partition, str):
+            raise ConfigError(f"task {task!r}: partition must be a str or None, got {partition!r}")
         for c in columns:
             if c not in self.table.ready:
                 raise UnknownColumnError(
@@ -125,15 +134,21 @@ class Controller:
                 )
         existing = self.tasks.get(task)
         if existing is not None:
-            if existing.columns != columns:
+            if existing.columns != columns or existing.partition != partition:
                 raise ConfigError(
-                    f"task {task!r} is already registered with columns {list(existing.columns)}, "
-                    f"cannot re-register it with {list(columns)}"
+                    f"task {task!r} is already registered with columns {list(existing.columns)}"
+                    f"{_scope(existing.partition)}, cannot re-register it with {list(columns)}"
+                    f"{_scope(partition)}; unregister_task({task!r}) first"
                 )
             return
-        state = TaskState(task, columns, self.table.capacity)
+        pid = -1 if partition is None else self._partition_id(partition)
+        state = TaskState(task, columns, self.table.capacity, partition, pid)
         t = self.table
         live = np.flatnonzero(t.owner >= 0)
+        if pid >= 0:  # committed samples of other partitions are not for it
+            other = t.committed[live] & (t.partition[live] != pid)
+            state.status[live[other]] = CONSUMED
+            live = live[~other]
         state.missing[:] = len(columns)
         for c in columns:
             state.missing[live] -= t.ready[c][live]
@@ -142,7 +157,32 @@ class Controller:
             state.status[ready] = READY
             state.queue.push_back(np.sort(t.owner[ready]))
         self.tasks[task] = state
-        self._emit(TaskRegistered, task=task, columns=columns)
+        self._emit(TaskRegistered, task=task, columns=columns, partition=partition)
+
+    def unregister_task(self, task: str) -> np.ndarray:
+        """Forget a task; returns the indices evicted as a result (the samples every other
+        task had consumed: only this one still held them). Refused (LeaseError, nothing
+        changed) while it holds leases: its claims must be acked or released first, so no
+        sample is lost or delivered twice."""
+        state = self.task(task)
+        self.expire()
+        held = [lease for lease in self.leases.live.values() if lease.task == task]
+        if held:
+            n = sum(int(lease.indices.size) for lease in held)
+            raise LeaseError(
+                f"unregister_task({task!r}): the task holds {len(held)} leases of {n} "
+                "samples; ack or release them first (or let them expire)"
+            )
+        del self.tasks[task]
+        self.rounds.by_task.pop(task, None)
+        self._emit(TaskUnregistered, task=task)
+        t = self.table
+        # (with no task left, nothing was consumed by everyone: keep every sample)
+        waiting = np.flatnonzero((t.owner >= 0) & t.committed & (state.status != CONSUMED))
+        evicted = self._evict_if_done(waiting) if self.tasks else waiting[:0]
+        self._forget_partition(state)
+        self.waiters.forget(task, self.ended)
+        return evicted
 
     def task(self, name: str) -> TaskState:
         state = self.tasks.get(name)
@@ -307,7 +347,11 @@ class Controller:
         if tokens is not None:
             t.tokens[slots] = tokens
         owners = indices.astype(np.int64, copy=False)
+        pid = int(t.partition[slots[0]]) if new and slots.size else -1
         for state in self.tasks.values():
+            if new and state.partition_id >= 0 and state.partition_id != pid:
+                state.status[slots] = CONSUMED  # another partition's: not for this task
+                continue
             done = state.became_ready(slots, fresh, new)
             if done.size:
                 state.status[done] = READY
@@ -342,8 +386,19 @@ class Controller:
     def _partition_id(self, name: str) -> int:
         pid = self.partitions.get(name)
         if pid is None:
-            pid = self.partitions[name] = len(self.partitions)
+            pid = self.partitions[name] = self.next_partition
+            self.next_partition += 1
         return pid
+
+    def _forget_partition(self, state: TaskState) -> None:
+        """Forget the name of an unregistered task's partition once no task is scoped to
+        it and no sample is in it (a new sample or task in it gets a new id)."""
+        pid = state.partition_id
+        if pid <= 0 or any(st.partition_id == pid for st in self.tasks.values()):
+            return
+        t = self.table
+        if not (t.committed & (t.owner >= 0) & (t.partition == pid)).any():
+            del self.partitions[str(state.partition)]
 
     # -- consumers --------------------------------------------------------------------------
     def try_claim(self, cmd: Claim, sampler: Sampler) -> BatchMeta | None:
@@ -614,15 +669,19 @@ class Controller:
 
     def statistics(self) -> HubStats:
         """Counters of the control plane (``units`` is filled in by the caller)."""
-        live = self.table.owner >= 0
+        t = self.table
+        live = t.owner >= 0
         tasks = {
             name: TaskStats(
                 ready=int(((st.status == READY) & live).sum()),
                 leased=int(((st.status == LEASED) & live).sum()),
                 consumed=st.consumed_total,
+                partition=st.partition,
             )
             for name, st in self.tasks.items()
         }
+        per_id = np.bincount(t.partition[live & t.committed], minlength=self.next_partition)
+        partitions = {name: int(per_id[p]) for name, p in self.partitions.items() if per_id[p]}
         return HubStats(
             capacity=self.table.capacity,
             live=self.table.live - self.reservations.ahead,
@@ -636,6 +695,7 @@ class Controller:
             units=[],
             duplicate_puts=self.producers.duplicates,
             counters=self.counters.snapshot(self.tasks),
+            partitions=partitions,
         )
 
     def _emit(self, cls: type, **fields: object) -> None:
@@ -680,6 +740,10 @@ def _checked_positions(sampler: Sampler, selected: Any, most: int, candidates: i
             f"{candidates} candidates, at most n)"
         )
     return positions
+
+
+def _scope(partition: str | None) -> str:
+    return "" if partition is None else f" for partition {partition!r}"
 
 
 def _end_message(task: str, left: int) -> str:

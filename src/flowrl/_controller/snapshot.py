@@ -46,6 +46,7 @@ class _Task(msgspec.Struct, frozen=True):
     status: bytes  # int8 per live sample
     queue: bytes  # int64: the READY samples, in delivery order
     consumed: int
+    partition: str | None = None  # the partition it reads (None: all)
 
 
 class _Lease(msgspec.Struct, frozen=True):
@@ -108,6 +109,7 @@ def snapshot_of(ctl: Controller) -> bytes:
                 st.status[slots].tobytes(),
                 st.queue.view().tobytes(),
                 st.consumed_total,
+                st.partition,
             )
             for st in ctl.tasks.values()
         ],
@@ -158,7 +160,8 @@ def restore(ctl: Controller, data: bytes, where: str) -> int:
     t.live = int(indices.size)
     t.next_index = snap.next_index
     for task in snap.tasks:
-        state = TaskState(task.name, task.columns, t.capacity)
+        pid = -1 if task.partition is None else snap.partitions[task.partition]
+        state = TaskState(task.name, task.columns, t.capacity, task.partition, pid)
         state.missing[slots] = np.frombuffer(task.missing, dtype=np.int16)
         state.status[slots] = np.frombuffer(task.status, dtype=np.int8)
         state.queue.push_back(_ints(task.queue))
@@ -176,6 +179,7 @@ def restore(ctl: Controller, data: bytes, where: str) -> int:
     ctl.ended = snap.ended
     ctl.closed_columns = set(snap.closed_columns)
     ctl.partitions = dict(snap.partitions)
+    ctl.next_partition = max(snap.partitions.values()) + 1
     ctl.leases.next_id = snap.next_lease
     ctl.watermark = snap.watermark
     ctl.producers.restore(snap.producers)

@@ -214,7 +214,11 @@ class ControllerServer:
             ctl.add_columns(msg.columns)
             return wire.Done()
         if isinstance(msg, cmd.RegisterTask):
-            ctl.register_task(msg.task, self.schema.check_names(msg.columns, "register_task"))
+            columns = self.schema.check_names(msg.columns, "register_task")
+            ctl.register_task(msg.task, columns, msg.partition)
+            return wire.Done()
+        if isinstance(msg, cmd.UnregisterTask):
+            ctl.unregister_task(msg.task)
             return wire.Done()
         if isinstance(msg, cmd.Abort):
             ctl.abort(msg.indices)

@@ -79,6 +79,7 @@ class Snapshot(msgspec.Struct, frozen=True):
     watermark: int
     format: int = FORMAT
     producers: list[ProducerRecord] = []  # recent puts of idempotent producers
+    next_partition: int = 0  # the id the next new partition name gets (0: unknown)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -127,6 +128,7 @@ def snapshot_of(ctl: Controller) -> bytes:
         next_lease=ctl.leases.next_id,
         watermark=ctl.watermark,
         producers=ctl.producers.to_records(),
+        next_partition=ctl.next_partition,
     )
     return _encoder.encode(snap)
 
@@ -179,7 +181,7 @@ def restore(ctl: Controller, data: bytes, where: str) -> int:
     ctl.ended = snap.ended
     ctl.closed_columns = set(snap.closed_columns)
     ctl.partitions = dict(snap.partitions)
-    ctl.next_partition = max(snap.partitions.values()) + 1
+    ctl.next_partition = snap.next_partition or max(snap.partitions.values()) + 1
     ctl.leases.next_id = snap.next_lease
     ctl.watermark = snap.watermark
     ctl.producers.restore(snap.producers)

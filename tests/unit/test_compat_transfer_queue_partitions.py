@@ -16,9 +16,9 @@ TensorDict = tensordict.TensorDict
 STEPS = 12
 
 
-@pytest.fixture
-def client():
-    tq.init({"flowrl": {"placement": "inproc", "fetch_timeout": 5.0}})
+@pytest.fixture(params=["inproc", "zmq"])
+def client(request):
+    tq.init({"flowrl": {"placement": request.param, "fetch_timeout": 5.0}})
     yield tq.get_client()
     tq.close()
 

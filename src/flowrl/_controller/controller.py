@@ -18,7 +18,9 @@ Invariants (tests/unit/test_table_properties.py drives random operation sequence
 * a task never receives a sample it has acked (exactly-once per task after ack);
 * a sample is in at most one live lease per task;
 * released or expired samples become claimable again, first in line;
-* a sample is evicted only once every registered task acked it, and then exactly once;
+* a sample is evicted only once every registered task acked it, and then exactly once (a
+  task scoped to another partition counts as having acked it; a task unregistered no
+  longer counts);
 * every mutation appends exactly one event, with increasing ``seq``.
 """
 
@@ -393,12 +395,12 @@ class Controller:
     def _forget_partition(self, state: TaskState) -> None:
         """Forget the name of an unregistered task's partition once no task is scoped to
         it and no sample is in it (a new sample or task in it gets a new id)."""
-        pid = state.partition_id
-        if pid <= 0 or any(st.partition_id == pid for st in self.tasks.values()):
-            return
+        name, pid = state.partition, state.partition_id
+        if name is None or pid == 0 or any(st.partition_id == pid for st in self.tasks.values()):
+            return  # (the default partition "" keeps id 0)
         t = self.table
         if not (t.committed & (t.owner >= 0) & (t.partition == pid)).any():
-            del self.partitions[str(state.partition)]
+            del self.partitions[name]
 
     # -- consumers --------------------------------------------------------------------------
     def try_claim(self, cmd: Claim, sampler: Sampler) -> BatchMeta | None:

@@ -100,7 +100,8 @@ class Controller:
         self.closed = False
         self.closed_columns: set[str] = set()
         self.on_evict: Callable[[np.ndarray, np.ndarray], None] | None = None
-        self.partitions: dict[str, int] = {"": 0}  # the names in use, by id
+        self.partitions: dict[str, int] = {"": 0}  # the names in use, and their ids
+        self.partition_names: dict[int, str] = {0: ""}  # the same, by id
         self.next_partition = 1  # the id the next new partition name gets
         self.watermark = 0  # indices below it may have been handed out (IndexWatermark)
         self.replaying = False  # recover(): apply journaled events without re-emitting them
@@ -389,6 +390,7 @@ class Controller:
         pid = self.partitions.get(name)
         if pid is None:
             pid = self.partitions[name] = self.next_partition
+            self.partition_names[pid] = name
             self.next_partition += 1
         return pid
 
@@ -400,7 +402,7 @@ class Controller:
             return  # (the default partition "" keeps id 0)
         t = self.table
         if not (t.committed & (t.owner >= 0) & (t.partition == pid)).any():
-            del self.partitions[name]
+            del self.partitions[name], self.partition_names[pid]
 
     # -- consumers --------------------------------------------------------------------------
     def try_claim(self, cmd: Claim, sampler: Sampler) -> BatchMeta | None:
@@ -682,8 +684,9 @@ class Controller:
             )
             for name, st in self.tasks.items()
         }
-        per_id = np.bincount(t.partition[live & t.committed], minlength=self.next_partition)
-        partitions = {name: int(per_id[p]) for name, p in self.partitions.items() if per_id[p]}
+        ids, counts = np.unique(t.partition[live & t.committed], return_counts=True)
+        names = self.partition_names
+        partitions = {names[p]: n for p, n in zip(ids.tolist(), counts.tolist(), strict=True)}
         return HubStats(
             capacity=self.table.capacity,
             live=self.table.live - self.reservations.ahead,

@@ -181,6 +181,7 @@ def restore(ctl: Controller, data: bytes, where: str) -> int:
     ctl.ended = snap.ended
     ctl.closed_columns = set(snap.closed_columns)
     ctl.partitions = dict(snap.partitions)
+    ctl.partition_names = {pid: name for name, pid in snap.partitions.items()}
     ctl.next_partition = snap.next_partition or max(snap.partitions.values()) + 1
     ctl.leases.next_id = snap.next_lease
     ctl.watermark = snap.watermark

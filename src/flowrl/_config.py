@@ -130,6 +130,7 @@ class TaskStats(msgspec.Struct, frozen=True):
     ready: int
     leased: int
     consumed: int
+    partition: str | None = None  # the one partition the task reads (None: every one)
 
 
 class TaskCounters(msgspec.Struct, frozen=True, kw_only=True):
@@ -210,3 +211,5 @@ class HubStats(msgspec.Struct, frozen=True, kw_only=True):
     # counts its own in ``units``)
     refused_peers: int = 0
     counters: HubCounters = msgspec.field(default_factory=HubCounters)
+    # samples put (committed) and not evicted, per partition that holds any
+    partitions: dict[str, int] = msgspec.field(default_factory=dict)

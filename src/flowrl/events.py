@@ -30,6 +30,7 @@ __all__ = [
     "Released",
     "StreamEnded",
     "TaskRegistered",
+    "TaskUnregistered",
     "VersionPublished",
     "event_decoder",
     "event_encoder",
@@ -154,10 +155,18 @@ class IndexWatermark(_EventBase, frozen=True, tag="watermark"):
 
 
 class TaskRegistered(_EventBase, frozen=True, tag="task"):
-    """A consuming task was registered with the columns it needs."""
+    """A consuming task was registered with the columns it needs; ``partition``: the one
+    partition whose samples it reads (None: every partition's)."""
 
     task: str
     columns: tuple[str, ...]
+    partition: str | None = None
+
+
+class TaskUnregistered(_EventBase, frozen=True, tag="untask"):
+    """A task was forgotten; samples only it had not consumed were evicted (``Evicted``)."""
+
+    task: str
 
 
 Event = (
@@ -171,6 +180,7 @@ Event = (
     | VersionPublished
     | StreamEnded
     | TaskRegistered
+    | TaskUnregistered
     | ColumnsDeclared
     | IndexWatermark
 )

@@ -22,6 +22,7 @@ from flowrl.events import (
     Released,
     StreamEnded,
     TaskRegistered,
+    TaskUnregistered,
     VersionPublished,
 )
 
@@ -63,6 +64,9 @@ class Observer:
     def on_task(self, event: TaskRegistered) -> None:
         """A consuming task was registered."""
 
+    def on_task_unregistered(self, event: TaskUnregistered) -> None:
+        """A task was forgotten."""
+
     def on_lease_taken(self, event: LeaseTaken) -> None:
         """A rank took the part of a balanced claim reserved for it."""
 
@@ -83,6 +87,7 @@ _HANDLERS: dict[type, str] = {
     VersionPublished: "on_version",
     StreamEnded: "on_stream_end",
     TaskRegistered: "on_task",
+    TaskUnregistered: "on_task_unregistered",
     LeaseTaken: "on_lease_taken",
     ColumnsDeclared: "on_columns",
     IndexWatermark: "on_watermark",

@@ -89,3 +89,13 @@ def test_observability_overhead_benchmark_reports_every_mode() -> None:
             assert report[f"{mode}_{figure}"] > 0, (mode, figure, report)
         assert f"{mode}_exporter_cpu_share" in report
     assert len(report["load_average"]) == 2
+
+
+def test_tq_partitions_benchmark_reports_flat_counts() -> None:
+    pytest.importorskip("tensordict", reason="needs the compat extra (tensordict)")
+    report = run("tq_partitions.py", "--steps", "20", "--window", "5", "--batch", "8")
+    windows = report["windows"]
+    assert [w["step"] for w in windows] == [5, 10, 15, 20]
+    assert all(w["ms_per_step"] > 0 for w in windows) and report["growth"] > 0
+    # a cleared partition leaves no task or column behind (they grew by one a step)
+    assert {(w["tasks"], w["columns"]) for w in windows} == {(1, 4)}

@@ -93,5 +93,36 @@ def test_get_data_has_transferqueues_padded_shapes(both) -> None:
     assert got["flowrl"] == got["transferqueue"]
 
 
+def test_a_cleared_partition_has_transferqueues_status_and_fills_again(both) -> None:
+    """Issue 24: clear_partition unregisters the partition's hub tasks; what a program sees
+    of the partition afterwards (status, listing, the same name filled again) is
+    TransferQueue's."""
+    got = {}
+    for name, tq in zip(("transferqueue", "flowrl"), both, strict=True):
+        client = tq.get_client()
+        seen: list[object] = []
+
+        def status(client=client, seen=seen) -> None:
+            seen.append(client.check_consumption_status("t", "cleared"))
+            seen.append("cleared" in client.get_partition_list())
+
+        client.put(TensorDict({"x": torch.arange(4)}, batch_size=4), partition_id="cleared")
+        client.get_meta(data_fields=["x"], batch_size=4, partition_id="cleared", task_name="t")
+        status()
+        client.clear_partition("cleared")
+        status()
+        client.put(TensorDict({"x": torch.arange(10, 12)}, batch_size=2), partition_id="cleared")
+        status()
+        again = client.get_meta(
+            data_fields=["x"], batch_size=2, partition_id="cleared", task_name="t"
+        )
+        seen.append(_dense(client.get_data(again)["x"]).tolist())
+        status()
+        client.clear_partition("cleared")
+        got[name] = seen
+    assert got["flowrl"] == got["transferqueue"]
+    assert got["flowrl"][:5] == [True, True, False, False, False]
+
+
 def _dense(value):
     return value.to_padded_tensor(0) if value.is_nested else value

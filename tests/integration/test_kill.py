@@ -123,6 +123,30 @@ def test_a_killed_controller_recovers_leases_and_consumption(
         hub.close()
 
 
+def test_a_task_unregistered_before_the_controller_was_killed_stays_forgotten(
+    tmp_path: Path,
+) -> None:
+    """The restarted controller recovers from its journal; the launch's ``tasks=`` must not
+    register again a task unregistered since."""
+    hub = journaled(tmp_path)
+    try:
+        hub.put({"ids": [[1], [2, 3]], "tag": np.zeros(2, dtype=np.int64)})
+        hub.unregister_task("score")
+        os.kill(hub.servers.procs[-1].pid, signal.SIGKILL)
+        wait_restarted(hub, 1)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                stats = hub.statistics()
+                break
+            except flowrl.errors.FlowRLError:  # (reconnecting)
+                assert time.monotonic() < deadline
+        assert set(stats.tasks) == set(TASKS) - {"score"}
+        assert stats.tasks["train"].ready == 2
+    finally:
+        hub.close()
+
+
 @pytest.mark.parametrize("journal", [False, True])
 def test_a_killed_storage_units_shared_memory_is_removed(tmp_path: Path, journal: bool) -> None:
     """F9 (issue 16): a SIGKILLed unit left its /dev/shm arena behind."""

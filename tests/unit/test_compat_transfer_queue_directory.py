@@ -7,7 +7,7 @@ import pytest
 
 from flowrl import Column
 from flowrl.compat.transfer_queue._directory import DirectoryServer, KeyDirectory, RemoteDirectory
-from flowrl.errors import TransportError
+from flowrl.errors import TransportError, UnknownTaskError
 
 
 @pytest.fixture(params=["local", "served"])
@@ -80,3 +80,27 @@ def test_wait_changed_wakes_on_a_tag_change(directory) -> None:
     directory.lookup("train", ["a"])
     directory.describe([1])
     assert directory.generation() == before  # reads are not changes
+
+
+def test_a_sampler_task_that_is_gone_crosses_back_as_unknown_task_error(tmp_path) -> None:
+    """Another process's clear_partition unregistered the task: the caller learns it as
+    UnknownTaskError (and registers the task again), not as a TransportError."""
+    pytest.importorskip("tensordict", reason="needs the compat extra (tensordict)")
+    from flowrl import Hub
+    from flowrl.compat.transfer_queue._sampling import SamplerRunner
+    from flowrl.compat.transfer_queue.sampler import GRPOGroupNSampler
+
+    hub = Hub([Column.scalar("x", "int64")])
+    server = DirectoryServer(
+        KeyDirectory(), f"ipc://{tmp_path}/directory", SamplerRunner(hub, GRPOGroupNSampler())
+    )
+    remote = RemoteDirectory(server.address)
+    try:
+        with pytest.raises(UnknownTaskError, match="'tq:t:p:x' is not registered"):
+            remote.sample("tq:t:p:x", "t", "p", 2, {})
+        hub.register_task("tq:t:p:x", ["x"], partition="p")
+        assert remote.sample("tq:t:p:x", "t", "p", 2, {}) == []  # nothing put yet
+    finally:
+        remote.close()
+        server.close()
+        hub.close()

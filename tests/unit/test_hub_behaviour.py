@@ -30,6 +30,7 @@ from flowrl.errors import (
     NothingReady,
     Timeout,
     UnknownIndexError,
+    UnknownTaskError,
     WouldBlock,
 )
 from flowrl.events import (
@@ -42,6 +43,7 @@ from flowrl.events import (
     Released,
     StreamEnded,
     TaskRegistered,
+    TaskUnregistered,
     VersionPublished,
 )
 
@@ -487,6 +489,29 @@ def test_eviction_only_after_every_registered_task_acked(make_hub) -> None:
     # Storage units hear of evictions from the controller, not from this client: soon, not
     # necessarily before this client's next request reaches them.
     assert wait_until(lambda: all(u.samples == 0 and u.chunks == 0 for u in hub.statistics().units))
+
+
+def test_unregister_task_forgets_it_and_evicts_what_only_it_held(make_hub) -> None:
+    hub = make_hub(columns=COLS, tasks=TWO_TASKS)
+    seen: list[Any] = []
+    hub.subscribe(seen.append)
+    hub.put(sample(3))
+    hub.ack(hub.claim("score", 3, timeout=GUARD))
+    assert hub.statistics().live == 3  # 'train' has not acked them
+    hub.unregister_task("train")
+    stats = hub.statistics()
+    assert set(stats.tasks) == {"score"} and set(stats.counters.tasks) == {"score"}
+    assert stats.live == 0  # every task left had consumed them
+    with pytest.raises(UnknownTaskError):
+        hub.claim_nowait("train", 1)
+    flush(hub)
+    assert wait_until(lambda: isinstance(seen[-1], Evicted))
+    assert isinstance(seen[-2], TaskUnregistered) and seen[-2].task == "train"
+    assert seen[-1].indices == (0, 1, 2)
+    assert wait_until(lambda: all(u.samples == 0 for u in hub.statistics().units))
+    hub.register_task("train", ["ids"])  # the name is free again, with other columns
+    hub.put(sample(1, 3))
+    assert hub.claim("train", 1, timeout=GUARD).indices.tolist() == [3]
 
 
 def test_indices_are_never_reused(make_hub) -> None:

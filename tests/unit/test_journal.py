@@ -443,7 +443,7 @@ def _random_run(seed: int, steps: int) -> tuple[Controller, list[bytes], list[tu
         ctl.register_task("b", ("x", "y"))
         leases: list[tuple[str, int, np.ndarray]] = []
         for _ in range(steps):
-            op = rng.integers(8)
+            op = rng.integers(9)
             if op <= 1 and ctl.table.free_slots() >= 4:
                 idx, _ = ctl.reserve(4)
                 if rng.random() < 0.2:
@@ -464,7 +464,7 @@ def _random_run(seed: int, steps: int) -> tuple[Controller, list[bytes], list[tu
                             )
                         )
             elif op <= 4:
-                task = "ab"[int(rng.integers(2))]
+                task = "abc"[int(rng.integers(3 if "c" in ctl.tasks else 2))]
                 sampler = BalancedSampler(dp_size=2) if rng.random() < 0.3 else FifoSampler()
                 rank = int(rng.integers(2))  # (a dp_rank needs a BalancedSampler)
                 rank = rank if isinstance(sampler, BalancedSampler) else 0
@@ -482,6 +482,13 @@ def _random_run(seed: int, steps: int) -> tuple[Controller, list[bytes], list[tu
                         ctl.ack(task, lease, idx[:1] if how == 1 else None, drop=rng.random() < 0.2)
             elif op == 6:
                 ctl.publish_version(ctl.version + 1)
+            elif op == 8:  # a task scoped to one partition comes and goes
+                if "c" not in ctl.tasks:
+                    ctl.register_task("c", ("x",), partition=f"p{int(rng.integers(2))}")
+                else:
+                    with contextlib.suppress(flowrl.errors.LeaseError):
+                        ctl.unregister_task("c")
+                        leases = [lease for lease in leases if lease[0] != "c"]
             else:
                 snaps.append((len(journal), snapshot.snapshot_of(ctl)))
     return ctl, journal, snaps
@@ -508,7 +515,7 @@ def test_a_snapshot_plus_the_events_after_it_rebuilds_what_the_whole_journal_doe
         twin.recover(event_decoder.decode(b) for b in journal[count:])
         assert _state(twin) == _state(whole)
         with twin.cond, whole.cond:  # and they go on alike
-            for task in ("a", "b"):
+            for task in ("a", "b", "c") if "c" in twin.tasks else ("a", "b"):
                 for rank in (0, 1):
                     mine, theirs = (
                         c.try_claim(Claim(task=task, n=3, dp_rank=rank), BalancedSampler(dp_size=2))

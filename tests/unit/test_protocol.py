@@ -17,6 +17,8 @@ from flowrl.errors import TransportError
 COMMANDS = [
     commands.Declare(columns=(Column.scalar("x", "int64"),)),
     commands.RegisterTask(task="t", columns=("x",)),
+    commands.RegisterTask(task="t", columns=("x",), partition="step-3"),
+    commands.UnregisterTask(task="t"),
     commands.Reserve(n=2, timeout=1.5, units=[0], ahead=4, give_back=np.arange(3)),
     commands.Abort(indices=np.arange(2)),
     commands.CheckUpdate(indices=np.arange(2), columns=("x",), ack=commands.LeaseRef("t", 3)),

@@ -35,6 +35,7 @@ from flowrl._protocol.commands import (
     PublishVersion,
     RegisterTask,
     Release,
+    UnregisterTask,
 )
 from flowrl._schema.columns import Column
 from flowrl._schema.encode import Encoded, numeric_array
@@ -94,18 +95,34 @@ class HubClient:
                 raise ConfigError(f"declare() expects flowrl.Column, got {type(col).__name__}")
         self._control.declare(columns)
 
-    def register_task(self, task: str, columns: Sequence[str]) -> None:
+    def register_task(
+        self, task: str, columns: Sequence[str], *, partition: str | None = None
+    ) -> None:
         """Register a consuming task and the columns a sample needs before it can claim it.
 
         Register every task before producing: a sample is evicted once all tasks registered
-        at that time have acked it.
+        at that time have acked it. ``partition``: the task reads only the samples put with
+        that ``partition`` (the others neither reach it nor wait for its ack).
         """
         if not isinstance(task, str) or not task:
             raise ConfigError(f"register_task() task must be a non-empty str, got {task!r}")
         if isinstance(columns, str) or not isinstance(columns, Sequence):
             raise ConfigError(f"register_task columns must be a list of names, got {columns!r}")
+        if partition is not None and not isinstance(partition, str):
+            raise ConfigError(
+                f"register_task({task!r}) partition must be a str or None, got {partition!r}"
+            )
         cols = self.schema.check_names(columns, f"register_task({task!r})")
-        self._control.register_task(RegisterTask(task=task, columns=cols))
+        self._control.register_task(RegisterTask(task=task, columns=cols, partition=partition))
+
+    def unregister_task(self, task: str) -> None:
+        """Forget a task: it is no longer fed, and samples only it had not acked yet are
+        evicted. Raises :class:`~flowrl.errors.UnknownTaskError` for a task not registered
+        and :class:`~flowrl.errors.LeaseError` while it holds leases (ack or release them
+        first), changing nothing."""
+        if not isinstance(task, str) or not task:
+            raise ConfigError(f"unregister_task() task must be a non-empty str, got {task!r}")
+        self._control.unregister_task(UnregisterTask(task=task))
 
     # -- producers --------------------------------------------------------------------------
     def put(

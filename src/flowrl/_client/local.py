@@ -34,6 +34,7 @@ from flowrl._protocol.commands import (
     PublishVersion,
     RegisterTask,
     Release,
+    UnregisterTask,
 )
 from flowrl._schema.columns import Column
 from flowrl._schema.encode import Encoded
@@ -84,7 +85,12 @@ class LocalControl(ControlPort):
     def register_task(self, cmd: RegisterTask) -> None:
         with self.controller.cond:
             self._begin()
-            self.controller.register_task(cmd.task, cmd.columns)
+            self.controller.register_task(cmd.task, cmd.columns, cmd.partition)
+
+    def unregister_task(self, cmd: UnregisterTask) -> None:
+        with self.controller.cond:
+            self._begin()
+            self.controller.unregister_task(cmd.task)
 
     def reserve(self, n: int, timeout: float | None) -> Reservation:
         ctl = self.controller

@@ -32,6 +32,7 @@ from flowrl._protocol.commands import (
     PublishVersion,
     RegisterTask,
     Release,
+    UnregisterTask,
 )
 from flowrl._schema.columns import Column
 from flowrl._schema.encode import Encoded
@@ -61,6 +62,9 @@ class ControlPort(abc.ABC):
 
     @abc.abstractmethod
     def register_task(self, cmd: RegisterTask) -> None: ...
+
+    @abc.abstractmethod
+    def unregister_task(self, cmd: UnregisterTask) -> None: ...
 
     @abc.abstractmethod
     def reserve(self, n: int, timeout: float | None) -> Reservation: ...

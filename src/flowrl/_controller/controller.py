@@ -18,7 +18,9 @@ Invariants (tests/unit/test_table_properties.py drives random operation sequence
 * a task never receives a sample it has acked (exactly-once per task after ack);
 * a sample is in at most one live lease per task;
 * released or expired samples become claimable again, first in line;
-* a sample is evicted only once every registered task acked it, and then exactly once;
+* a sample is evicted only once every registered task acked it, and then exactly once (a
+  task scoped to another partition counts as having acked it; a task unregistered no
+  longer counts);
 * every mutation appends exactly one event, with increasing ``seq``.
 """
 
@@ -51,6 +53,7 @@ from flowrl.errors import (
     ConfigError,
     EndOfStream,
     HubClosed,
+    LeaseError,
     SchemaError,
     UnknownColumnError,
     UnknownTaskError,
@@ -64,6 +67,7 @@ from flowrl.events import (
     Put,
     StreamEnded,
     TaskRegistered,
+    TaskUnregistered,
     VersionPublished,
 )
 
@@ -96,7 +100,9 @@ class Controller:
         self.closed = False
         self.closed_columns: set[str] = set()
         self.on_evict: Callable[[np.ndarray, np.ndarray], None] | None = None
-        self.partitions: dict[str, int] = {"": 0}
+        self.partitions: dict[str, int] = {"": 0}  # the names in use, and their ids
+        self.partition_names: dict[int, str] = {0: ""}  # the same, by id
+        self.next_partition = 1  # the id the next new partition name gets
         self.watermark = 0  # indices below it may have been handed out (IndexWatermark)
         self.replaying = False  # recover(): apply journaled events without re-emitting them
         self.declared: dict[str, Column] = {}
@@ -112,11 +118,17 @@ class Controller:
         if new:
             self._emit(ColumnsDeclared, columns=new)
 
-    def register_task(self, task: str, columns: tuple[str, ...]) -> None:
+    def register_task(
+        self, task: str, columns: tuple[str, ...], partition: str | None = None
+    ) -> None:
+        """Register a consuming task; ``partition``: it reads that partition's samples
+        only (None: every sample). Registering it again the same way changes nothing."""
         if not isinstance(task, str) or not task:
             raise ConfigError(f"task name must be a non-empty str, got {task!r}")
         if not columns:
             raise ConfigError(f"task {task!r} must consume at least one column")
+        if partition is not None and not isinstance(partition, str):
+            raise ConfigError(f"task {task!r}: partition must be a str or None, got {partition!r}")
         for c in columns:
             if c not in self.table.ready:
                 raise UnknownColumnError(
@@ -125,15 +137,21 @@ class Controller:
                 )
         existing = self.tasks.get(task)
         if existing is not None:
-            if existing.columns != columns:
+            if existing.columns != columns or existing.partition != partition:
                 raise ConfigError(
-                    f"task {task!r} is already registered with columns {list(existing.columns)}, "
-                    f"cannot re-register it with {list(columns)}"
+                    f"task {task!r} is already registered with columns {list(existing.columns)}"
+                    f"{_scope(existing.partition)}, cannot re-register it with {list(columns)}"
+                    f"{_scope(partition)}; unregister_task({task!r}) first"
                 )
             return
-        state = TaskState(task, columns, self.table.capacity)
+        pid = -1 if partition is None else self._partition_id(partition)
+        state = TaskState(task, columns, self.table.capacity, partition, pid)
         t = self.table
         live = np.flatnonzero(t.owner >= 0)
+        if pid >= 0:  # committed samples of other partitions are not for it
+            other = t.committed[live] & (t.partition[live] != pid)
+            state.status[live[other]] = CONSUMED
+            live = live[~other]
         state.missing[:] = len(columns)
         for c in columns:
             state.missing[live] -= t.ready[c][live]
@@ -142,7 +160,32 @@ class Controller:
             state.status[ready] = READY
             state.queue.push_back(np.sort(t.owner[ready]))
         self.tasks[task] = state
-        self._emit(TaskRegistered, task=task, columns=columns)
+        self._emit(TaskRegistered, task=task, columns=columns, partition=partition)
+
+    def unregister_task(self, task: str) -> np.ndarray:
+        """Forget a task; returns the indices evicted as a result (the samples every other
+        task had consumed: only this one still held them). Refused (LeaseError, nothing
+        changed) while it holds leases: its claims must be acked or released first, so no
+        sample is lost or delivered twice."""
+        state = self.task(task)
+        self.expire()
+        held = [lease for lease in self.leases.live.values() if lease.task == task]
+        if held:
+            n = sum(int(lease.indices.size) for lease in held)
+            raise LeaseError(
+                f"unregister_task({task!r}): the task holds {len(held)} leases of {n} "
+                "samples; ack or release them first (or let them expire)"
+            )
+        del self.tasks[task]
+        self.rounds.by_task.pop(task, None)
+        self._emit(TaskUnregistered, task=task)
+        t = self.table
+        # (with no task left, nothing was consumed by everyone: keep every sample)
+        waiting = np.flatnonzero((t.owner >= 0) & t.committed & (state.status != CONSUMED))
+        evicted = self._evict_if_done(waiting) if self.tasks else waiting[:0]
+        self._forget_partition(state)
+        self.waiters.forget(task, self.ended)
+        return evicted
 
     def task(self, name: str) -> TaskState:
         state = self.tasks.get(name)
@@ -307,7 +350,11 @@ class Controller:
         if tokens is not None:
             t.tokens[slots] = tokens
         owners = indices.astype(np.int64, copy=False)
+        pid = int(t.partition[slots[0]]) if new and slots.size else -1
         for state in self.tasks.values():
+            if new and state.partition_id >= 0 and state.partition_id != pid:
+                state.status[slots] = CONSUMED  # another partition's: not for this task
+                continue
             done = state.became_ready(slots, fresh, new)
             if done.size:
                 state.status[done] = READY
@@ -342,8 +389,20 @@ class Controller:
     def _partition_id(self, name: str) -> int:
         pid = self.partitions.get(name)
         if pid is None:
-            pid = self.partitions[name] = len(self.partitions)
+            pid = self.partitions[name] = self.next_partition
+            self.partition_names[pid] = name
+            self.next_partition += 1
         return pid
+
+    def _forget_partition(self, state: TaskState) -> None:
+        """Forget the name of an unregistered task's partition once no task is scoped to
+        it and no sample is in it (a new sample or task in it gets a new id)."""
+        name, pid = state.partition, state.partition_id
+        if name is None or pid == 0 or any(st.partition_id == pid for st in self.tasks.values()):
+            return  # (the default partition "" keeps id 0)
+        t = self.table
+        if not (t.committed & (t.owner >= 0) & (t.partition == pid)).any():
+            del self.partitions[name], self.partition_names[pid]
 
     # -- consumers --------------------------------------------------------------------------
     def try_claim(self, cmd: Claim, sampler: Sampler) -> BatchMeta | None:
@@ -614,15 +673,20 @@ class Controller:
 
     def statistics(self) -> HubStats:
         """Counters of the control plane (``units`` is filled in by the caller)."""
-        live = self.table.owner >= 0
+        t = self.table
+        live = t.owner >= 0
         tasks = {
             name: TaskStats(
                 ready=int(((st.status == READY) & live).sum()),
                 leased=int(((st.status == LEASED) & live).sum()),
                 consumed=st.consumed_total,
+                partition=st.partition,
             )
             for name, st in self.tasks.items()
         }
+        ids, counts = np.unique(t.partition[live & t.committed], return_counts=True)
+        names = self.partition_names
+        partitions = {names[p]: n for p, n in zip(ids.tolist(), counts.tolist(), strict=True)}
         return HubStats(
             capacity=self.table.capacity,
             live=self.table.live - self.reservations.ahead,
@@ -636,6 +700,7 @@ class Controller:
             units=[],
             duplicate_puts=self.producers.duplicates,
             counters=self.counters.snapshot(self.tasks),
+            partitions=partitions,
         )
 
     def _emit(self, cls: type, **fields: object) -> None:
@@ -680,6 +745,10 @@ def _checked_positions(sampler: Sampler, selected: Any, most: int, candidates: i
             f"{candidates} candidates, at most n)"
         )
     return positions
+
+
+def _scope(partition: str | None) -> str:
+    return "" if partition is None else f" for partition {partition!r}"
 
 
 def _end_message(task: str, left: int) -> str:

@@ -35,7 +35,7 @@ from flowrl._config import (
     TaskCounters,
 )
 from flowrl._controller.table import SampleTable
-from flowrl.events import Acked, Claimed, Event, LeaseExpired, Put, Released
+from flowrl.events import Acked, Claimed, Event, LeaseExpired, Put, Released, TaskUnregistered
 
 __all__ = ["READINESS_SAMPLES", "Counters", "newest_readiness"]
 
@@ -118,6 +118,7 @@ class Counters:
             Acked: self._acked,
             Released: self._released,
             LeaseExpired: self._expired,
+            TaskUnregistered: self._forget,
         }
 
     def __call__(self, event: Event) -> None:
@@ -142,6 +143,9 @@ class Counters:
         if counts is None:
             counts = self.tasks[name] = _Task()
         return counts
+
+    def _forget(self, event: TaskUnregistered) -> None:
+        self.tasks.pop(event.task, None)  # (it holds no lease: nothing of it is open)
 
     def _put(self, event: Put) -> None:
         n = len(event.indices)

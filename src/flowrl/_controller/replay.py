@@ -34,6 +34,7 @@ from flowrl.events import (
     Released,
     StreamEnded,
     TaskRegistered,
+    TaskUnregistered,
     VersionPublished,
 )
 
@@ -69,7 +70,11 @@ class Replayable(Protocol):
 
     def end_stream(self, columns: tuple[str, ...] = ()) -> None: ...
 
-    def register_task(self, task: str, columns: tuple[str, ...]) -> None: ...
+    def register_task(
+        self, task: str, columns: tuple[str, ...], partition: str | None = None
+    ) -> None: ...
+
+    def unregister_task(self, task: str) -> np.ndarray: ...
 
     def add_columns(self, columns: tuple[Column, ...]) -> None: ...
 
@@ -130,7 +135,9 @@ def _apply(ctl: Replayable, event: Event, rounds: dict[int, list[Lease]]) -> Non
     elif isinstance(event, StreamEnded):
         ctl.end_stream(event.columns)
     elif isinstance(event, TaskRegistered):
-        ctl.register_task(event.task, event.columns)
+        ctl.register_task(event.task, event.columns, event.partition)
+    elif isinstance(event, TaskUnregistered):
+        ctl.unregister_task(event.task)
     elif isinstance(event, ColumnsDeclared):
         ctl.add_columns(event.columns)
     elif isinstance(event, IndexWatermark):

@@ -46,6 +46,7 @@ class _Task(msgspec.Struct, frozen=True):
     status: bytes  # int8 per live sample
     queue: bytes  # int64: the READY samples, in delivery order
     consumed: int
+    partition: str | None = None  # the partition it reads (None: all)
 
 
 class _Lease(msgspec.Struct, frozen=True):
@@ -78,6 +79,7 @@ class Snapshot(msgspec.Struct, frozen=True):
     watermark: int
     format: int = FORMAT
     producers: list[ProducerRecord] = []  # recent puts of idempotent producers
+    next_partition: int = 0  # the id the next new partition name gets (0: unknown)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -108,6 +110,7 @@ def snapshot_of(ctl: Controller) -> bytes:
                 st.status[slots].tobytes(),
                 st.queue.view().tobytes(),
                 st.consumed_total,
+                st.partition,
             )
             for st in ctl.tasks.values()
         ],
@@ -125,6 +128,7 @@ def snapshot_of(ctl: Controller) -> bytes:
         next_lease=ctl.leases.next_id,
         watermark=ctl.watermark,
         producers=ctl.producers.to_records(),
+        next_partition=ctl.next_partition,
     )
     return _encoder.encode(snap)
 
@@ -158,7 +162,8 @@ def restore(ctl: Controller, data: bytes, where: str) -> int:
     t.live = int(indices.size)
     t.next_index = snap.next_index
     for task in snap.tasks:
-        state = TaskState(task.name, task.columns, t.capacity)
+        pid = -1 if task.partition is None else snap.partitions[task.partition]
+        state = TaskState(task.name, task.columns, t.capacity, task.partition, pid)
         state.missing[slots] = np.frombuffer(task.missing, dtype=np.int16)
         state.status[slots] = np.frombuffer(task.status, dtype=np.int8)
         state.queue.push_back(_ints(task.queue))
@@ -176,6 +181,8 @@ def restore(ctl: Controller, data: bytes, where: str) -> int:
     ctl.ended = snap.ended
     ctl.closed_columns = set(snap.closed_columns)
     ctl.partitions = dict(snap.partitions)
+    ctl.partition_names = {pid: name for name, pid in snap.partitions.items()}
+    ctl.next_partition = snap.next_partition or max(snap.partitions.values()) + 1
     ctl.leases.next_id = snap.next_lease
     ctl.watermark = snap.watermark
     ctl.producers.restore(snap.producers)

@@ -90,12 +90,26 @@ class ReadyQueue:
 
 
 class TaskState:
-    """Consumption state of one consuming task over every slot of the table."""
+    """Consumption state of one consuming task over every slot of the table.
 
-    def __init__(self, name: str, columns: tuple[str, ...], capacity: int) -> None:
+    A task scoped to a partition (``partition``: its name, ``partition_id``: the table's id
+    of it) reads that partition's samples only: the others are CONSUMED for it from their
+    commit on, so it neither delivers them nor keeps them from being evicted.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        columns: tuple[str, ...],
+        capacity: int,
+        partition: str | None = None,
+        partition_id: int = -1,
+    ) -> None:
         self.name = name
         self.columns = columns
         self.capacity = capacity
+        self.partition = partition
+        self.partition_id = partition_id
         self.missing = np.zeros(capacity, dtype=np.int16)
         self.status = np.zeros(capacity, dtype=np.int8)
         self.queue = ReadyQueue()

@@ -41,6 +41,12 @@ class Waiters:
             cond = self._claim_conds[task] = threading.Condition(self.lock)
         return cond
 
+    def forget(self, task: str, ended: bool) -> None:
+        """A task was unregistered: wake its waiting claims (they learn it is gone) and
+        drop its condition."""
+        self.notify(ended)
+        self._claim_conds.pop(task, None)
+
     def mark(self) -> tuple[int, int]:
         """Where the controller's state is now, for :meth:`woken_since`."""
         return self._log.seq, self._eventless

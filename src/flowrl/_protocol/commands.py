@@ -35,6 +35,7 @@ __all__ = [
     "Reserve",
     "SamplerSpec",
     "StalenessSpec",
+    "UnregisterTask",
 ]
 
 
@@ -72,6 +73,11 @@ class Declare(Command, frozen=True, tag="declare"):
 class RegisterTask(Command, frozen=True, tag="task"):
     task: str
     columns: tuple[str, ...]
+    partition: str | None = None  # the one partition the task reads (None: every one)
+
+
+class UnregisterTask(Command, frozen=True, tag="untask"):
+    task: str
 
 
 # -- producers -----------------------------------------------------------------------------

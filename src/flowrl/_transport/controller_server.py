@@ -76,8 +76,11 @@ class ControllerServer:
         self.journal = None if config.journal is None else attach_journal(self.ctl, config)
         self.schema.declare(*self.ctl.declared.values())
         self.ctl.add_columns(self.schema.columns())
-        for task, cols in tasks.items():
-            self.ctl.register_task(task, tuple(cols))
+        if not (restarted and self.journal is not None):
+            # (a restarted controller's journal holds them since its first start, and not
+            # those unregistered since: registering them again would bring those back)
+            for task, cols in tasks.items():
+                self.ctl.register_task(task, tuple(cols))
         self.unit_addresses = unit_addresses
         self.events_address = events_address
         self.zctx: zmq.Context = zmq.Context.instance()
@@ -214,7 +217,11 @@ class ControllerServer:
             ctl.add_columns(msg.columns)
             return wire.Done()
         if isinstance(msg, cmd.RegisterTask):
-            ctl.register_task(msg.task, self.schema.check_names(msg.columns, "register_task"))
+            columns = self.schema.check_names(msg.columns, "register_task")
+            ctl.register_task(msg.task, columns, msg.partition)
+            return wire.Done()
+        if isinstance(msg, cmd.UnregisterTask):
+            ctl.unregister_task(msg.task)
             return wire.Done()
         if isinstance(msg, cmd.Abort):
             ctl.abort(msg.indices)

@@ -70,6 +70,9 @@ class RemoteControl(ControlPort):
     def register_task(self, cmd: commands.RegisterTask) -> None:
         self._call(cmd)
 
+    def unregister_task(self, cmd: commands.UnregisterTask) -> None:
+        self._call(cmd)
+
     def reserve(self, n: int, timeout: float | None) -> Reservation:
         """Fresh indices for a put. Small puts take them from this thread's pool, reserved
         ahead in one round trip with an earlier put's: a small put then costs the write's

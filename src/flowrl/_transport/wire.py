@@ -41,6 +41,7 @@ from flowrl._protocol.commands import (
     Reserve,
     SamplerSpec,
     StalenessSpec,
+    UnregisterTask,
 )
 from flowrl._schema.columns import Column
 from flowrl._transport.frames import ArrayHeader
@@ -247,6 +248,7 @@ Request = (
     Hello
     | Declare
     | RegisterTask
+    | UnregisterTask
     | Reserve
     | Abort
     | CheckUpdate

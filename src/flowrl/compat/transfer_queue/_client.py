@@ -3,23 +3,25 @@
 How TransferQueue's concepts map onto the hub's:
 
 * a *field* is a column (declared from the first TensorDict that carries it, see _tensors);
-* a *partition* is the samples' ``partition`` plus a marker column ``_tq_p_<hash>`` that
-  only samples inserted into it have, so a consumer sees its partition's samples only;
+* a *partition* is the samples' hub ``partition``; every sample also has the column
+  ``_tq_in``, so that a task can read all of a partition's samples whatever their fields;
 * a *task* consuming *fields* of a partition is a hub task named ``tq:<task>:<partition>:
-  <fields>`` that needs those fields and the marker; ``get_meta`` claims and acks at once
-  (TransferQueue marks samples consumed when it hands out their metadata);
-* samples live until cleared (as in TransferQueue): every partition has a task
-  ``_tq_all:<partition>`` that consumes nothing until ``clear_partition`` drops its
-  samples; ``clear_samples`` / ``kv_clear`` write a ``_tq_clear`` marker on the samples,
-  claim them for task ``_tq_clear`` and drop them, which evicts them for every task;
+  <fields>``, scoped to the partition, that needs those fields; ``get_meta`` claims and
+  acks at once (TransferQueue marks samples consumed when it hands out their metadata);
+* samples live until cleared (as in TransferQueue): task ``_tq_clear`` reads every sample
+  and consumes only those cleared. ``clear_samples`` / ``kv_clear`` write its column
+  ``_tq_clear`` on the samples, claim them for it and drop them, which evicts them for
+  every task; ``clear_partition`` registers ``_tq_all:<partition>`` (scoped, needs
+  ``_tq_in``), drops all it can claim, then unregisters every task scoped to the
+  partition: the hub holds nothing of a cleared partition, however many there were;
 * *keys*, *tags* (``custom_meta``) and the column declarations live in the key directory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-import hashlib
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -47,31 +49,25 @@ from flowrl.compat.transfer_queue._tensors import (
 from flowrl.errors import (
     ConfigError,
     HubFull,
+    LeaseError,
     NothingReady,
     SchemaError,
     Timeout,
     UnknownColumnError,
+    UnknownTaskError,
 )
 
 __all__ = ["DEFAULT_PUT_TIMEOUT", "TransferQueueClient"]
 
 _ALL = "_tq_all:"
 _CLEAR = "_tq_clear"
+_IN = "_tq_in"
+_IN_COLUMN = Column.scalar(_IN, "bool")
+_CLEAR_COLUMN = Column.scalar(_CLEAR, "bool")
 _CLAIM_ALL = 1 << 20  # samples one clear_partition claim takes at most
 _RETRY_S = 0.01
 #: Seconds a put of new samples waits for room in a full hub, unless told otherwise.
 DEFAULT_PUT_TIMEOUT = 60.0
-
-
-@functools.lru_cache(maxsize=4096)
-def _marker(partition: str) -> str:
-    """The column only samples inserted into ``partition`` have (a name for any string)."""
-    return "_tq_p_" + hashlib.blake2b(partition.encode(), digest_size=8).hexdigest()
-
-
-@functools.lru_cache(maxsize=4096)
-def _marker_column(partition: str) -> Column:
-    return Column.scalar(_marker(partition), "bool")
 
 
 @final
@@ -182,12 +178,13 @@ class TransferQueueClient:
         wait = self.fetch_timeout if timeout is None else self._timeout(timeout, "get_meta()")
         task = f"tq:{task_name}:{partition}:{','.join(sorted(fields))}"
         deadline = time.monotonic() + (0.0 if self.polling_mode else wait)
+        wanted = (task, task_name, partition, batch_size, dict(sampling_config or {}))
         try:
-            self._ensure_consumer(task, fields, partition, deadline)
-            if self.sampling is not None:
-                wanted = (task, task_name, partition, batch_size, dict(sampling_config or {}))
-                return self._sampled(self.sampling, wanted, fields, deadline)
-            claimed = self.hub.claim(task, batch_size, timeout=self._left(deadline))
+            try:
+                claimed = self._take(wanted, fields, deadline)
+            except UnknownTaskError:  # another client's clear_partition unregistered it
+                self._tasks.discard(task)
+                claimed = self._take(wanted, fields, deadline)
         except (NothingReady, Timeout) as e:
             if self.polling_mode:
                 return BatchMeta.empty()
@@ -196,7 +193,8 @@ class TransferQueueClient:
                 f"fields {fields} ready for task {task_name!r} after {wait} s "
                 "(get_meta's timeout, TransferQueueClient.fetch_timeout by default)"
             ) from e
-        self._ack(claimed)
+        if claimed is None:
+            return BatchMeta.empty()
         return BatchMeta._of(
             claimed,
             [partition] * len(claimed),
@@ -205,17 +203,30 @@ class TransferQueueClient:
             fetch_custom=self._custom_meta,
         )
 
+    def _take(
+        self, wanted: tuple[str, str, str, int, dict[str, Any]], fields: list[str], deadline: float
+    ) -> HubMeta | None:
+        """get_meta's samples, consumed by the hub task (``wanted``: the hub task, the task
+        name, the partition, the batch size and the sampling config); None: the sampler
+        handed out nothing in polling mode."""
+        task, partition, batch_size = wanted[0], wanted[2], wanted[3]
+        self._ensure_consumer(task, fields, partition, deadline)
+        if self.sampling is not None:
+            return self._sampled(self.sampling, wanted, fields, deadline)
+        claimed = self.hub.claim(task, batch_size, timeout=self._left(deadline))
+        self._ack(claimed)
+        return claimed
+
     def _sampled(
         self,
         sampling: SamplerRunner | RemoteDirectory,
         wanted: tuple[str, str, str, int, dict[str, Any]],
         fields: list[str],
         deadline: float,
-    ) -> BatchMeta:
-        """get_meta through the hub's sampler (tq.init's controller.sampler): what it hands
-        out, once it hands out something; empty in polling mode. ``wanted``: the hub task,
-        the task name, the partition, the batch size and the sampling config."""
-        task_name, partition = wanted[1], wanted[2]
+    ) -> HubMeta | None:
+        """get_meta through the hub's sampler (tq.init's controller.sampler): a handle of
+        what it hands out, once it hands out something; None in polling mode."""
+        task_name = wanted[1]
         while True:
             taken = sampling.sample(*wanted)
             if taken or self.polling_mode:
@@ -224,15 +235,8 @@ class TransferQueueClient:
                 raise Timeout(f"the sampler handed out nothing for task {task_name!r}")
             time.sleep(_RETRY_S)
         if not taken:
-            return BatchMeta.empty()
-        handle = self.hub.meta(np.asarray(taken, dtype=np.int64), fields)
-        return BatchMeta._of(
-            handle,
-            [partition] * len(taken),
-            self._schema_of(fields),
-            produced=True,
-            fetch_custom=self._custom_meta,
-        )
+            return None
+        return self.hub.meta(np.asarray(taken, dtype=np.int64), fields)
 
     def get_data(self, metadata: BatchMeta) -> Any:
         """The fields of ``metadata``'s samples as a TensorDict (TransferQueue's layout)."""
@@ -262,20 +266,35 @@ class TransferQueueClient:
 
     # -- clearing and status -----------------------------------------------------------------
     def clear_partition(self, partition_id: str) -> None:
-        """Evict every sample of the partition and forget its keys."""
+        """Evict every sample of the partition, forget its keys and the hub tasks that
+        read it (a task whose claim another process has not acked yet stays)."""
         partition = _check_partition(partition_id, "clear_partition()")
+        self._raise_failed_ack(wait=True)  # this client's claims settled: no lease left
         task = _ALL + partition
-        if self._know_columns([_marker(partition)], required=False):
-            self._register(task, [_marker(partition)])
+        if self._know_columns([_IN], required=False):
+            self.hub.register_task(task, [_IN], partition=partition)
             while True:
                 try:
                     meta = self.hub.claim(task, _CLAIM_ALL, min_n=1, timeout=0.0)
                 except NothingReady:
                     break
                 self.hub.drop(meta)
+            self._unregister_partition(partition)
         self.directory.remove_partition(partition)
         if self.sampling is not None:
             self.sampling.clear_cache(partition)
+
+    def _unregister_partition(self, partition: str) -> None:
+        """Unregister the hub tasks of this client's kind that read only ``partition``."""
+        for name, stats in self.hub.statistics().tasks.items():
+            if stats.partition == partition and (
+                name.startswith("tq:") or name == _ALL + partition
+            ):
+                self._tasks.discard(name)
+                # (LeaseError: another process's get_meta has not acked yet;
+                # UnknownTaskError: another clear_partition came first)
+                with contextlib.suppress(LeaseError, UnknownTaskError):
+                    self.hub.unregister_task(name)
 
     def clear_samples(self, metadata: BatchMeta) -> None:
         """Evict ``metadata``'s samples (for every task) and forget their keys."""
@@ -292,23 +311,24 @@ class TransferQueueClient:
         """
         partition = _check_partition(partition_id, "check_consumption_status()")
         self._raise_failed_ack(wait=True)  # this client's acks count
-        stats = self.hub.statistics().tasks
-        everything = stats.get(_ALL + partition)
+        stats = self.hub.statistics()
         prefix = f"tq:{task_name}:{partition}:"
-        mine = [s for name, s in stats.items() if name.startswith(prefix)]
-        if everything is None or everything.ready == 0 or not mine:
+        mine = [
+            s
+            for name, s in stats.tasks.items()
+            # (the rest is the fields, which hold no ':': task 'a' is not task 'a:b')
+            if s.partition == partition
+            and name.startswith(prefix)
+            and ":" not in name[len(prefix) :]
+        ]
+        if not stats.partitions.get(partition) or not mine:
             return False
         return all(s.ready == 0 and s.leased == 0 for s in mine)
 
     def get_partition_list(self) -> list[str]:
         """Partitions that have held samples and were not cleared since."""
         listed = set(self.directory.listing(None))
-        stats = self.hub.statistics().tasks
-        listed.update(
-            name.removeprefix(_ALL)
-            for name, s in stats.items()
-            if name.startswith(_ALL) and s.ready
-        )
+        listed.update(self.hub.statistics().partitions)
         return sorted(listed)
 
     # -- KV API --------------------------------------------------------------------------------
@@ -488,10 +508,9 @@ class TransferQueueClient:
         timeout: float,
         where: str,
     ) -> np.ndarray:
-        marker = _marker_column(partition)
-        self._declare([*columns, marker])
-        self._register(_ALL + partition, [marker.name])
-        data = {**values, marker.name: np.ones(n, dtype=bool)}
+        self._declare([*columns, _IN_COLUMN, _CLEAR_COLUMN])
+        self._register(_CLEAR, [_CLEAR])  # keeps every sample until it is cleared
+        data = {**values, _IN: np.ones(n, dtype=bool)}
         try:
             return self.hub.put(data, partition=partition, timeout=timeout)
         except (Timeout, HubFull) as e:  # HubFull: timeout 0
@@ -521,7 +540,7 @@ class TransferQueueClient:
         """Evict samples for every task: mark them, claim them for _tq_clear, drop them."""
         if indices.size == 0:
             return
-        self._declare([Column.scalar(_CLEAR, "bool")])
+        self._declare([_CLEAR_COLUMN])
         self._register(_CLEAR, [_CLEAR])
         self.hub.put({_CLEAR: np.ones(indices.size, dtype=bool)}, indices=indices)
         self.hub.drop(self.hub.claim(_CLEAR, int(indices.size), timeout=60.0))
@@ -556,21 +575,21 @@ class TransferQueueClient:
             self._know_columns([k for k in data.keys() if isinstance(k, str)], required=False)  # noqa: SIM118 (iterating a TensorDict gives rows)
         return self.hub.schema.by_name
 
-    def _register(self, task: str, columns: list[str]) -> None:
+    def _register(self, task: str, columns: list[str], partition: str | None = None) -> None:
         if task not in self._tasks:
-            self.hub.register_task(task, columns)
+            self.hub.register_task(task, columns, partition=partition)
             self._tasks.add(task)
 
     def _ensure_consumer(
         self, task: str, fields: list[str], partition: str, deadline: float
     ) -> None:
         """Register the consumer task once its fields are known (waits for a producer)."""
-        columns = [*sorted(fields), _marker(partition)]  # one order for every client
+        columns = sorted(fields)  # one order for every client
         while not self._know_columns(columns, required=False):
             if time.monotonic() >= deadline:
                 raise Timeout(f"fields {fields} of partition {partition!r} were never put")
             time.sleep(_RETRY_S)
-        self._register(task, columns)
+        self._register(task, columns, partition)
 
     @staticmethod
     def _left(deadline: float) -> float:

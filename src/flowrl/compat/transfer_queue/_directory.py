@@ -23,7 +23,7 @@ import zmq
 
 from flowrl._schema.columns import Column
 from flowrl._transport.auth import Gate, HubKey, client_options, listen, require_key
-from flowrl.errors import ConfigError, TransportError
+from flowrl.errors import ConfigError, TransportError, UnknownTaskError
 
 __all__ = ["DirectoryServer", "KeyDirectory", "RemoteDirectory"]
 
@@ -37,6 +37,9 @@ Method = Literal[
 ]  # fmt: skip
 # Methods of the hub's SamplerRunner (tq.init's controller.sampler), served alongside.
 _RUNNER_METHODS = {"sample": "sample", "clear_sampler_cache": "clear_cache"}
+# A sampler's hub task another process's clear_partition unregistered: the caller registers
+# it again, so it crosses back as itself, not as a TransportError.
+_TASK_GONE = UnknownTaskError.__name__ + ": "
 
 
 class _Entry(msgspec.Struct, gc=False):
@@ -303,6 +306,8 @@ class RemoteDirectory:
                     "called tq.init() still running?"
                 )
             reply = _DEC_REPLY.decode(self._sock.recv())
+        if reply.error.startswith(_TASK_GONE):
+            raise UnknownTaskError(reply.error.removeprefix(_TASK_GONE))
         if reply.error:
             raise TransportError(f"key directory {method!r} failed: {reply.error}")
         if method in _RESULT_TYPES:

@@ -492,3 +492,37 @@ def test_write_mappings_of_files_the_unit_deleted_are_let_go(arena: ShmArena) ->
     os.close(lock)
     assert len(maps._maps) == 1  # the deleted file's mapping went
     maps.close()
+
+
+def test_a_reader_holds_only_the_segments_its_arrays_use_and_its_latest(
+    arena: ShmArena,
+) -> None:
+    """A trainer idle between reads must not keep every segment it ever read from being
+    reused: a mapping goes with its last array, but for the one opened last."""
+    import fcntl
+
+    older, latest = fill(arena, 1), fill(arena, 2)
+    maps = ShmMaps()
+
+    def locked(bufs: list[pa.Buffer]) -> bool:
+        fd = os.open(where(arena, bufs), os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+
+    def read(bufs: list[pa.Buffer]) -> memoryview:
+        path, offset = arena.locate(bufs[0].address, 10) or ("", 0)
+        return maps.buffers([wire.ShmRef(path, offset, 300_000)], [], unit=0)[0]
+
+    kept = read(older)
+    read(latest)  # (its array dropped at once)
+    assert locked(older) and locked(latest)  # an array uses the older; the latest is kept
+    del kept
+    gc.collect()
+    assert not locked(older) and locked(latest)
+    maps.clear()
+    assert not locked(latest)

@@ -428,10 +428,15 @@ class SegmentGone(ShmUnavailable):
 
 
 class ShmMaps:
-    """A client's read-only mappings of storage units' segments, by path."""
+    """A client's read-only mappings of storage units' segments, by path: each lives as
+    long as an array built over it, and the one opened last of each unit (the next read
+    likely names it again) until a newer one is opened. A mapping holds its segment's lock
+    (module docstring): a client idle between reads keeps no segment from being reused
+    but those its arrays use and one per unit."""
 
     def __init__(self) -> None:
-        self._maps: dict[str, mmap.mmap] = {}
+        self._maps: weakref.WeakValueDictionary[str, mmap.mmap] = weakref.WeakValueDictionary()
+        self._latest: dict[int, tuple[str, mmap.mmap]] = {}  # per unit
         self._lock = threading.Lock()
 
     def buffers(self, refs: list[Any], frames: list[Any], unit: int) -> list[Any]:
@@ -454,14 +459,15 @@ class ShmMaps:
 
     def clear(self) -> None:
         with self._lock:
-            self._maps.clear()  # arrays still built over a segment keep it mapped
+            self._latest.clear()  # arrays still built over a segment keep it mapped
+            self._maps.clear()
 
     def forget_retired(self) -> None:
-        """Let go of segments their unit retired (renamed: no stored sample uses them):
-        once no array of ours uses one either, its lock goes and the unit may reuse it."""
+        """Let go of the latest segments their unit retired (renamed: no stored sample
+        uses them): once no array of ours uses one either, its lock goes."""
         with self._lock:
-            for gone in [p for p in self._maps if not os.path.exists(p)]:
-                del self._maps[gone]
+            for unit in [u for u, (p, _) in self._latest.items() if not os.path.exists(p)]:
+                del self._latest[unit]
 
     def _view(self, ref: Any, unit: int) -> memoryview:
         seg = self._maps.get(ref.path)
@@ -495,6 +501,7 @@ class ShmMaps:
             os.close(fd)  # the map holds a duplicate, and with it the lock
         with self._lock:
             self._maps[path] = seg
+            self._latest[unit] = (path, seg)
         return seg
 
 

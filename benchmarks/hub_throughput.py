@@ -75,7 +75,9 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
   (``flowrl.compat.transfer_queue``) driven by the same driver
   (benchmarks/_transferqueue_peer.py: TensorDicts in and out, ``put`` / ``get_meta`` /
   ``get_data``), per placement (``inproc``, ``zmq``). The three clients run
-  ``--peer-rounds`` (5) alternating rounds, each in its own process started once; every
+  ``--peer-rounds`` (5) alternating rounds after one uncounted warm-up round of each (a
+  first round also pays for first-time allocations: a storage unit's shared memory, Ray's
+  object store), each client in its own process started once; every
   figure is the median over rounds, and ``put_get_speedup_vs_transferqueue`` of a
   placement is the median of TransferQueue's put + get seconds over the compat client's
   in the same round (``put_get_speedup_per_round`` lists them), with the get speedup
@@ -652,7 +654,8 @@ NATIVE_CALLS = {"put": ("put_s", "put_s"), "consume": ("get_s", "get_s"),
 
 
 def peer_rounds(samples: int, seq_len: int, batch: int, rounds: int, busy: int = 0) -> dict:
-    """TransferQueue and the compat client (per placement) in alternating rounds.
+    """TransferQueue and the compat client (per placement) in alternating rounds, after
+    one round of each that is not counted (a warm-up).
 
     Each client runs in its own process (``_transferqueue_peer.py --serve``: each starts
     its own servers, once); round r runs one measured round of every client, in an order
@@ -678,11 +681,16 @@ def peer_rounds(samples: int, seq_len: int, batch: int, rounds: int, busy: int =
             info[name] = _peer_line(procs[name])
         live = [name for name in procs if "error" not in info[name]]
         with busy_processes(busy):
-            for r in range(rounds):
+            # Round 0 warms every client up and is not counted: each system's first round
+            # also pays for first-time allocations (a storage unit's shared memory, Ray's
+            # object store, lazily built code paths) that a running job paid long before.
+            for r in range(rounds + 1):
                 for name in live[r % len(live) :] + live[: r % len(live)]:
                     procs[name].stdin.write("round\n")  # type: ignore[union-attr]
                     procs[name].stdin.flush()  # type: ignore[union-attr]
-                    runs[name].append(_peer_line(procs[name]))
+                    line = _peer_line(procs[name])
+                    if r:
+                        runs[name].append(line)
     finally:
         for proc in procs.values():
             with contextlib.suppress(OSError):

@@ -117,6 +117,41 @@ def test_a_batched_put_reserves_the_next_ones_indices_and_close_gives_them_back(
     assert stats.reserved == stats.reserved_ahead == 0 and stats.live == 64
 
 
+def test_a_batched_put_async_stream_reserves_for_its_next_puts_at_once() -> None:
+    """A put_async's answer is read later, so no commit can reserve the next put's
+    indices: a batched stream reserves STREAM_AHEAD puts ahead with its own, one round
+    trip for that many puts, and gives back what it did not use when it closes."""
+    from flowrl._transport.pools import STREAM_AHEAD
+
+    config = HubConfig(capacity=65536)  # pools hold up to 1/64 of it: 1,024 indices
+    hub = flowrl.launch_hub(COLUMNS, tasks={"train": ["ids", "reward"]}, config=config)
+    producer = flowrl.connect(hub.address)
+    reserves: list[Any] = []
+    call = producer._session.call_parked
+
+    def counted(request: Any, *args: Any) -> Any:
+        reserves.append(request(None))
+        return call(request, *args)
+
+    producer._session.call_parked = counted  # type: ignore[method-assign]
+    n, puts = 32, STREAM_AHEAD + 3
+    try:
+        futures = [producer.put_async(batch(n, start=n * k)) for k in range(puts)]
+        producer.flush()
+        got = np.concatenate([f.result() for f in futures])
+        assert len(reserves) == 2 and reserves[0].ahead == n * STREAM_AHEAD
+        assert got.size == np.unique(got).size == n * puts
+        assert hub.statistics().reserved_ahead == n * (STREAM_AHEAD - 1)  # the second left 6
+        producer.close()
+        stats = hub.statistics()
+        assert stats.reserved == stats.reserved_ahead == 0 and stats.live == n * puts
+        meta = hub.claim("train", n * puts, timeout=5)
+        assert sorted(hub.get(meta)["reward"].tolist()) == list(range(n * puts))
+    finally:
+        producer.close()
+        hub.close()
+
+
 def test_a_lane_idle_for_half_the_units_patience_asks_for_a_new_grant(hub: Any) -> None:
     """A unit lets go of grants idle for GRANT_IDLE_S (a dead client's would keep its
     segment): a client asks anew after half that, so its puts never name a dropped one."""

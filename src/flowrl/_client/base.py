@@ -329,7 +329,7 @@ class HubClient:
         """Reserve ``n`` indices, store the bytes there and commit them (``commit``: the
         put's, less its indices)."""
         put = (encoded, types, new_columns, commit, timeout, wait)
-        reservation = self._control.reserve(n, timeout)
+        reservation = self._control.reserve(n, timeout, streaming=not wait)
         try:
             return self._put_reserved(reservation, *put)
         except UnknownIndexError:
@@ -338,7 +338,7 @@ class HubClient:
             if not reservation.pooled:
                 raise
             self._control.forget_pool()
-            return self._put_reserved(self._control.reserve(n, timeout), *put)
+            return self._put_reserved(self._control.reserve(n, timeout, not wait), *put)
 
     def _put_reserved(
         self,

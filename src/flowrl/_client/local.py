@@ -92,7 +92,7 @@ class LocalControl(ControlPort):
             self._begin()
             self.controller.unregister_task(cmd.task)
 
-    def reserve(self, n: int, timeout: float | None) -> Reservation:
+    def reserve(self, n: int, timeout: float | None, streaming: bool = False) -> Reservation:
         ctl = self.controller
         if n > ctl.table.capacity:
             raise HubFull(

@@ -67,7 +67,10 @@ class ControlPort(abc.ABC):
     def unregister_task(self, cmd: UnregisterTask) -> None: ...
 
     @abc.abstractmethod
-    def reserve(self, n: int, timeout: float | None) -> Reservation: ...
+    def reserve(self, n: int, timeout: float | None, streaming: bool = False) -> Reservation:
+        """``n`` fresh indices for a new put; ``streaming``: the put does not wait for its
+        answer (``put_async``), so a client that reserves ahead may do so for its next
+        puts too."""
 
     def forget_pool(self) -> None:  # noqa: B027 (only a zmq client reserves ahead)
         """Drop this thread's indices reserved ahead (the controller no longer holds them)."""

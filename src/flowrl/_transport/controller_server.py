@@ -289,10 +289,13 @@ class ControllerServer:
                 raise HubFull(
                     f"put() of {msg.n} samples can never fit capacity {ctl.table.capacity}"
                 )
-            if msg.ahead > self.ahead_cap:  # (a client's own pools never ask for more)
+            # (a client's own pools never ask for more: small puts ahead_cap, a batched
+            # put_async whole puts within next_cap)
+            if msg.ahead > max(self.ahead_cap, self.next_cap - msg.n):
                 raise ConfigError(
-                    f"Reserve ahead={msg.ahead} exceeds this hub's cap of {self.ahead_cap} "
-                    "indices reserved ahead per put"
+                    f"Reserve ahead={msg.ahead} exceeds this hub's cap of "
+                    f"{max(self.ahead_cap, self.next_cap - msg.n)} indices reserved ahead for "
+                    f"a put of {msg.n}"
                 )
             if msg.give_back is not None:  # idempotent: a parked retry aborts nothing twice
                 ctl.abort(msg.give_back)

@@ -3,8 +3,9 @@
 A small put reserves ``RESERVE_AHEAD`` more indices with its own, in the same round trip,
 and the thread's next puts take them: a small put then costs the write's round trip
 alone. A batched put's commit reserves the next put's indices (``next_cap``): in a steady
-stream of puts each costs one round trip, not two. Reservations expire, so a pool is used
-only within half a reservation's life.
+stream of puts each costs one round trip, not two; a batched ``put_async`` (whose answer
+is read later) reserves for its next ``STREAM_AHEAD`` puts with its own. Reservations
+expire, so a pool is used only within half a reservation's life.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import numpy as np
 
 from flowrl._transport.thread_sockets import on_thread_end
 
-__all__ = ["RESERVE_AHEAD", "Pool", "Pools", "ahead_cap", "next_cap"]
+__all__ = ["RESERVE_AHEAD", "STREAM_AHEAD", "Pool", "Pools", "ahead_cap", "next_cap"]
 
 #: Indices a thread reserves ahead for its next small puts (capped at capacity / 64).
 RESERVE_AHEAD = 32
+#: Puts a batched ``put_async`` reserves indices for beyond its own (capped likewise).
+STREAM_AHEAD = 7
 
 
 def ahead_cap(capacity: int) -> int:

@@ -26,7 +26,7 @@ from flowrl._protocol import commands
 from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
 from flowrl._transport import wire
-from flowrl._transport.pools import Pool, Pools, ahead_cap, next_cap
+from flowrl._transport.pools import STREAM_AHEAD, Pool, Pools, ahead_cap, next_cap
 from flowrl._transport.session import Session
 from flowrl._transport.subscriber import EventRelay
 from flowrl.errors import FlowRLError
@@ -73,15 +73,22 @@ class RemoteControl(ControlPort):
     def unregister_task(self, cmd: commands.UnregisterTask) -> None:
         self._call(cmd)
 
-    def reserve(self, n: int, timeout: float | None) -> Reservation:
+    def reserve(self, n: int, timeout: float | None, streaming: bool = False) -> Reservation:
         """Fresh indices for a put. Small puts take them from this thread's pool, reserved
         ahead in one round trip with an earlier put's: a small put then costs the write's
-        round trip alone."""
+        round trip alone. So do batched ``put_async`` (``streaming``): a batched ``put``
+        has its commit reserve the next one's indices, but a put_async's answer comes
+        later, so it reserves for up to ``STREAM_AHEAD`` more puts of its size at once."""
         pool: Pool | None = getattr(self._local, "pool", None)
         taken = pool.take(n) if pool is not None and time.monotonic() < pool.until else None
         if taken is not None:
             return Reservation(*taken, pooled=True)
-        ahead = self._pool_block if n < self._pool_block else 0
+        if n < self._pool_block:
+            ahead = self._pool_block
+        elif streaming:  # whole puts, within the cap a pool has (others barely notice it)
+            ahead = min(STREAM_AHEAD, max(0, self._next_cap - n) // n) * n
+        else:
+            ahead = 0
         # this thread's spent pool, and the pools of this client's threads that ended
         left = self._pools.take_ended() + ([] if pool is None else [pool.rest()])
         give_back = np.concatenate(left) if left else None

@@ -312,6 +312,7 @@ def _train(
         "max_staleness": cfg.max_staleness,
         "placement": cfg.placement,
         "cores": None if split is None else msgspec.to_builtins(split.cores),
+        "idle_core_rollout": None if split is None else split.idle_summary(),
         "stage_samples": {
             **(rollout_side or {}),
             **{n: s.samples for n, s in result.stages.items()},

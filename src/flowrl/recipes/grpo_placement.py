@@ -2,8 +2,8 @@
 
 * ``colocated`` (the default): one process; every stage is a thread of it, through an
   embedded hub, each with one torch thread (several stages compute at once).
-* ``disaggregated``: two processes, as generation and training run on separate GPUs of a
-  cluster. The *rollout process* runs the prompt source and the rollout workers
+* ``disaggregated``: separate processes, as generation and training run on separate GPUs
+  of a cluster. The *rollout process* runs the prompt source and the rollout workers
   (:func:`~flowrl.recipes.grpo_stages.rollout_pipeline`); this one, the *trainer process*,
   runs reward, log-probs and advantages (:func:`~flowrl.recipes.grpo_stages.trainer_pipeline`)
   and the optimizer step. They share a multi-process hub (:func:`flowrl.launch_hub`: its
@@ -14,51 +14,56 @@
   cores (``os.sched_setaffinity``), the trainer the rest, each with as many torch threads
   as cores.
 
+  With ``--rollout-on-trainer-cores`` (on by default) an *idle-core rollout process* runs
+  one more rollout worker on the trainer's cores at the lowest CPU priority
+  (``SCHED_IDLE``): it generates while the trainer waits for data, which it does whenever
+  generation is the slower side, and yields the cores the moment the trainer has work.
+  It obeys the same leases and staleness bound as the other workers, and the run
+  outlives it: if it dies, its claims go back to the hub within :func:`idle_lease_s`
+  (``flowrl.recipes.grpo_rollout_process``).
+
   At ``--max-staleness 0`` generation and training cannot overlap (step k + 1's prompts
   wait for version k + 1), so split cores would leave half of them idle: each process then
   gets every core, as a synchronous trainer time-shares its GPUs between generation and
   training, and the trainer's stages take whole steps, so no two phases ever compute at
-  once. That is the fair synchronous baseline of ``benchmarks/real_stream.py``.
+  once. That is the fair synchronous baseline of ``benchmarks/real_stream.py``; the
+  idle-core process runs there too (on every core), so generation has the idle cores in
+  both modes.
 
 The scheduling layer (``--schedule``) steers the rollout workers only in the colocated
 placement: its sampler is a Python object that runs on an in-process hub, so the rollout
-process's workers claim in arrival order.
+processes' workers claim in arrival order.
 
-The rollout process starts before the warm-up (its imports overlap it) and waits for the
-first published version. Its failure is raised in the trainer (:meth:`Disaggregated.check`,
-called while the trainer waits for a batch); the trainer stopping stops it.
+The generating processes start before the warm-up (their imports overlap it) and wait for
+the first published version. A failure of either, or the rollout process's death, is
+raised in the trainer (:meth:`Disaggregated.check`, called while the trainer waits for a
+batch); the trainer stopping stops them.
 """
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
 import os
 import secrets
-import threading
-import time
-import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from typing import Any
 
-import msgspec
 import torch
 
 import flowrl
-from flowrl import WeightPublisher, WeightSubscriber
-from flowrl._weights.sync import load_named
-from flowrl.errors import ConfigError, StageError, Timeout
+from flowrl import WeightPublisher
+from flowrl.errors import ConfigError, Timeout
 from flowrl.recipes.grpo_config import GRPOConfig, flag
-from flowrl.recipes.grpo_rollout import RolloutBackend
-from flowrl.recipes.grpo_stages import ROLLOUT_COLUMNS, rollout_pipeline
-from flowrl.recipes.grpo_task import make_task, max_new_tokens
-from flowrl.recipes.grpo_trainer import build_model
+from flowrl.recipes.grpo_rollout_process import (
+    RolloutJob,
+    RolloutProcess,
+    idle_lease_s,
+    pin,
+)
+from flowrl.recipes.grpo_stages import ROLLOUT_COLUMNS
+from flowrl.recipes.progress import log
 
-__all__ = ["Cores", "Disaggregated", "SubscribedWeights", "plan_cores", "rollout_main"]
-
-_FIRST_VERSION_S = 600.0  # the trainer's warm-up comes first
-_POLL_S = 0.05
+__all__ = ["Cores", "Disaggregated", "plan_cores"]
 
 
 @dataclass(frozen=True)
@@ -88,69 +93,16 @@ def plan_cores(cfg: GRPOConfig) -> Cores | None:
     return Cores(cpus[:half], cpus[half:], cfg.torch_threads)
 
 
-def pin(cpus: tuple[int, ...], threads: int) -> None:
-    """Run this process on ``cpus`` with ``threads`` torch threads (0: one per core)."""
-    os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(threads or len(cpus))
-
-
-class SubscribedWeights:
-    """The rollout process's weight source: the trainer's versions, read from the
-    shared-memory channel (the interface of :class:`~flowrl.WeightStore` that the
-    samplers use). Rollout workers share it, so calls are serialised."""
-
-    def __init__(self, subscriber: WeightSubscriber) -> None:
-        self._subscriber = subscriber
-        self._lock = threading.Lock()
-
-    def pull(self, model: torch.nn.Module, have: int) -> int:
-        with self._lock:
-            snapshot = self._subscriber.poll(have)
-            if snapshot is None:
-                return have
-            with snapshot:
-                load_named(model, snapshot.tensors())
-                return snapshot.version
-
-    def newer(self, have: int) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
-        with self._lock:
-            snapshot = self._subscriber.poll(have)
-            if snapshot is None:
-                return None
-            with snapshot:
-                return snapshot.version, [(n, t.clone()) for n, t in snapshot.tensors()]
-
-    def wait_first(self, timeout: float) -> None:
-        """Return once a version is published; :class:`Timeout` after ``timeout`` s."""
-        deadline = time.monotonic() + timeout
-        while self.newer(-1) is None:
-            if time.monotonic() > deadline:
-                raise Timeout(f"the trainer published no weights in {timeout:g}s")
-            time.sleep(_POLL_S)
-
-
-class _Done(msgspec.Struct, frozen=True, tag=True):
-    stage_samples: dict[str, int]
-
-
-class _Failed(msgspec.Struct, frozen=True, tag=True):
-    stage: str
-    message: str
-    traceback: str
-
-
-_REPORT = msgspec.json.Decoder(_Done | _Failed)
-
-
 class Disaggregated:
     """The trainer's handle on a disaggregated run: the hub, the weight channel and the
-    rollout process, started before the warm-up (module docstring). The trainer's own
-    pipeline registers on :attr:`hub` before the first version is published."""
+    generating processes, started before the warm-up (module docstring). The trainer's
+    own pipeline registers on :attr:`hub` before the first version is published."""
 
     def __init__(self, cfg: GRPOConfig, cores: Cores, *, start_step: int) -> None:
         self.cores = cores
         channel = f"flowrl-grpo-{os.getpid()}-{secrets.token_hex(3)}"
         self._publisher = WeightPublisher(channel)
+        self._processes: list[RolloutProcess] = []
         try:
             self.hub = flowrl.launch_hub(
                 ROLLOUT_COLUMNS, config=flowrl.HubConfig(capacity=cfg.hub_capacity)
@@ -160,130 +112,91 @@ class Disaggregated:
             raise
         try:
             samples = (cfg.steps - start_step) * cfg.prompts_per_step * cfg.group_size
-            ctx = mp.get_context("spawn")
-            self._conn, child = ctx.Pipe()
-            self._process = ctx.Process(
-                target=rollout_main,
-                args=(msgspec.json.encode(cfg), self.hub.address, channel, cores),
-                kwargs={"start_step": start_step, "samples": samples, "conn": child},
-                name="flowrl-rollout",
+            job = RolloutJob(
+                cores=cores.rollout, threads=cores.threads, start_step=start_step, samples=samples
             )
-            self._process.start()
-            child.close()
+            address = self.hub.address
+            self.rollout = RolloutProcess(cfg, address, channel, job, name="rollout")
+            self._processes.append(self.rollout)
+            self.idle: RolloutProcess | None = None
+            if cfg.rollout_on_trainer_cores:
+                job = RolloutJob(
+                    cores=cores.trainer,
+                    threads=1,
+                    start_step=start_step,
+                    idle=True,
+                    lease_s=idle_lease_s(cfg),
+                )
+                self.idle = RolloutProcess(cfg, address, channel, job, name="idle-core rollout")
+                self._processes.append(self.idle)
         except BaseException:
-            self.hub.close()
-            self._publisher.close()
+            self.close()
             raise
-        self._report: _Done | _Failed | None = None
+        self._idle_died = False
+        self.idle_samples: int | None = None  # set by finish
 
     @property
     def pid(self) -> int | None:
         """The rollout process's id."""
-        return self._process.pid
+        return self.rollout.pid
 
     def start(self) -> None:
         """The warm-up is over: the trainer takes its own cores."""
         pin(self.cores.trainer, self.cores.threads)
 
     def publish(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Hand a new version to the rollout process (before ``hub.publish_version``)."""
+        """Hand a new version to the generating processes (before ``hub.publish_version``)."""
         self._publisher.publish(weights, version)
 
     def check(self) -> None:
-        """Raise the rollout process's failure, or its death, if it failed or died."""
-        report = self._receive(0)
-        if isinstance(report, _Failed):
-            raise StageError(
-                f"the rollout process failed: {report.message}\n{report.traceback}",
-                stage=report.stage,
-            )
-        if report is None and not self._process.is_alive():
-            raise StageError(
-                f"the rollout process died (exit code {self._process.exitcode}) without a report",
-                stage="Rollout",
-            )
+        """Raise a generating process's failure, or the rollout process's death. The
+        idle-core process's death is logged once: the run goes on without it (its claims
+        come back to the hub when their leases end)."""
+        error = self.rollout.failure()
+        if error is not None:
+            raise error
+        if self.idle is None or self._idle_died:
+            return
+        error = self.idle.failure()
+        if error is not None and not self.idle.died:
+            raise error  # it failed, and said why: the rollout process runs the same code
+        if error is not None:
+            self._idle_died = True
+            log.warning("%s; the run goes on without it", error)
 
     def finish(self, timeout: float = 60.0) -> dict[str, int]:
-        """Wait for the rollout process's report after the last step: its stages' sample
-        counts."""
-        report = self._receive(timeout)
+        """Wait for the generating processes' reports after the last step: their stages'
+        sample counts (``Rollout``: both processes'); the idle-core process's share is
+        :attr:`idle_samples` (None: it died)."""
+        counts = self.rollout.wait(timeout)
         self.check()
-        if not isinstance(report, _Done):
+        if counts is None:
             raise Timeout(f"the rollout process did not finish within {timeout:g}s")
-        return report.stage_samples
+        if self.idle is not None:
+            idle = self.idle.wait(timeout)
+            self.check()
+            if idle is None and not self.idle.died:
+                raise Timeout(f"the idle-core rollout process did not finish within {timeout:g}s")
+            self.idle_samples = None if idle is None else idle.get("Rollout", 0)
+            counts["Rollout"] += self.idle_samples or 0
+        return counts
+
+    def idle_summary(self) -> dict[str, Any] | None:
+        """For the job's summary (None without the idle-core process): the samples it
+        generated (None if it died), whether it died, and the ``Rollout`` samples whose
+        lease ran out (a dead or starved worker's, handed out again)."""
+        if self.idle is None:
+            return None
+        expired = self.hub.statistics().counters.tasks.get("Rollout")
+        return {
+            "samples": self.idle_samples,
+            "died": self.idle.died,
+            "rollout_leases_expired": 0 if expired is None else expired.expired,
+        }
 
     def close(self) -> None:
-        """Stop the rollout process (if running), then the weight channel and the hub."""
-        if self._process.is_alive():
-            with contextlib.suppress(OSError):
-                self._conn.send("stop")
-            self._process.join(30)
-            if self._process.is_alive():
-                self._process.kill()
-                self._process.join()
-        self._conn.close()
+        """Stop the generating processes (if running), then the weight channel and the hub."""
+        for process in self._processes:
+            process.close()
         self._publisher.close()
         self.hub.close()
-
-    def _receive(self, timeout: float) -> _Done | _Failed | None:
-        if self._report is None and self._conn.poll(timeout):
-            with contextlib.suppress(EOFError):
-                self._report = _REPORT.decode(self._conn.recv_bytes())
-        return self._report
-
-
-def rollout_main(
-    cfg_json: bytes,
-    address: str,
-    channel: str,
-    cores: Cores,
-    *,
-    start_step: int,
-    samples: int,
-    conn: Connection,
-) -> None:
-    """The rollout process: generate ``samples`` samples (from ``start_step``'s problems)
-    into the hub at ``address`` with the weights of ``channel``, on ``cores.rollout``; report how
-    it went on ``conn`` (a stop message there ends it early)."""
-    report: _Done | _Failed
-    try:
-        report = _generate(cfg_json, address, channel, cores, start_step, samples, conn)
-    except BaseException as exc:
-        stage = getattr(exc, "stage", "") or "Rollout"
-        report = _Failed(stage, f"{type(exc).__name__}: {exc}", traceback.format_exc())
-    with contextlib.suppress(OSError):  # the trainer is gone
-        conn.send_bytes(msgspec.json.encode(report))
-
-
-def _generate(
-    cfg_json: bytes,
-    address: str,
-    channel: str,
-    cores: Cores,
-    start_step: int,
-    samples: int,
-    conn: Connection,
-) -> _Done:
-    pin(cores.rollout, cores.threads)
-    cfg = msgspec.json.decode(cfg_json, type=GRPOConfig)
-    torch.manual_seed(cfg.seed)
-    max_new = max_new_tokens(cfg)
-    with contextlib.ExitStack() as stack:
-        hub = flowrl.connect(address)
-        stack.callback(hub.close)
-        subscriber = WeightSubscriber(channel)
-        stack.callback(subscriber.close)
-        weights = SubscribedWeights(subscriber)
-        first = start_step * cfg.prompts_per_step * cfg.group_size
-        backend = RolloutBackend(cfg, weights, build_model(cfg), max_new, first_sample=first)
-        stack.callback(backend.close)
-        task = make_task(cfg, cfg.seed)
-        pipe = rollout_pipeline(cfg, task, backend, None, start_step=start_step)
-        weights.wait_first(_FIRST_VERSION_S)
-        run = pipe.start(hub, max_samples=samples)
-        while not run.done():
-            if conn.poll(_POLL_S):  # the trainer is done, or failed
-                run.stop()
-                break
-        result = run.result(timeout=60)
-        return _Done({n: s.samples for n, s in result.stages.items()})

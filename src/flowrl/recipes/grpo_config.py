@@ -161,14 +161,6 @@ class GRPOConfig(msgspec.Struct, frozen=True, kw_only=True):
             "trainer's stages on the rest; weights cross in shared memory; see docs/grpo.md)"
         ),
     ] = "colocated"
-    rollout_on_trainer_cores: Annotated[
-        bool,
-        Meta(
-            description="--placement disaggregated: one more rollout worker, in a process "
-            "on the trainer's cores at the lowest CPU priority (SCHED_IDLE), generating "
-            "while the trainer waits for data"
-        ),
-    ] = True
     torch_threads: Annotated[
         int,
         Meta(
@@ -227,7 +219,6 @@ RESUMABLE_FIELDS = frozenset(
         "metrics_port",
         "dashboard",
         "placement",
-        "rollout_on_trainer_cores",
         "torch_threads",
         "max_staleness",  # a bound on scheduling: what a checkpoint holds does not depend on it
     }

@@ -49,7 +49,6 @@ __all__ = [
     "TRAIN_COLUMNS",
     "build_pipeline",
     "build_scheduler",
-    "idle_rollout_pipeline",
     "model_inputs",
     "prompts_stage",
     "rollout_pipeline",
@@ -140,16 +139,6 @@ def rollout_pipeline(
             samples_per_version=cfg.prompts_per_step * cfg.group_size,
         ),
     )
-
-
-def idle_rollout_pipeline(
-    cfg: GRPOConfig, backend: RolloutBackend, *, lease_timeout: float | None
-) -> Pipeline:
-    """One more rollout worker, without the source: what the idle-core rollout process
-    runs (``--rollout-on-trainer-cores``, ``flowrl.recipes.grpo_rollout_process``). Its
-    claims are leased ``lease_timeout`` seconds."""
-    stage = rollout_stage(cfg, backend, None, workers=1, lease_timeout=lease_timeout)
-    return Pipeline((stage,), columns=ROLLOUT_COLUMNS[:1])
 
 
 def trainer_pipeline(
@@ -249,25 +238,18 @@ def prompts_stage(cfg: GRPOConfig, task: Task[Any], start_step: int) -> StageSpe
 
 
 def rollout_stage(
-    cfg: GRPOConfig,
-    backend: RolloutBackend,
-    scheduler: RolloutScheduler | None,
-    *,
-    workers: int | None = None,
-    lease_timeout: float | None = None,
+    cfg: GRPOConfig, backend: RolloutBackend, scheduler: RolloutScheduler | None
 ) -> StageSpec:
-    """The rollout workers (``workers``, else ``cfg.rollout_workers``): sample responses
-    with the newest published weights, each worker with a sampler of ``backend`` (the
-    builtin sampler or a rollout engine); ``lease_timeout`` as for :func:`flowrl.stage`."""
+    """The rollout workers: sample responses with the newest published weights, each
+    worker with a sampler of ``backend`` (the builtin sampler or a rollout engine)."""
 
     @flowrl.stage(
         inputs=["prompt"],
         outputs=ROLLOUT_COLUMNS[1:],
         batch_size=cfg.rollout_batch,
         min_batch=1,
-        workers=cfg.rollout_workers if workers is None else workers,
+        workers=cfg.rollout_workers,
         sampler=None if scheduler is None else scheduler.sampler,
-        lease_timeout=lease_timeout,
     )
     class Rollout:
         def setup(self, ctx: StageContext) -> None:

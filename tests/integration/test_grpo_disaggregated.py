@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from flowrl.errors import StageError, Timeout
 from flowrl.recipes.grpo_config import GRPOConfig
@@ -133,5 +134,19 @@ def test_a_rollout_process_that_dies_before_it_is_ready_fails_the_wait() -> None
         os.kill(split.pid, signal.SIGKILL)
         with pytest.raises(StageError, match=r"the rollout process died \(exit code -9\)"):
             split.wait_ready(120)  # its death, not a Timeout
+    finally:
+        split.close()
+
+
+def test_a_rollout_process_that_fails_after_it_is_ready_reports_why() -> None:
+    cfg = GRPOConfig(placement="disaggregated", steps=2, prompts_per_step=2, group_size=4)
+    cores = plan_cores(cfg)
+    assert cores is not None
+    split = Disaggregated(cfg, cores, start_step=0)
+    try:
+        split.publish([("bogus", torch.zeros(1))], 0)  # no such weight: its workers fail
+        # its "ready", then its report, then its exit: the report is read, not lost
+        with pytest.raises(StageError, match=r"the rollout process failed: .*'bogus'"):
+            split.finish(120)
     finally:
         split.close()

@@ -130,7 +130,8 @@ class RolloutProcess:
     def failure(self) -> StageError | None:
         """Its failure, or its death without a report, as an error; None while it runs
         or once it is done."""
-        self._receive(0)
+        while self._receive(0):  # everything it sent (a report may follow "ready")
+            pass
         if isinstance(self._report, _Failed):
             return StageError(
                 f"the rollout process failed: {self._report.message}\n{self._report.traceback}",

@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from flowrl.errors import StageError
+from flowrl.errors import StageError, Timeout
 from flowrl.recipes.grpo_config import GRPOConfig
 from flowrl.recipes.grpo_placement import Disaggregated, plan_cores
 
@@ -76,6 +77,10 @@ def test_disaggregated_run_trains_each_sample_once_with_new_weights(
     low, high = summary["sample_versions"]
     assert low == 0 and high >= STEPS - 1 - staleness > 0
     assert summary["lag_max"] <= staleness
+    # the RL loop's clock started once the rollout process was ready: its start-up is
+    # in the run's wall time, not in the loop's (samples_per_s)
+    assert summary["rollout_ready_wait_s"] >= 0
+    assert summary["rl_wall_s"] + summary["rollout_ready_wait_s"] <= summary["wall_s"]
     cores = summary["cores"]
     if staleness:
         assert set(cores["rollout"]).isdisjoint(cores["trainer"])
@@ -97,5 +102,51 @@ def test_a_rollout_process_that_dies_fails_the_trainer() -> None:
             while time.monotonic() < deadline:
                 split.check()
                 time.sleep(0.05)
+    finally:
+        split.close()
+
+
+def test_the_trainer_waits_until_the_rollout_process_is_ready() -> None:
+    cfg = GRPOConfig(placement="disaggregated", steps=2, prompts_per_step=2, group_size=4)
+    cores = plan_cores(cfg)
+    assert cores is not None
+    split = Disaggregated(cfg, cores, start_step=0)
+    try:
+        assert split.pid is not None
+        os.kill(split.pid, signal.SIGSTOP)  # still importing: it cannot have said ready
+        with pytest.raises(Timeout, match=r"the rollout process was not ready within 0\.5s"):
+            split.wait_ready(0.5)
+        os.kill(split.pid, signal.SIGCONT)
+        assert split.wait_ready(120) >= 0  # ready: connected, model built
+        split.check()  # and alive, waiting for the first version
+        split.wait_ready(0)  # ready stays ready
+    finally:
+        split.close()
+
+
+def test_a_rollout_process_that_dies_before_it_is_ready_fails_the_wait() -> None:
+    cfg = GRPOConfig(placement="disaggregated", steps=2, prompts_per_step=2, group_size=4)
+    cores = plan_cores(cfg)
+    assert cores is not None
+    split = Disaggregated(cfg, cores, start_step=0)
+    try:
+        assert split.pid is not None
+        os.kill(split.pid, signal.SIGKILL)
+        with pytest.raises(StageError, match=r"the rollout process died \(exit code -9\)"):
+            split.wait_ready(120)  # its death, not a Timeout
+    finally:
+        split.close()
+
+
+def test_a_rollout_process_that_fails_after_it_is_ready_reports_why() -> None:
+    cfg = GRPOConfig(placement="disaggregated", steps=2, prompts_per_step=2, group_size=4)
+    cores = plan_cores(cfg)
+    assert cores is not None
+    split = Disaggregated(cfg, cores, start_step=0)
+    try:
+        split.publish([("bogus", torch.zeros(1))], 0)  # no such weight: its workers fail
+        # its "ready", then its report, then its exit: the report is read, not lost
+        with pytest.raises(StageError, match=r"the rollout process failed: .*'bogus'"):
+            split.finish(120)
     finally:
         split.close()

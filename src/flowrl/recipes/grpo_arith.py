@@ -223,6 +223,9 @@ def _train(
         page = serve_dashboard(hub, port=cfg.dashboard, loaders=[loader])
         log.info("live page of the hub: %s", page.url)
     tracking = _tracking(cfg, run_dir, trainer.metrics, page)
+    # The RL loop's clock starts once the rollout process can generate: its start-up
+    # (interpreter, imports, model) is not the loop's, and a fresh run's warm-up hides it.
+    ready_wait_s = None if split is None else split.wait_ready(cfg.stall_timeout)
     t_rl = time.time()
     if split is None:
         run_ = pipe.start(hub, loaders=[loader], max_samples=(cfg.steps - start) * batch_size)
@@ -312,6 +315,7 @@ def _train(
         "max_staleness": cfg.max_staleness,
         "placement": cfg.placement,
         "cores": None if split is None else msgspec.to_builtins(split.cores),
+        "rollout_ready_wait_s": ready_wait_s,
         "stage_samples": {
             **(rollout_side or {}),
             **{n: s.samples for n, s in result.stages.items()},

@@ -3,7 +3,8 @@
 * ``colocated`` (the default): one process; every stage is a thread of it, through an
   embedded hub, each with one torch thread (several stages compute at once).
 * ``disaggregated``: two processes, as generation and training run on separate GPUs of a
-  cluster. The *rollout process* runs the prompt source and the rollout workers
+  cluster. The *rollout process* (``flowrl.recipes.grpo_rollout_process``) runs the
+  prompt source and the rollout workers
   (:func:`~flowrl.recipes.grpo_stages.rollout_pipeline`); this one, the *trainer process*,
   runs reward, log-probs and advantages (:func:`~flowrl.recipes.grpo_stages.trainer_pipeline`)
   and the optimizer step. They share a multi-process hub (:func:`flowrl.launch_hub`: its
@@ -24,41 +25,32 @@ The scheduling layer (``--schedule``) steers the rollout workers only in the col
 placement: its sampler is a Python object that runs on an in-process hub, so the rollout
 process's workers claim in arrival order.
 
-The rollout process starts before the warm-up (its imports overlap it) and waits for the
-first published version. Its failure is raised in the trainer (:meth:`Disaggregated.check`,
-called while the trainer waits for a batch); the trainer stopping stops it.
+The rollout process starts before the warm-up (its imports overlap it). The trainer
+starts the RL loop once it is ready (:meth:`Disaggregated.wait_ready`: connected, its
+model built; a resumed run has no warm-up to hide that behind), and it waits for the
+first published version. Its failure is raised in the trainer
+(:meth:`Disaggregated.check`, called while the trainer waits for a batch); the trainer
+stopping stops it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
 import os
 import secrets
-import threading
 import time
-import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 
-import msgspec
 import torch
 
 import flowrl
-from flowrl import WeightPublisher, WeightSubscriber
-from flowrl._weights.sync import load_named
-from flowrl.errors import ConfigError, StageError, Timeout
+from flowrl import WeightPublisher
+from flowrl.errors import ConfigError, Timeout
 from flowrl.recipes.grpo_config import GRPOConfig, flag
-from flowrl.recipes.grpo_rollout import RolloutBackend
-from flowrl.recipes.grpo_stages import ROLLOUT_COLUMNS, rollout_pipeline
-from flowrl.recipes.grpo_task import make_task, max_new_tokens
-from flowrl.recipes.grpo_trainer import build_model
+from flowrl.recipes.grpo_rollout_process import RolloutJob, RolloutProcess, pin
+from flowrl.recipes.grpo_stages import ROLLOUT_COLUMNS
 
-__all__ = ["Cores", "Disaggregated", "SubscribedWeights", "plan_cores", "rollout_main"]
-
-_FIRST_VERSION_S = 600.0  # the trainer's warm-up comes first
-_POLL_S = 0.05
+__all__ = ["Cores", "Disaggregated", "plan_cores"]
 
 
 @dataclass(frozen=True)
@@ -88,60 +80,6 @@ def plan_cores(cfg: GRPOConfig) -> Cores | None:
     return Cores(cpus[:half], cpus[half:], cfg.torch_threads)
 
 
-def pin(cpus: tuple[int, ...], threads: int) -> None:
-    """Run this process on ``cpus`` with ``threads`` torch threads (0: one per core)."""
-    os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(threads or len(cpus))
-
-
-class SubscribedWeights:
-    """The rollout process's weight source: the trainer's versions, read from the
-    shared-memory channel (the interface of :class:`~flowrl.WeightStore` that the
-    samplers use). Rollout workers share it, so calls are serialised."""
-
-    def __init__(self, subscriber: WeightSubscriber) -> None:
-        self._subscriber = subscriber
-        self._lock = threading.Lock()
-
-    def pull(self, model: torch.nn.Module, have: int) -> int:
-        with self._lock:
-            snapshot = self._subscriber.poll(have)
-            if snapshot is None:
-                return have
-            with snapshot:
-                load_named(model, snapshot.tensors())
-                return snapshot.version
-
-    def newer(self, have: int) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
-        with self._lock:
-            snapshot = self._subscriber.poll(have)
-            if snapshot is None:
-                return None
-            with snapshot:
-                return snapshot.version, [(n, t.clone()) for n, t in snapshot.tensors()]
-
-    def wait_first(self, timeout: float) -> None:
-        """Return once a version is published; :class:`Timeout` after ``timeout`` s."""
-        deadline = time.monotonic() + timeout
-        while self.newer(-1) is None:
-            if time.monotonic() > deadline:
-                raise Timeout(f"the trainer published no weights in {timeout:g}s")
-            time.sleep(_POLL_S)
-
-
-class _Done(msgspec.Struct, frozen=True, tag=True):
-    stage_samples: dict[str, int]
-
-
-class _Failed(msgspec.Struct, frozen=True, tag=True):
-    stage: str
-    message: str
-    traceback: str
-
-
-_REPORT = msgspec.json.Decoder(_Done | _Failed)
-
-
 class Disaggregated:
     """The trainer's handle on a disaggregated run: the hub, the weight channel and the
     rollout process, started before the warm-up (module docstring). The trainer's own
@@ -160,26 +98,29 @@ class Disaggregated:
             raise
         try:
             samples = (cfg.steps - start_step) * cfg.prompts_per_step * cfg.group_size
-            ctx = mp.get_context("spawn")
-            self._conn, child = ctx.Pipe()
-            self._process = ctx.Process(
-                target=rollout_main,
-                args=(msgspec.json.encode(cfg), self.hub.address, channel, cores),
-                kwargs={"start_step": start_step, "samples": samples, "conn": child},
-                name="flowrl-rollout",
+            job = RolloutJob(
+                cores=cores.rollout, threads=cores.threads, start_step=start_step, samples=samples
             )
-            self._process.start()
-            child.close()
+            self._rollout = RolloutProcess(cfg, self.hub.address, channel, job)
         except BaseException:
             self.hub.close()
             self._publisher.close()
             raise
-        self._report: _Done | _Failed | None = None
 
     @property
     def pid(self) -> int | None:
         """The rollout process's id."""
-        return self._process.pid
+        return self._rollout.pid
+
+    def wait_ready(self, timeout: float) -> float:
+        """Wait until the rollout process is ready to generate (it only lacks the first
+        version); returns the seconds waited. Raises its failure, or :class:`Timeout`."""
+        t0 = time.perf_counter()
+        ready = self._rollout.wait_ready(timeout)
+        self.check()
+        if not ready:
+            raise Timeout(f"the rollout process was not ready within {timeout:g}s")
+        return time.perf_counter() - t0
 
     def start(self) -> None:
         """The warm-up is over: the trainer takes its own cores."""
@@ -191,99 +132,21 @@ class Disaggregated:
 
     def check(self) -> None:
         """Raise the rollout process's failure, or its death, if it failed or died."""
-        report = self._receive(0)
-        if isinstance(report, _Failed):
-            raise StageError(
-                f"the rollout process failed: {report.message}\n{report.traceback}",
-                stage=report.stage,
-            )
-        if report is None and not self._process.is_alive():
-            raise StageError(
-                f"the rollout process died (exit code {self._process.exitcode}) without a report",
-                stage="Rollout",
-            )
+        error = self._rollout.failure()
+        if error is not None:
+            raise error
 
     def finish(self, timeout: float = 60.0) -> dict[str, int]:
         """Wait for the rollout process's report after the last step: its stages' sample
         counts."""
-        report = self._receive(timeout)
+        counts = self._rollout.wait(timeout)
         self.check()
-        if not isinstance(report, _Done):
+        if counts is None:
             raise Timeout(f"the rollout process did not finish within {timeout:g}s")
-        return report.stage_samples
+        return counts
 
     def close(self) -> None:
         """Stop the rollout process (if running), then the weight channel and the hub."""
-        if self._process.is_alive():
-            with contextlib.suppress(OSError):
-                self._conn.send("stop")
-            self._process.join(30)
-            if self._process.is_alive():
-                self._process.kill()
-                self._process.join()
-        self._conn.close()
+        self._rollout.close()
         self._publisher.close()
         self.hub.close()
-
-    def _receive(self, timeout: float) -> _Done | _Failed | None:
-        if self._report is None and self._conn.poll(timeout):
-            with contextlib.suppress(EOFError):
-                self._report = _REPORT.decode(self._conn.recv_bytes())
-        return self._report
-
-
-def rollout_main(
-    cfg_json: bytes,
-    address: str,
-    channel: str,
-    cores: Cores,
-    *,
-    start_step: int,
-    samples: int,
-    conn: Connection,
-) -> None:
-    """The rollout process: generate ``samples`` samples (from ``start_step``'s problems)
-    into the hub at ``address`` with the weights of ``channel``, on ``cores.rollout``; report how
-    it went on ``conn`` (a stop message there ends it early)."""
-    report: _Done | _Failed
-    try:
-        report = _generate(cfg_json, address, channel, cores, start_step, samples, conn)
-    except BaseException as exc:
-        stage = getattr(exc, "stage", "") or "Rollout"
-        report = _Failed(stage, f"{type(exc).__name__}: {exc}", traceback.format_exc())
-    with contextlib.suppress(OSError):  # the trainer is gone
-        conn.send_bytes(msgspec.json.encode(report))
-
-
-def _generate(
-    cfg_json: bytes,
-    address: str,
-    channel: str,
-    cores: Cores,
-    start_step: int,
-    samples: int,
-    conn: Connection,
-) -> _Done:
-    pin(cores.rollout, cores.threads)
-    cfg = msgspec.json.decode(cfg_json, type=GRPOConfig)
-    torch.manual_seed(cfg.seed)
-    max_new = max_new_tokens(cfg)
-    with contextlib.ExitStack() as stack:
-        hub = flowrl.connect(address)
-        stack.callback(hub.close)
-        subscriber = WeightSubscriber(channel)
-        stack.callback(subscriber.close)
-        weights = SubscribedWeights(subscriber)
-        first = start_step * cfg.prompts_per_step * cfg.group_size
-        backend = RolloutBackend(cfg, weights, build_model(cfg), max_new, first_sample=first)
-        stack.callback(backend.close)
-        task = make_task(cfg, cfg.seed)
-        pipe = rollout_pipeline(cfg, task, backend, None, start_step=start_step)
-        weights.wait_first(_FIRST_VERSION_S)
-        run = pipe.start(hub, max_samples=samples)
-        while not run.done():
-            if conn.poll(_POLL_S):  # the trainer is done, or failed
-                run.stop()
-                break
-        result = run.result(timeout=60)
-        return _Done({n: s.samples for n, s in result.stages.items()})

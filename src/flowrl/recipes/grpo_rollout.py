@@ -54,7 +54,7 @@ __all__ = ["BuiltinSampler", "EngineSampler", "RolloutBackend", "Sampler", "Weig
 class WeightSource(Protocol):
     """Where the samplers get the newest published weights: the trainer's
     :class:`~flowrl.WeightStore` in its process, or a shared-memory subscriber in a
-    rollout process of its own (``flowrl.recipes.grpo_placement``)."""
+    rollout process of its own (``flowrl.recipes.grpo_rollout_process``)."""
 
     def pull(self, model: torch.nn.Module, have: int) -> int:
         """Load the newest version into ``model`` if it is not ``have``; returns it."""

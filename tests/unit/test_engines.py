@@ -353,3 +353,18 @@ def test_train_batch_pack_validates_and_splits() -> None:
         TrainBatch.pack([[4, 5]], [[6, 7]], advantages=[1.0, 2.0])
     with pytest.raises(ConfigError, match="at least one token"):
         TrainBatch.pack([[]], [[6, 7]])
+
+
+def test_per_request_draws_follow_the_distribution_and_skip_zero_probability_tokens() -> None:
+    """Seeded requests draw by the inverse of their CDF (one uniform from each request's
+    own generator) instead of a torch.multinomial per row: the same distribution."""
+    from flowrl.engines.torch_rollout import _draw, _Running
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0]] * 4000)
+    rows = [_Running(None, np.random.default_rng(i)) for i in range(4000)]  # type: ignore[arg-type]
+    tokens = _draw(probs, rows).numpy()
+    counts = np.bincount(tokens, minlength=6) / tokens.size
+    assert counts[[0, 2, 5]].tolist() == [0, 0, 0]  # never a token of probability 0
+    np.testing.assert_allclose(counts, probs[0].numpy(), atol=0.03)  # 4.4 standard errors
+    again = _draw(probs[:3], [_Running(None, np.random.default_rng(i)) for i in range(3)])  # type: ignore[arg-type]
+    assert again.tolist() == tokens[:3].tolist()  # each row's own stream

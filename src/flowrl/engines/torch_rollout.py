@@ -42,7 +42,7 @@ __all__ = ["TorchRolloutEngine"]
 @dataclass(eq=False)
 class _Running:
     request: GenerationRequest
-    generator: torch.Generator | None
+    generator: np.random.Generator | None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -158,11 +158,11 @@ class TorchRolloutEngine(RolloutEngine):
 
     def _request_generator(
         self, request: GenerationRequest, params: SamplingParams
-    ) -> torch.Generator | None:
+    ) -> np.random.Generator | None:
         seed = request.seed(params.seed)
         if seed is None or params.temperature == 0:
             return None
-        return torch.Generator().manual_seed(seed)
+        return np.random.default_rng(seed)
 
     def _prefill(self, cohort: _Cohort) -> list[Completion]:
         """Start a cohort: rows whose prefix already ended return now, the rest prefill."""
@@ -218,8 +218,7 @@ class TorchRolloutEngine(RolloutEngine):
             if rows[0].generator is None:
                 tok = torch.multinomial(probs, 1, generator=self._generator).squeeze(1)
             else:
-                pairs = zip(probs, rows, strict=True)
-                tok = torch.cat([torch.multinomial(p, 1, generator=r.generator) for p, r in pairs])
+                tok = _draw(probs, rows)
         return tok, logp.gather(1, tok[:, None]).squeeze(1)
 
     @staticmethod
@@ -232,6 +231,17 @@ class TorchRolloutEngine(RolloutEngine):
             if cohort.logits is not None:
                 cohort.logits = cohort.logits[picked]
         cohort.rows = rows
+
+
+def _draw(probs: Tensor, rows: list[_Running]) -> Tensor:
+    """One token per row, each drawn with its row's own generator (so a row's tokens do
+    not depend on its batch): one uniform each, then the inverse of the rows' CDFs at
+    once (a ``torch.multinomial`` per row cost 60 us here, 15x this per step)."""
+    # in (0, 1]: never lands on a token of probability 0 (a flat stretch of the CDF)
+    u = np.fromiter((1.0 - r.generator.random() for r in rows), np.float64, len(rows))  # type: ignore[union-attr]
+    cdf = probs.cumsum(-1)
+    at = torch.from_numpy(u).to(cdf.dtype)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, at).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 def _ends_with(prefix: np.ndarray, eos: int | None) -> bool:

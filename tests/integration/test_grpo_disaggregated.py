@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -88,65 +89,50 @@ def test_disaggregated_run_trains_each_sample_once_with_new_weights(
         assert cores["rollout"] == cores["trainer"]
 
 
-def test_a_rollout_process_that_dies_fails_the_trainer() -> None:
+@pytest.fixture
+def split() -> Iterator[Disaggregated]:
+    """A rollout process started for a small run (it waits for version 0), closed after."""
     cfg = GRPOConfig(placement="disaggregated", steps=2, prompts_per_step=2, group_size=4)
     cores = plan_cores(cfg)
     assert cores is not None
-    split = Disaggregated(cfg, cores, start_step=0)  # the rollout waits for version 0
-    try:
-        split.check()  # alive, nothing to report
-        assert split.pid is not None
-        os.kill(split.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        with pytest.raises(StageError, match=r"the rollout process died \(exit code -9\)"):
-            while time.monotonic() < deadline:
-                split.check()
-                time.sleep(0.05)
-    finally:
-        split.close()
+    started = Disaggregated(cfg, cores, start_step=0)
+    yield started
+    started.close()
 
 
-def test_the_trainer_waits_until_the_rollout_process_is_ready() -> None:
-    cfg = GRPOConfig(placement="disaggregated", steps=2, prompts_per_step=2, group_size=4)
-    cores = plan_cores(cfg)
-    assert cores is not None
-    split = Disaggregated(cfg, cores, start_step=0)
-    try:
-        assert split.pid is not None
-        os.kill(split.pid, signal.SIGSTOP)  # still importing: it cannot have said ready
-        with pytest.raises(Timeout, match=r"the rollout process was not ready within 0\.5s"):
-            split.wait_ready(0.5)
-        os.kill(split.pid, signal.SIGCONT)
-        assert split.wait_ready(120) >= 0  # ready: connected, model built
-        split.check()  # and alive, waiting for the first version
-        split.wait_ready(0)  # ready stays ready
-    finally:
-        split.close()
+def test_a_rollout_process_that_dies_fails_the_trainer(split: Disaggregated) -> None:
+    split.check()  # alive, nothing to report
+    assert split.pid is not None
+    os.kill(split.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    with pytest.raises(StageError, match=r"the rollout process died \(exit code -9\)"):
+        while time.monotonic() < deadline:
+            split.check()
+            time.sleep(0.05)
 
 
-def test_a_rollout_process_that_dies_before_it_is_ready_fails_the_wait() -> None:
-    cfg = GRPOConfig(placement="disaggregated", steps=2, prompts_per_step=2, group_size=4)
-    cores = plan_cores(cfg)
-    assert cores is not None
-    split = Disaggregated(cfg, cores, start_step=0)
-    try:
-        assert split.pid is not None
-        os.kill(split.pid, signal.SIGKILL)
-        with pytest.raises(StageError, match=r"the rollout process died \(exit code -9\)"):
-            split.wait_ready(120)  # its death, not a Timeout
-    finally:
-        split.close()
+def test_the_trainer_waits_until_the_rollout_process_is_ready(split: Disaggregated) -> None:
+    assert split.pid is not None
+    os.kill(split.pid, signal.SIGSTOP)  # still importing: it cannot have said ready
+    with pytest.raises(Timeout, match=r"the rollout process was not ready within 0\.5s"):
+        split.wait_ready(0.5)
+    os.kill(split.pid, signal.SIGCONT)
+    assert split.wait_ready(120) >= 0  # ready: connected, model built
+    split.check()  # and alive, waiting for the first version
+    split.wait_ready(0)  # ready stays ready
 
 
-def test_a_rollout_process_that_fails_after_it_is_ready_reports_why() -> None:
-    cfg = GRPOConfig(placement="disaggregated", steps=2, prompts_per_step=2, group_size=4)
-    cores = plan_cores(cfg)
-    assert cores is not None
-    split = Disaggregated(cfg, cores, start_step=0)
-    try:
-        split.publish([("bogus", torch.zeros(1))], 0)  # no such weight: its workers fail
-        # its "ready", then its report, then its exit: the report is read, not lost
-        with pytest.raises(StageError, match=r"the rollout process failed: .*'bogus'"):
-            split.finish(120)
-    finally:
-        split.close()
+def test_a_rollout_process_that_dies_before_it_is_ready_fails_the_wait(
+    split: Disaggregated,
+) -> None:
+    assert split.pid is not None
+    os.kill(split.pid, signal.SIGKILL)
+    with pytest.raises(StageError, match=r"the rollout process died \(exit code -9\)"):
+        split.wait_ready(120)  # its death, not a Timeout
+
+
+def test_a_rollout_process_that_fails_after_it_is_ready_reports_why(split: Disaggregated) -> None:
+    split.publish([("bogus", torch.zeros(1))], 0)  # no such weight: its workers fail
+    # its "ready", then its report, then its exit: the report is read, not lost
+    with pytest.raises(StageError, match=r"the rollout process failed: .*'bogus'"):
+        split.finish(120)

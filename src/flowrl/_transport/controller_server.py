@@ -291,11 +291,11 @@ class ControllerServer:
                 )
             # (a client's own pools never ask for more: small puts ahead_cap, a batched
             # put_async whole puts within next_cap)
-            if msg.ahead > max(self.ahead_cap, self.next_cap - msg.n):
+            cap = max(self.ahead_cap, self.next_cap - msg.n)
+            if msg.ahead > cap:
                 raise ConfigError(
-                    f"Reserve ahead={msg.ahead} exceeds this hub's cap of "
-                    f"{max(self.ahead_cap, self.next_cap - msg.n)} indices reserved ahead for "
-                    f"a put of {msg.n}"
+                    f"Reserve ahead={msg.ahead} exceeds this hub's cap of {cap} indices "
+                    f"reserved ahead for a put of {msg.n}"
                 )
             if msg.give_back is not None:  # idempotent: a parked retry aborts nothing twice
                 ctl.abort(msg.give_back)

@@ -164,3 +164,50 @@ def test_forgotten_and_scoped_tasks_survive_a_crash(tmp_path: Path) -> None:
     again.register_task("score", ["x"])  # the name is free again
     assert again.statistics().tasks["score"].ready == 2
     again.close()
+
+
+@pytest.mark.parametrize("snapshot", [False, True], ids=["replayed", "from-snapshot"])
+def test_a_reopened_hub_does_not_bring_back_a_task_unregistered_since(
+    tmp_path: Path, snapshot: bool
+) -> None:
+    # The program that reopens its journal passes the tasks it was started with; one it
+    # unregistered since must stay so (registered anew it would take its own acked
+    # samples, still live for the other task, as new: delivered twice).
+    config = HubConfig(capacity=64, journal=JournalConfig(path=str(tmp_path)))
+    tasks = {"train": ["x"], "score": ["x"]}
+    hub = flowrl.Hub(COLS, tasks=tasks, config=config)
+    hub.put(rows(4))
+    hub.ack(hub.claim("score", 4, timeout=GUARD))
+    hub.unregister_task("score")
+    hub.register_task("late", ["x"])
+    hub.unregister_task("late")
+    hub.register_task("late", ["x"])  # registered again since: stays
+    if snapshot:
+        hub._control.journal.compact(hub.controller)  # type: ignore[attr-defined]
+    abandon(hub)
+    again = flowrl.Hub(COLS, tasks={**tasks, "late": ["x"]}, config=config)
+    assert set(again.statistics().tasks) == {"train", "late"}
+    assert again.statistics().tasks["train"].ready == 4
+    again.register_task("score", ["x"])  # asked for by name: a new task, as before
+    again.close()
+    fresh = flowrl.Hub(COLS, tasks=tasks, config=HubConfig(capacity=64))
+    assert set(fresh.statistics().tasks) == {"train", "score"}  # no journal: all of them
+    fresh.close()
+
+
+def test_a_launched_hub_reopening_its_journal_does_not_bring_back_a_task(tmp_path: Path) -> None:
+    config = HubConfig(capacity=64, journal=JournalConfig(path=str(tmp_path)))
+    tasks = {"train": ["x"], "score": ["x"]}
+    hub = flowrl.launch_hub(COLS, tasks=tasks, config=config)
+    try:
+        hub.put(rows(4))
+        hub.ack(hub.claim("score", 4, timeout=GUARD))
+        hub.unregister_task("score")
+    finally:
+        hub.close()
+    again = flowrl.launch_hub(COLS, tasks=tasks, config=config)
+    try:
+        assert set(again.statistics().tasks) == {"train"}
+        assert again.statistics().tasks["train"].ready == 4
+    finally:
+        again.close()

@@ -73,8 +73,8 @@ class Hub(HubClient):
         self.controller.add_columns(self.schema.columns())
         self._control = LocalControl(self.controller, self.schema, self.units, self._journal)
         self._data = LocalData(self.units, self._control.check_open, self._control.commit)
-        for task, cols in tasks.items():
-            self.register_task(task, cols)
+        with self.controller.cond:
+            self.controller.register_opening_tasks(tasks)
 
     def _evict(self, indices: np.ndarray, units: np.ndarray) -> None:
         for unit, pos in _split_by_unit(units):

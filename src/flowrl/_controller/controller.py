@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -89,6 +89,7 @@ class Controller:
         self.counters = Counters(self)
         self.log.sinks.append(self.counters)
         self.tasks: dict[str, TaskState] = {}
+        self.unregistered: set[str] = set()  # tasks unregistered and not registered since
         self.waiters = Waiters(self.log, self.tasks)
         self.cond = self.waiters.cond
         self.leases = Leases(self.tasks, capacity, self._emit)
@@ -160,7 +161,16 @@ class Controller:
             state.status[ready] = READY
             state.queue.push_back(np.sort(t.owner[ready]))
         self.tasks[task] = state
+        self.unregistered.discard(task)
         self._emit(TaskRegistered, task=task, columns=columns, partition=partition)
+
+    def register_opening_tasks(self, tasks: Mapping[str, Sequence[str]]) -> None:
+        """Register the tasks a hub is opened with, but not those its journal shows were
+        unregistered since (registered again, such a task would see every live sample as
+        new, its own consumed ones too)."""
+        for task, columns in tasks.items():
+            if task not in self.unregistered:
+                self.register_task(task, tuple(columns))
 
     def unregister_task(self, task: str) -> np.ndarray:
         """Forget a task; returns the indices evicted as a result (the samples every other
@@ -177,6 +187,7 @@ class Controller:
                 "samples; ack or release them first (or let them expire)"
             )
         del self.tasks[task]
+        self.unregistered.add(task)
         self.rounds.by_task.pop(task, None)
         self._emit(TaskUnregistered, task=task)
         t = self.table

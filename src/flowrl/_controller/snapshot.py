@@ -80,6 +80,7 @@ class Snapshot(msgspec.Struct, frozen=True):
     format: int = FORMAT
     producers: list[ProducerRecord] = []  # recent puts of idempotent producers
     next_partition: int = 0  # the id the next new partition name gets (0: unknown)
+    unregistered: list[str] = []  # tasks unregistered and not registered since
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -129,6 +130,7 @@ def snapshot_of(ctl: Controller) -> bytes:
         watermark=ctl.watermark,
         producers=ctl.producers.to_records(),
         next_partition=ctl.next_partition,
+        unregistered=sorted(ctl.unregistered),
     )
     return _encoder.encode(snap)
 
@@ -183,6 +185,7 @@ def restore(ctl: Controller, data: bytes, where: str) -> int:
     ctl.partitions = dict(snap.partitions)
     ctl.partition_names = {pid: name for name, pid in snap.partitions.items()}
     ctl.next_partition = snap.next_partition or max(snap.partitions.values()) + 1
+    ctl.unregistered = set(snap.unregistered)
     ctl.leases.next_id = snap.next_lease
     ctl.watermark = snap.watermark
     ctl.producers.restore(snap.producers)

@@ -79,8 +79,7 @@ class ControllerServer:
         if not (restarted and self.journal is not None):
             # (a restarted controller's journal holds them since its first start, and not
             # those unregistered since: registering them again would bring those back)
-            for task, cols in tasks.items():
-                self.ctl.register_task(task, tuple(cols))
+            self.ctl.register_opening_tasks(tasks)
         self.unit_addresses = unit_addresses
         self.events_address = events_address
         self.zctx: zmq.Context = zmq.Context.instance()

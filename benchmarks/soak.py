@@ -16,7 +16,9 @@ resumes from its own log; a killed server is restarted by the supervisor. Once e
 role has recovered, producers stop, the stream is ended and consumers drain it.
 
 Each sample's data is a function of its key (producer, put sequence, position): a
-consumer checks what it reads and logs the keys it acked; one sample in 61 is big
+consumer checks what it reads (and, after every read, the last 4 batches it read again:
+an array from ``get`` must not change while the units reuse the shared memory of evicted
+samples) and logs the keys it acked; one sample in 61 is big
 enough (72 KB) to go through the units' shared-memory arenas. The accounting compares
 the keys acked per task with the keys of the puts the producers saw answered — the
 processes' own logs, never the hub's counters: ``lost`` and ``duplicated`` must be 0.

@@ -67,7 +67,9 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
   ``stage_rounds_pipelined_per_s`` / ``stage_round_pipelined_vs_echo``: the same rounds
   pipelined as a stage worker over processes runs them (the next input claimed and read
   by a thread, each output put with ``put_async`` and answered during the next round):
-  no longer bound by 3.5 echoes a round.
+  no longer bound by 3.5 echoes a round. ``stage_rounds_prefetch8_per_s`` /
+  ``stage_round_prefetch8_vs_echo``: as a stage declared with ``prefetch=8`` runs them
+  (up to 8 inputs claimed in one request and read ahead, up to 8 outputs in flight).
 * ``--peer``: runs the TransferQueue package on the same payload in a subprocess and
   reports ``peer`` figures and ``put_get_speedup_vs_transferqueue``: samples / (put time +
   consumer-loop time) for flowrl over the same for TransferQueue (its put, get_meta and
@@ -100,6 +102,7 @@ Usage: python benchmarks/hub_throughput.py --json [--transport zmq] [--peer] [--
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import multiprocessing
@@ -488,6 +491,8 @@ def zmq_latencies(seq_len: int) -> dict:
 
 #: Network legs of a stage round: claim 2, get 2, put with ack 3 (unit hands the commit on).
 STAGE_ROUND_LEGS = 7
+#: The ``prefetch`` of the deeper pipelined stage rounds (``stage_rounds_prefetch8_*``).
+STAGE_PREFETCH = 8
 
 
 def stage_rounds(rounds: int = 2000) -> dict:
@@ -495,10 +500,10 @@ def stage_rounds(rounds: int = 2000) -> dict:
     hub = flowrl.launch_hub(
         [Column.scalar("x", "int64"), Column.scalar("y", "float32")],
         tasks={"stage": ["x"], "sink": ["y"]},
-        config=HubConfig(capacity=2 * rounds + 1024, lease_timeout=600.0),
+        config=HubConfig(capacity=3 * rounds + 1024, lease_timeout=600.0),
     )
     try:
-        hub.put({"x": np.arange(2 * rounds + 201, dtype=np.int64)})
+        hub.put({"x": np.arange(3 * rounds + 201, dtype=np.int64)})
         out = np.ones(1, dtype=np.float32)
 
         def one_round() -> None:
@@ -516,27 +521,39 @@ def stage_rounds(rounds: int = 2000) -> dict:
             one_round()
             times[i] = time.perf_counter() - t0
         cpu = time.process_time() + sum(_cpu_s(pid) for pid in pids) - cpu0
-        # Pipelined, as a stage worker over processes runs them: a thread claims and reads
-        # the next round's input while this one's output is put with put_async.
-        ahead = Prefetcher(hub, lambda: hub.claim("stage", 1, timeout=10), 1, hub.ack)
-        sent = None
-        t0 = time.perf_counter()
-        for _ in range(rounds):
-            meta, _ = ahead.take()
-            if sent is not None:
-                sent.result()
-            sent = hub.put_async({"y": out}, indices=meta, ack=meta)
-        sent.result()  # type: ignore[union-attr]
-        pipelined_s = time.perf_counter() - t0
-        ahead.close()
-        return {
+        result = {
             "stage_rounds_per_s": rounds / times.sum(),
             "stage_round_p50_ms": float(np.median(times) * 1e3),
             "stage_round_cpu_ms": cpu / rounds * 1e3,
-            "stage_rounds_pipelined_per_s": rounds / pipelined_s,
         }
+        for depth, key in ((1, "pipelined"), (STAGE_PREFETCH, f"prefetch{STAGE_PREFETCH}")):
+            result[f"stage_rounds_{key}_per_s"] = rounds / _pipelined_rounds(hub, rounds, depth)
+        return result
     finally:
         hub.close()
+
+
+def _pipelined_rounds(hub: Any, rounds: int, depth: int) -> float:
+    """Seconds for ``rounds`` stage rounds run as a stage worker over processes runs them
+    with ``prefetch=depth``: a thread claims (in one request) and reads up to ``depth``
+    rounds' inputs ahead while outputs go out with put_async, ``depth`` in flight."""
+    out = np.ones(1, dtype=np.float32)
+    ahead = Prefetcher(
+        hub, lambda room: hub.claim_batches("stage", 1, room, timeout=10), depth, hub.ack
+    )
+    sent: collections.deque[Any] = collections.deque()
+    t0 = time.perf_counter()
+    try:
+        for _ in range(rounds):
+            meta, _ = ahead.take()
+            if len(sent) == depth:
+                sent.popleft().result()
+            sent.append(hub.put_async({"y": out}, indices=meta, ack=meta))
+        for fut in sent:
+            fut.result()
+        return time.perf_counter() - t0
+    finally:
+        ahead.close()
 
 
 def _cpu_s(pid: int) -> float:
@@ -803,9 +820,10 @@ def main() -> None:
         result["stage_round_legs_vs_echo"] = ratio * STAGE_ROUND_LEGS / 2
         if args.auth_rounds:
             result.update(auth_rounds(args.samples, args.seq_len, args.batch, args.auth_rounds))
-        result["stage_round_pipelined_vs_echo"] = (
-            result["stage_rounds_pipelined_per_s"] / result["zmq_echo_round_trips_per_s"]
-        )
+        for key in ("pipelined", f"prefetch{STAGE_PREFETCH}"):
+            result[f"stage_round_{key}_vs_echo"] = (
+                result[f"stage_rounds_{key}_per_s"] / result["zmq_echo_round_trips_per_s"]
+            )
     if args.peer:
         result.update(
             peer_rounds(args.samples, args.seq_len, args.batch, args.peer_rounds, args.busy)

@@ -98,6 +98,17 @@ def dies_in_its_third_round(batch):
     return {"y": batch.numpy("x") * 2}
 
 
+@stage(inputs=["x"], outputs=[Y], batch_size=1, prefetch=4, lease_timeout=1.0)
+def dies_with_rounds_in_flight(batch):
+    """One worker's sixth round SIGKILLs its process: up to four outputs may be in flight
+    and four batches claimed (in one request) and read ahead."""
+    rounds = int(os.environ.get("FLOWRL_TEST_ROUNDS", "0")) + 1
+    os.environ["FLOWRL_TEST_ROUNDS"] = str(rounds)
+    if rounds == 6 and _mark("sixth_round", batch.indices, once=True):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"y": batch.numpy("x") * 2}
+
+
 @stage(inputs=["x"], outputs=[Y], batch_size=4, lease_timeout=1.0)
 def always_dies(batch):
     _mark("always_dies", batch.indices, once=False)
@@ -249,6 +260,15 @@ def test_a_worker_killed_mid_round_loses_and_repeats_nothing_of_its_pipelined_ro
     monkeypatch.setenv(KILLS, str(tmp_path))
     _forty_with_one_death(Pipeline([forty, dies_in_its_third_round]), "dies_in_its_third_round")
     assert (tmp_path / "third_round").exists()  # it did die mid-round
+
+
+def test_a_worker_killed_with_rounds_prefetched_and_in_flight_loses_and_repeats_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(KILLS, str(tmp_path))
+    pipe = Pipeline([forty, dies_with_rounds_in_flight])
+    _forty_with_one_death(pipe, "dies_with_rounds_in_flight")
+    assert (tmp_path / "sixth_round").exists()
 
 
 def test_deaths_past_max_restarts_fail_the_run(

@@ -44,6 +44,8 @@ def test_error_names_the_exact_decoration_line() -> None:
         ({"inputs": ["x"], "batch_size": 2, "workers": 0}, ConfigError, "workers must be"),
         ({"inputs": ["x"], "batch_size": 2, "min_batch": 3}, ConfigError, "min_batch"),
         ({"inputs": ["x"], "batch_size": 2, "lease_timeout": 0}, ConfigError, "lease_timeout"),
+        ({"inputs": ["x"], "batch_size": 2, "prefetch": 0}, ConfigError, "prefetch must be"),
+        ({"inputs": ["x"], "batch_size": 2, "prefetch": 2.0}, ConfigError, "prefetch must be"),
         ({"inputs": ["x"], "batch_size": 2, "sampler": "fifo"}, ConfigError, "flowrl Sampler"),
         (
             {"inputs": ["x"], "batch_size": 2, "sampler": BalancedSampler(2)},
@@ -73,6 +75,14 @@ def test_bad_options_are_rejected_with_stage_and_location(
 
     _check(str(info.value), "reward")
     assert text in str(info.value)
+
+
+def test_prefetch_applies_to_consuming_stages_only() -> None:
+    with pytest.raises(ConfigError, match="prefetch applies to consuming stages only"):
+
+        @stage(outputs=["y"], batch_size=2, prefetch=4)
+        def source():
+            return {}
 
 
 def test_consumer_must_take_one_batch_argument() -> None:

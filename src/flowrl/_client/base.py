@@ -417,19 +417,61 @@ class HubClient:
         :class:`~flowrl.errors.Timeout` when time runs out and
         :class:`~flowrl.errors.EndOfStream` once nothing more will become ready.
         """
+        args = (sampler, columns, min_n, timeout, dp_rank, lease_timeout, consumer)
+        return self._claim("claim()", task, n, 1, *args)[0]
+
+    def claim_batches(
+        self,
+        task: str,
+        n: int,
+        batches: int,
+        *,
+        sampler: Sampler | None = None,
+        columns: Sequence[str] | None = None,
+        min_n: int | None = None,
+        timeout: float | None = None,
+        dp_rank: int = 0,
+        lease_timeout: float | None = None,
+        consumer: str = "",
+    ) -> list[BatchMeta]:
+        """Up to ``batches`` micro-batches of ``n`` for ``task`` in one round trip, each
+        its own lease (ack or release each): the first as :meth:`claim` takes it
+        (waiting up to ``timeout``), then as many more as are ready at once, as that many
+        claims in a row with ``timeout=0`` would take them, up to the first that finds
+        none. A consumer of small micro-batches that claims ahead pays one round trip for
+        several (``Loader(prefetch=...)`` and a stage's ``prefetch`` use it).
+        """
+        args = (sampler, columns, min_n, timeout, dp_rank, lease_timeout, consumer)
+        return self._claim("claim_batches()", task, n, batches, *args)
+
+    def _claim(
+        self,
+        what: str,
+        task: str,
+        n: int,
+        batches: int,
+        sampler: Sampler | None,
+        columns: Sequence[str] | None,
+        min_n: int | None,
+        timeout: float | None,
+        dp_rank: int,
+        lease_timeout: float | None,
+        consumer: str,
+    ) -> list[BatchMeta]:
         self._control.raise_policy_error()
         if not isinstance(task, str):
-            raise ConfigError(f"claim() task must be a str, got {task!r}")
-        n = int_in(n, 1, "claim() n must be a positive int")
+            raise ConfigError(f"{what} task must be a str, got {task!r}")
+        n = int_in(n, 1, f"{what} n must be a positive int")
+        batches = int_in(batches, 1, f"{what} batches must be a positive int")
         if min_n is not None:
-            min_n = int_in(min_n, 1, f"claim() min_n must be an int in [1, n={n}]", high=n)
-        timeout = check_seconds(timeout, "claim() timeout", allow_zero=True)
-        lease_timeout = check_seconds(lease_timeout, "claim() lease_timeout", allow_zero=False)
-        dp_rank = int_in(dp_rank, 0, "claim() dp_rank must be an int >= 0")
+            min_n = int_in(min_n, 1, f"{what} min_n must be an int in [1, n={n}]", high=n)
+        timeout = check_seconds(timeout, f"{what} timeout", allow_zero=True)
+        lease_timeout = check_seconds(lease_timeout, f"{what} lease_timeout", allow_zero=False)
+        dp_rank = int_in(dp_rank, 0, f"{what} dp_rank must be an int >= 0")
         if not isinstance(consumer, str):
-            raise ConfigError(f"claim() consumer must be a str, got {consumer!r}")
+            raise ConfigError(f"{what} consumer must be a str, got {consumer!r}")
         if sampler is not None and not isinstance(sampler, Sampler):
-            raise ConfigError(f"claim() sampler must be a flowrl Sampler, got {sampler!r}")
+            raise ConfigError(f"{what} sampler must be a flowrl Sampler, got {sampler!r}")
         cols = None if columns is None else self.schema.check_names(columns, f"claim({task!r})")
         cmd = Claim(
             task=task,
@@ -440,6 +482,7 @@ class HubClient:
             dp_rank=dp_rank,
             lease_timeout=lease_timeout,
             consumer=consumer,
+            more=batches - 1,
         )
         return self._control.claim(cmd, sampler or _FIFO)
 
@@ -450,17 +493,46 @@ class HubClient:
 
     def get(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> Batch:
         """Read the columns of a claimed batch straight from the storage units."""
-        self._check_handle(meta, "get()")
-        cols = meta.columns if columns is None else self.schema.check_names(columns, "get()")
-        if len(meta) == 0:
-            empty = {c: pa.array([], type=self.schema[c].arrow_type) for c in cols}
-            return Batch(meta, empty, self.schema.by_name)
-        parts = list(_split_by_unit(meta.units))
-        results = self._data.read_many(
-            [(unit, _part(meta.indices, pos)) for unit, pos in parts], cols
-        )
-        arrays = _in_request_order(parts, results)
-        return Batch(meta, arrays, self.schema.by_name)
+        return self._get([meta], columns, "get()")[0]
+
+    def get_batches(
+        self, metas: Sequence[BatchMeta], columns: Sequence[str] | None = None
+    ) -> list[Batch]:
+        """:meth:`get` of several batches (those of :meth:`claim_batches`, say): every
+        storage unit's request is sent before any answer is awaited, so they cost one wait
+        rather than one each."""
+        if isinstance(metas, BatchMeta) or not isinstance(metas, Sequence):
+            raise ConfigError(f"get_batches() expects a list of BatchMeta, got {metas!r}")
+        return self._get(metas, columns, "get_batches()")
+
+    def _get(
+        self, metas: Sequence[BatchMeta], columns: Sequence[str] | None, what: str
+    ) -> list[Batch]:
+        wanted = None if columns is None else self.schema.check_names(columns, what)
+        plans = []  # per batch: its columns and its parts by unit (None: empty)
+        for meta in metas:
+            self._check_handle(meta, what)
+            cols = meta.columns if wanted is None else wanted
+            plans.append((cols, list(_split_by_unit(meta.units)) if len(meta) else None))
+        read = {cols for cols, parts in plans if parts is not None}
+        if len(read) > 1:
+            raise ConfigError(f"{what}: the batches have different columns; pass columns=")
+        requests = [
+            (unit, _part(meta.indices, pos))
+            for meta, (_, parts) in zip(metas, plans, strict=True)
+            for unit, pos in parts or ()
+        ]
+        results = self._data.read_many(requests, read.pop()) if requests else []
+        batches, at = [], 0
+        for meta, (cols, parts) in zip(metas, plans, strict=True):
+            if parts is None:
+                empty = {c: pa.array([], type=self.schema[c].arrow_type) for c in cols}
+                batches.append(Batch(meta, empty, self.schema.by_name))
+                continue
+            arrays = _in_request_order(parts, results[at : at + len(parts)])
+            at += len(parts)
+            batches.append(Batch(meta, arrays, self.schema.by_name))
+        return batches
 
     # -- partial rollouts -------------------------------------------------------------------
     def append(

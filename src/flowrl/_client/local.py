@@ -139,16 +139,16 @@ class LocalControl(ControlPort):
                 for unit in self.units:  # the bytes it made ready are readable
                     unit.settle(put_id, True)
 
-    def claim(self, cmd: Claim, sampler: Sampler) -> BatchMeta:
+    def claim(self, cmd: Claim, sampler: Sampler) -> list[BatchMeta]:
         ctl = self.controller
         timeout = cmd.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         with ctl.cond:
             self._begin()
             while True:
-                meta = ctl.try_claim(cmd, sampler)
-                if meta is not None:
-                    return meta
+                metas = ctl.try_claim_batches(cmd, sampler)
+                if metas is not None:
+                    return metas
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     if timeout == 0:

@@ -86,7 +86,8 @@ class ControlPort(abc.ABC):
     def commit(self, cmd: Commit) -> None: ...
 
     @abc.abstractmethod
-    def claim(self, cmd: Claim, sampler: Sampler) -> BatchMeta: ...
+    def claim(self, cmd: Claim, sampler: Sampler) -> list[BatchMeta]:
+        """The claim's micro-batch, then up to ``cmd.more`` more ready at once."""
 
     @abc.abstractmethod
     def meta(self, cmd: MetaOf) -> BatchMeta: ...

@@ -416,6 +416,23 @@ class Controller:
             del self.partitions[name], self.partition_names[pid]
 
     # -- consumers --------------------------------------------------------------------------
+    def try_claim_batches(self, cmd: Claim, sampler: Sampler) -> list[BatchMeta] | None:
+        """``try_claim``, then up to ``cmd.more`` further micro-batches ready now, each its
+        own lease: what that many claims in a row that do not wait would take."""
+        first = self.try_claim(cmd, sampler)
+        if first is None:
+            return None
+        metas = [first]
+        for _ in range(cmd.more):
+            try:
+                meta = self.try_claim(cmd, sampler)
+            except EndOfStream:  # (the next claim raises it)
+                break
+            if meta is None:
+                break
+            metas.append(meta)
+        return metas
+
     def try_claim(self, cmd: Claim, sampler: Sampler) -> BatchMeta | None:
         """Lease up to ``n`` samples, or return None when fewer than ``min_n`` are ready.
 

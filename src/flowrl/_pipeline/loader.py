@@ -159,6 +159,8 @@ class Loader:
             meta, batch = self._next_batch()
         except StopIteration:
             self._ended = True
+            if self._prefetch is not None:  # the last batch's ack, sent before the end shows
+                self._prefetch.wait_acked()
             raise
         finally:
             waited = time.perf_counter() - t0
@@ -176,24 +178,26 @@ class Loader:
             return self._prefetch.take()
         meta = None
         while meta is None:
-            meta = self._drop_skipped(self._claim())
+            meta = self._drop_skipped(self._claim()[0])
         try:
             return meta, self.hub.get(meta)
         except BaseException:
             self.hub.release(meta)
             raise
 
-    def _claim_ahead(self) -> BatchMeta:
-        """The prefetch thread's claim (batches a checkpoint covers are skipped)."""
-        meta = None
-        while meta is None:
-            meta = self._drop_skipped(self._claim(self._stopping))
-        return meta
+    def _claim_ahead(self, room: int) -> list[BatchMeta]:
+        """The prefetch thread's claim of up to ``room`` batches (those a checkpoint
+        covers are skipped)."""
+        metas: list[BatchMeta] = []
+        while not metas:
+            claimed = self._claim(self._stopping, room)
+            metas = [m for m in map(self._drop_skipped, claimed) if m is not None]
+        return metas
 
     def _stopping(self) -> bool:
         return self._prefetch is not None and self._prefetch.stopping
 
-    def _claim(self, stop: Callable[[], bool] | None = None) -> BatchMeta:
+    def _claim(self, stop: Callable[[], bool] | None = None, batches: int = 1) -> list[BatchMeta]:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
             if stop is not None and stop():
@@ -206,9 +210,10 @@ class Loader:
                 ) from self._error
             left = None if deadline is None else deadline - time.monotonic()
             try:
-                return self.hub.claim(
+                return self.hub.claim_batches(
                     self.task,
                     self.batch_size,
+                    batches,
                     sampler=self.sampler,
                     timeout=POLL_S if left is None else min(POLL_S, max(left, 1e-3)),
                     # (a rank of a balanced global batch; unbalanced, ranks just claim)

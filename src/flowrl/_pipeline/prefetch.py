@@ -5,7 +5,10 @@ A consumer that claims, reads and acks one micro-batch at a time waits three rou
 between micro-batches; over processes on a busy machine each is a wait for a scheduler
 slice as well. A :class:`Prefetcher` holds up to ``depth`` leased batches ready (already
 read), so ``take`` returns at once while the stream keeps up, and sends the consumer's
-acks itself.
+acks itself. It claims every batch it has room for in one request
+(``HubClient.claim_batches``: each its own lease) and reads them together
+(``HubClient.get_batches``), so a consumer of small micro-batches pays one round trip for
+several.
 
 Exactly-once holds as without it: a batch counts as consumed only when the consumer
 acks it (``ack``, sent in order by the thread; a failed ack is raised by the consumer's
@@ -38,14 +41,14 @@ class Stopped(Exception):
 
 
 class Prefetcher:
-    """Claims ahead with ``claim()`` (a BatchMeta; raises StopIteration at the end of the
-    stream, Stopped once ``stopping`` is set, or an error the consumer should see) and
-    reads each batch with ``hub.get``."""
+    """Claims ahead with ``claim(room)`` (1 to ``room`` BatchMetas, each its own lease;
+    raises StopIteration at the end of the stream, Stopped once ``stopping`` is set, or an
+    error the consumer should see) and reads them with ``hub.get_batches``."""
 
     def __init__(
         self,
         hub: HubClient,
-        claim: Callable[[], BatchMeta],
+        claim: Callable[[int], list[BatchMeta]],
         depth: int,
         ack: Callable[[BatchMeta], None],
     ) -> None:
@@ -138,30 +141,37 @@ class Prefetcher:
                     self._cond.wait()
                 if self._stopping:
                     return
-                room = len(self._ready) < self._depth
+                room = self._depth - len(self._ready)
             self._flush_acks()
-            if not room:
+            if room <= 0:
                 continue
-            try:
-                meta = self._claim()
-            except Stopped:
+            items = self._claim_and_read(room)
+            if items is None:
                 return
-            except StopIteration:
-                item: Any = _END
-            except BaseException as exc:  # the consumer raises it, in order
-                item = exc
-            else:
-                try:
-                    item = (meta, self._hub.get(meta))
-                except BaseException as exc:
-                    with contextlib.suppress(Exception):
-                        self._hub.release(meta)
-                    item = exc
             with self._cond:
-                self._ready.append(item)
+                self._ready.extend(items)
                 self._cond.notify_all()
-            if not isinstance(item, tuple):
+            if not isinstance(items[-1], tuple):
                 return
+
+    def _claim_and_read(self, room: int) -> list[Any] | None:
+        """Up to ``room`` (meta, batch) pairs, or the end of the stream or an error as the
+        last item (None: stopped)."""
+        try:
+            metas = self._claim(room)
+        except Stopped:
+            return None
+        except StopIteration:
+            return [_END]
+        except BaseException as exc:  # the consumer raises it, in order
+            return [exc]
+        try:
+            return list(zip(metas, self._hub.get_batches(metas), strict=True))
+        except BaseException as exc:
+            for meta in metas:
+                with contextlib.suppress(Exception):
+                    self._hub.release(meta)
+            return [exc]
 
     def _flush_acks(self) -> None:
         with self._cond:

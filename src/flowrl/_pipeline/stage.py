@@ -62,6 +62,7 @@ class StageSpec(msgspec.Struct, frozen=True, kw_only=True):
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     placement_strategy: str | None = None
+    prefetch: int = 1
 
     @property
     def is_source(self) -> bool:
@@ -140,6 +141,7 @@ def stage(
     sampler: Sampler | None = None,
     min_batch: int | None = None,
     lease_timeout: float | None = None,
+    prefetch: int = 1,
     num_cpus: float = 1.0,
     num_gpus: float = 0.0,
     placement_strategy: str | None = None,
@@ -152,6 +154,10 @@ def stage(
     groups; a ``BalancedSampler(dp_size=workers)`` makes worker ``r`` data-parallel rank
     ``r``). ``min_batch``: run on fewer than ``batch_size`` samples once this many are ready.
     ``lease_timeout``: seconds one call may take before its samples go back to the hub.
+    ``prefetch``: a worker in another process than the hub's controller holds this many
+    micro-batches claimed and read ahead (claimed in one request) and this many outputs
+    in flight; raise it (e.g. 8) for small micro-batches whose round trips take longer
+    than their compute. Batches held ahead are leased: other workers cannot take them.
 
     Resources of one worker, used by ``executor="ray"`` (the other executors run where
     they are): ``num_cpus`` (default 1) and ``num_gpus`` (fractions share a device).
@@ -176,6 +182,7 @@ def stage(
         _check_columns(ins, [c.name if isinstance(c, Column) else c for c in outs], loc)
         is_class, is_gen, setup_ctx = _check_callable(obj, bool(ins), loc)
         size = _check_numbers(batch_size, workers, min_batch, lease_timeout, bool(ins), loc)
+        _check_prefetch(prefetch, bool(ins), loc)
         _check_sampler(sampler, workers, bool(ins), loc)
         _check_resources(num_cpus, num_gpus, placement_strategy, loc)
         if is_gen and workers != 1:
@@ -207,6 +214,7 @@ def stage(
             num_cpus=float(num_cpus),
             num_gpus=float(num_gpus),
             placement_strategy=placement_strategy,
+            prefetch=prefetch,
         )
 
     return decorate
@@ -305,6 +313,13 @@ def _check_numbers(
             "set it above the longest time one call may take",
         )
     return batch_size  # type: ignore[return-value]
+
+
+def _check_prefetch(prefetch: object, consumes: bool, loc: _Where) -> None:
+    if not _positive_int(prefetch):
+        raise loc.config(f"prefetch must be a positive int, got {prefetch!r}", "use e.g. 4")
+    if prefetch != 1 and not consumes:
+        raise loc.config("prefetch applies to consuming stages only", "drop prefetch=")
 
 
 def _check_sampler(sampler: object, workers: object, consumes: bool, loc: _Where) -> None:

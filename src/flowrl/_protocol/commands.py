@@ -165,6 +165,7 @@ class Claim(Command, frozen=True, tag="claim"):
     dp_rank: NonNeg = 0
     lease_timeout: PositiveSeconds | None = None
     consumer: str = ""
+    more: NonNeg = 0  # then up to this many more micro-batches ready at once, each its own lease
 
 
 class MetaOf(Command, frozen=True, tag="meta", eq=False):

@@ -311,8 +311,10 @@ class ControllerServer:
             return wire.Reserved(indices=indices.tobytes(), unit=unit, units=units)
         if msg.columns is not None:
             self.schema.check_names(msg.columns, "claim")
-        meta = ctl.try_claim(msg, wire.sampler_from_spec(msg.sampler))
-        return None if meta is None else wire.MetaReply(meta=meta.to_wire())
+        metas = ctl.try_claim_batches(msg, wire.sampler_from_spec(msg.sampler))
+        if metas is None:
+            return None
+        return wire.MetaReply(meta=metas[0].to_wire(), more=[m.to_wire() for m in metas[1:]])
 
     def _changes(self) -> Wake:
         """Which parked requests the state changes since they were last tried (expired

@@ -146,14 +146,15 @@ class RemoteControl(ControlPort):
     def commit(self, cmd: commands.Commit) -> None:
         self._call(cmd)
 
-    def claim(self, cmd: commands.Claim, sampler: Sampler) -> BatchMeta:
+    def claim(self, cmd: commands.Claim, sampler: Sampler) -> list[BatchMeta]:
         cmd = msgspec.structs.replace(cmd, sampler=wire.spec_of_sampler(sampler))
 
         def request(left: float | None) -> commands.Claim:
             return msgspec.structs.replace(cmd, timeout=left)
 
         reply = self._session.call_parked(request, cmd.timeout, f"a claim by task {cmd.task!r}")
-        return BatchMeta.from_wire(reply.meta)
+        first = BatchMeta.from_wire(reply.meta)
+        return [first, *map(BatchMeta.from_wire, reply.more)] if reply.more else [first]
 
     def meta(self, cmd: commands.MetaOf) -> BatchMeta:
         reply = self._call(cmd)

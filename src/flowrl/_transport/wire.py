@@ -322,6 +322,7 @@ class Units(_Msg, frozen=True, tag="units"):
 
 class MetaReply(_Msg, frozen=True, tag="meta_reply"):
     meta: WireMeta
+    more: list[WireMeta] = []  # a claim's further micro-batches (``Claim.more``)
 
 
 class StatsReply(_Msg, frozen=True, tag="stats_reply"):

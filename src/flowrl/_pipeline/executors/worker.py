@@ -17,6 +17,7 @@ lost), then surfaces as :class:`~flowrl.errors.StageError` chained to the cause.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import time
@@ -147,15 +148,16 @@ def _consume(
     # the claimer's own leases, and those will only expire).
     consumer = f"{spec.name}/{worker}/{uuid.uuid4().hex[:8]}"
 
-    def claim(stopping: Callable[[], bool] = stop.is_set) -> BatchMeta:
-        """The next batch; StopIteration at the end of the stream."""
+    def claim(stopping: Callable[[], bool] = stop.is_set, batches: int = 1) -> list[BatchMeta]:
+        """The next batch (up to ``batches``); StopIteration at the end of the stream."""
         while True:
             if stopping():
                 raise Stopped
             try:
-                return hub.claim(
+                return hub.claim_batches(
                     spec.name,
                     spec.batch_size,
+                    batches,
                     sampler=spec.sampler,
                     min_n=spec.min_batch,
                     timeout=POLL_S,
@@ -194,11 +196,12 @@ def _consume(
 
 class _Rounds:
     """A consuming worker's rounds. Pipelined (over processes): a thread claims and reads
-    the next batch while the stage computes this one (``Prefetcher``, one ahead), and a
-    round's output goes out with ``put_async`` (written and acked in one step, as
-    ``put``), answered while the next round computes; its answer is waited for before
-    the next output is sent, so at most one is in flight. A worker that dies loses
-    nothing: the claim read ahead and an output not committed leave leases that expire.
+    the next batches while the stage computes this one (``Prefetcher``, the stage's
+    ``prefetch`` ahead, claimed in one request), and a round's output goes out with
+    ``put_async`` (written and acked in one step, as ``put``), answered while the next
+    rounds compute; at most ``prefetch`` outputs are in flight, answered in order. A
+    worker that dies loses nothing: the claims read ahead and the outputs not committed
+    leave leases that expire.
     """
 
     def __init__(
@@ -206,16 +209,18 @@ class _Rounds:
         spec: StageSpec,
         hub: HubClient,
         counters: _Counters,
-        claim: Callable[..., BatchMeta],
+        claim: Callable[..., list[BatchMeta]],
         *,
         pipelined: bool,
     ) -> None:
         self._spec, self._hub, self._counters, self._claim = spec, hub, counters, claim
-        self._ahead = Prefetcher(hub, self._claim_ahead, 1, hub.ack) if pipelined else None
-        self._sent: tuple[PutFuture, BatchMeta] | None = None
+        depth = spec.prefetch if pipelined else 1
+        self._ahead = Prefetcher(hub, self._claim_ahead, depth, hub.ack) if pipelined else None
+        self._in_flight = depth
+        self._sent: collections.deque[tuple[PutFuture, BatchMeta]] = collections.deque()
 
-    def _claim_ahead(self) -> BatchMeta:
-        return self._claim(self._stopping)
+    def _claim_ahead(self, room: int) -> list[BatchMeta]:
+        return self._claim(self._stopping, room)
 
     def _stopping(self) -> bool:
         return self._ahead is not None and self._ahead.stopping
@@ -229,7 +234,7 @@ class _Rounds:
                 raise
             except Exception as exc:  # its read failed (the batch went back)
                 raise _stage_error(self._spec, exc, (), "reading a batch") from exc
-        meta = self._claim()
+        meta = self._claim()[0]
         try:
             return meta, self._hub.get(meta)
         except Exception as exc:
@@ -239,7 +244,8 @@ class _Rounds:
 
     def put(self, meta: BatchMeta, rows: Rows, kept: np.ndarray) -> None:
         """Write a round's outputs to ``kept`` and ack ``meta`` with them."""
-        self.settle()
+        while len(self._sent) >= self._in_flight:
+            self._settle_oldest()
         sent = self._hub.put_async(
             rows.data,
             indices=kept,
@@ -249,21 +255,24 @@ class _Rounds:
             producer=self._spec.name,
             ack=meta,
         )
-        self._sent = (sent, meta)
+        self._sent.append((sent, meta))
         if self._ahead is None:  # one round at a time: its answer now
             self.settle()
 
     def settle(self) -> None:
-        """Wait for the output in flight; count it, or count it expired (dropped)."""
-        sent, self._sent = self._sent, None
-        if sent is None:
-            return
+        """Wait for the outputs in flight."""
+        while self._sent:
+            self._settle_oldest()
+
+    def _settle_oldest(self) -> None:
+        """Wait for the oldest output in flight; count it, or count it expired (dropped)."""
+        sent, meta = self._sent.popleft()
         try:
-            sent[0].result()
+            sent.result()
         except (LeaseError, UnknownIndexError):
             _expired(self._spec, self._counters)
             return
-        self._counted(sent[1])
+        self._counted(meta)
 
     def _counted(self, meta: BatchMeta) -> None:
         self._counters.batches += 1

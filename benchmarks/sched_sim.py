@@ -59,7 +59,7 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -125,10 +125,19 @@ def _generated(seed: int):
     GPUs in two."""
     grid = itertools.product((2, 4, 6), (True, False), (True, False))
     for k, (n_modes, switch, tail) in enumerate(grid):
-        kw = dict(n_modes=n_modes, switch_costs=switch, latency_bound=tail)
-        yield 64, plan_instance(seed + k, gpus=64, requests_per_gpu=4, bucket=2048, **kw)
-        if k in (0, 5):
-            yield 128, plan_instance(seed + k, gpus=128, requests_per_gpu=4, bucket=2048, **kw)
+        for gpus in (64, 128) if k in (0, 5) else (64,):
+            yield (
+                gpus,
+                plan_instance(
+                    seed + k,
+                    gpus=gpus,
+                    requests_per_gpu=4,
+                    bucket=2048,
+                    n_modes=n_modes,
+                    switch_costs=switch,
+                    latency_bound=tail,
+                ),
+            )
 
 
 def _over_exact(milp_limit: float, seed: int) -> dict[str, object]:
@@ -195,7 +204,11 @@ def _plan_512(seed: int) -> dict[str, float]:
     c, caps = _captured(512, 32768, "tp2", (0.5,), seed)
     snap, est = caps[0]
     out: dict[str, float] = {}
-    for method, key in (("greedy", "feasible_plan_ms_512"), ("lp", "lp_plan_ms_512")):
+    methods: tuple[tuple[Literal["greedy", "lp"], str], ...] = (
+        ("greedy", "feasible_plan_ms_512"),
+        ("lp", "lp_plan_ms_512"),
+    )
+    for method, key in methods:
         cfg = PlannerConfig(model=c.model, hw=c.hw, bs_max=c.bs_max, method=method)
         pl = plan(snap, est, cfg)  # warm-up: first calls pay for imports and caches
         times = []
@@ -250,7 +263,7 @@ def _at_2048(seed: int) -> dict[str, object]:
             scheme,
             steps=1,
             seed=seed,
-            observers=(lambda e, out=events: out.append(msgspec.json.encode(e)),),
+            observers=(lambda e, out=events: out.append(msgspec.json.encode(e)),),  # type: ignore[misc]
         ).run()
         runs.append((res, events))
     (a, ev_a), (b, ev_b) = runs
@@ -305,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run_schemes(
         cluster, workload, list(schemes.values()), steps=args.steps, seed=args.seed
     )
-    per = {n: summarise(r) for n, r in results.items()}
+    per: dict[str, dict[str, Any]] = {n: summarise(r) for n, r in results.items()}
     best_static = max(results["static-throughput"].throughput, results["static-latency"].throughput)
     pb, fz = results["planner+balancer"], results["planner+balancer+fusion"]
     base_mk = per["static-throughput"]["mean_makespan_s"]
@@ -315,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         n: float(np.mean([s.stage_end - s.start for s in r.steps])) for n, r in results.items()
     }
     dynamic = [n for n in results if not n.startswith("static")]
-    out: dict[str, object] = {
+    out: dict[str, Any] = {
         "cluster": {"gpus": 64, "requests_per_step": args.requests, "steps": args.steps},
         "schemes": per,
         "speedup_vs_best_static": {

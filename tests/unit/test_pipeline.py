@@ -241,6 +241,28 @@ def test_filter_stage_is_one_function(make_hub: Any) -> None:
     assert result.stages["safety"].samples == 20 and result.stages["train"].samples == 10
 
 
+@pytest.mark.parametrize("placement", ["zmq"], indirect=True)
+def test_a_stage_writes_its_outputs_straight_to_their_units(
+    make_hub: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stage's output goes to the claim's handle, which names the samples' units: no
+    # check_update round trip to the controller first (filtered rounds included).
+    from flowrl._transport.remote_control import RemoteControl
+
+    def no_round_trip(self: Any, cmd: Any) -> Any:
+        raise AssertionError("a stage's put asked the controller where its samples are")
+
+    monkeypatch.setattr(RemoteControl, "check_update", no_round_trip)
+
+    @stage(inputs=["x"], outputs=[Z], batch_size=4)
+    def reward(batch):
+        keep = batch.numpy("x") % 3 != 0
+        return Rows({"z": batch.numpy("x")[keep].astype(np.float32)}, keep=keep)
+
+    result = Pipeline([counter_source(20), reward]).run(make_hub(), timeout=30)
+    assert result.completed and result.stages["reward"].samples == 20
+
+
 def test_class_stages_get_setup_per_worker_and_generator_sources() -> None:
     workers: list[int] = []
 

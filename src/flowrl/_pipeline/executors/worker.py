@@ -242,7 +242,7 @@ class _Rounds:
             indices = tuple(meta.indices.tolist())
             raise _stage_error(self._spec, exc, indices, "on samples") from exc
 
-    def put(self, meta: BatchMeta, rows: Rows, kept: np.ndarray) -> None:
+    def put(self, meta: BatchMeta, rows: Rows, kept: BatchMeta) -> None:
         """Write a round's outputs to ``kept`` and ack ``meta`` with them."""
         while len(self._sent) >= self._in_flight:
             self._settle_oldest()
@@ -308,18 +308,18 @@ def _process(
         return
     rows = _as_rows(spec, out)
     keep = None if rows.keep is None else _keep_mask(spec, rows.keep, len(meta))
-    kept = meta.indices
+    kept = meta  # (a handle: the put goes straight to its samples' units)
     if keep is not None and not keep.all():
         hub.drop(meta, meta.indices[~keep])  # discarded for every later stage: evicted
-        kept = meta.indices[keep]
+        kept = meta.subset(np.flatnonzero(keep))
     try:
-        if spec.outputs and kept.size:
+        if spec.outputs and len(kept):
             # Written and acked in one step: a worker that dies never leaves its outputs
             # written but its claim unacked (the samples would be processed again).
             rounds.put(meta, rows, kept)
             return
-        if kept.size:
-            hub.ack(meta, None if keep is None else kept)
+        if len(kept):
+            hub.ack(meta, None if keep is None else kept.indices)
     except (LeaseError, UnknownIndexError):
         _expired(spec, counters)
         return

@@ -49,6 +49,37 @@ def test_admission_window_moves_with_the_published_version() -> None:
     hub.close()
 
 
+class _DeafHub:
+    """A hub whose event subscription loses every event, counting version reads."""
+
+    def __init__(self, hub: Hub) -> None:
+        self.hub, self.reads = hub, 0
+
+    @property
+    def version(self) -> int:
+        self.reads += 1
+        return self.hub.version
+
+    def subscribe(self, callback: Any) -> Any:
+        return self.hub.subscribe(lambda event: None)
+
+
+def test_admission_follows_events_and_reads_the_hub_only_while_blocked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("flowrl._pipeline.admission.REFRESH_S", 0.05)
+    hub = Hub([IDS])
+    deaf = _DeafHub(hub)
+    with AdmissionController(deaf, Staleness(max_staleness=0, samples_per_version=2)) as adm:
+        for _ in range(2):
+            adm.admit(1)
+        assert deaf.reads == 1  # (when it was made): an admission asks the hub nothing
+        hub.publish_version(1)  # its event is lost: the blocked producer asks the hub
+        adm.admit(2, timeout=30)
+        assert adm.statistics().version == 1 and deaf.reads >= 2
+    hub.close()
+
+
 def _producer(hub: Any, adm: AdmissionController | None, total: int, chunk: int) -> None:
     for start in range(0, total, chunk):
         if adm is not None:

@@ -12,8 +12,11 @@ overtake a straggler and train it one version later (see docs/staleness.md):
 * η = k — fully asynchronous, at most ``k`` versions behind.
 
 The count is local to this controller (one per process: all source workers of a threads
-executor share it). A sample's version is the hub's version when it is put, or the
-``version=`` its producer passes, which is never older than its admission.
+executor share it). It follows the hub's version through its ``VersionPublished`` events
+(an admission costs no round trip to the hub), and asks the hub itself while a producer
+has been blocked for ``REFRESH_S`` (an event the subscription lost cannot block it). A
+sample's version is the hub's version when it is put, or the ``version=`` its producer
+passes, which is never older than its admission.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ import msgspec
 
 from flowrl.errors import ConfigError, Timeout, WouldBlock
 from flowrl.events import Event, VersionPublished
+
+#: While a producer is blocked, the hub's version is read from the hub this often (events
+#: bring it at once; this only guards against one the subscription lost).
+REFRESH_S = 1.0
 
 __all__ = ["AdmissionController", "AdmissionStats", "Staleness"]
 
@@ -86,18 +93,33 @@ class AdmissionController:
         self.staleness = staleness
         self._hub = hub
         self._cond = threading.Condition()
-        self._base = hub.version
+        self._base = self._version = hub.version
         self._admitted = 0
         self._waiting = 0
         self._subscription = hub.subscribe(self._on_event)
 
     def _on_event(self, event: Event) -> None:
         if isinstance(event, VersionPublished):
-            with self._cond:
+            self._saw_version(event.version)
+
+    def _saw_version(self, version: int) -> None:
+        with self._cond:
+            if version > self._version:
+                self._version = version
                 self._cond.notify_all()
 
+    def _refresh(self) -> None:
+        """Read the version from the hub (called with the condition held, released during
+        the call: in-process, the hub calls ``_on_event`` under its own lock)."""
+        self._cond.release()
+        try:
+            version = self._hub.version
+        finally:
+            self._cond.acquire()
+        self._version = max(self._version, version)
+
     def _allowed(self) -> int:
-        return (self._hub.version - self._base) * self.staleness.samples_per_version + (
+        return (self._version - self._base) * self.staleness.samples_per_version + (
             self.staleness.window
         )
 
@@ -122,7 +144,8 @@ class AdmissionController:
                     if not blocked:
                         blocked = True
                         self._waiting += 1
-                    self._cond.wait(remaining)
+                    if not self._cond.wait(min(REFRESH_S, remaining or REFRESH_S)):
+                        self._refresh()
                 self._admitted += n
             finally:
                 self._waiting -= blocked
@@ -144,7 +167,7 @@ class AdmissionController:
     def _blocked_message(self, n: int) -> str:
         return (
             f"{n} more samples would exceed the staleness bound ({self._admitted} admitted, "
-            f"{self._allowed()} allowed at version {self._hub.version}); the trainer must "
+            f"{self._allowed()} allowed at version {self._version}); the trainer must "
             "publish a new version first"
         )
 
@@ -153,7 +176,7 @@ class AdmissionController:
             return AdmissionStats(
                 admitted=self._admitted,
                 allowed=self._allowed(),
-                version=self._hub.version,
+                version=self._version,
                 waiting=self._waiting,
             )
 

@@ -649,6 +649,44 @@ def test_subscribe_receives_typed_events_in_order(make_hub) -> None:
     assert len(rec.events) == 16  # the cancelled subscriber saw nothing more
 
 
+def test_a_subscriber_of_some_kinds_receives_those_only_and_a_relay_decodes_no_more(
+    make_hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flowrl._transport import subscriber
+
+    decoded: list[Any] = []
+    real = subscriber.event_decoder
+
+    class Counting:
+        def decode(self, body: bytes) -> Any:
+            decoded.append(body)
+            return real.decode(body)
+
+    monkeypatch.setattr(subscriber, "event_decoder", Counting())
+    hub = make_hub(columns=COLS, tasks={"train": ["ids", "reward"]})
+    versions: list[Any] = []
+    sub = hub.subscribe(versions.append, events=[VersionPublished])
+    hub.put(sample(2))
+    hub.ack(hub.claim("train", 2, timeout=GUARD))
+    hub.publish_version(1)
+    hub.put(sample(1))
+    hub.publish_version(2)
+    flush(hub)
+    assert wait_until(lambda: len(versions) == 2)
+    assert [e.version for e in versions] == [1, 2]
+    if hub.__class__.__name__ == "RemoteHub":
+        assert len(decoded) == 2  # the puts, claims, acks and evictions were skipped
+    everything: list[Any] = []
+    hub.subscribe(everything.append)  # now someone wants all: decoded again
+    hub.put(sample(1))
+    flush(hub)
+    assert wait_until(lambda: any(isinstance(e, Put) for e in everything))
+    sub.cancel()
+    for bad in (VersionPublished, [], ["version"], [int], "Put"):
+        with pytest.raises(ConfigError, match="subscribe\\(\\) events"):
+            hub.subscribe(versions.append, events=bad)
+
+
 def test_an_observer_that_raises_is_unsubscribed_and_the_hub_keeps_working(
     make_hub, caplog: pytest.LogCaptureFixture
 ) -> None:

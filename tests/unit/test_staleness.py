@@ -60,8 +60,8 @@ class _DeafHub:
         self.reads += 1
         return self.hub.version
 
-    def subscribe(self, callback: Any) -> Any:
-        return self.hub.subscribe(lambda event: None)
+    def subscribe(self, callback: Any, **kwargs: Any) -> Any:
+        return self.hub.subscribe(lambda event: None, **kwargs)
 
 
 def test_admission_follows_events_and_reads_the_hub_only_while_blocked(

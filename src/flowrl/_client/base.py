@@ -9,6 +9,7 @@ leaves no half-written sample behind.
 from __future__ import annotations
 
 import random
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, final
 
@@ -698,14 +699,21 @@ class HubClient:
         self._control.end_stream(EndStream(columns=cols))
 
     def subscribe(
-        self, observer: Observer | Callable[[Event], Any], *, strict: bool = False
+        self,
+        observer: Observer | Callable[[Event], Any],
+        *,
+        strict: bool = False,
+        events: Sequence[type] | None = None,
     ) -> Subscription:
-        """Receive every event from now on (observers fail soft; ``strict`` policies fail hard)."""
+        """Receive every event from now on (observers fail soft; ``strict`` policies fail
+        hard). ``events``: only these kinds (e.g. ``[flowrl.events.VersionPublished]``);
+        over processes, events no subscriber of this client wants are not even decoded."""
         if not callable(observer):
             raise ConfigError(f"subscribe() expects an Observer or a callable, got {observer!r}")
         if not isinstance(strict, bool):
             raise ConfigError(f"subscribe() strict must be a bool, got {strict!r}")
-        return self._control.events().subscribe(observer, strict=strict)
+        kinds = None if events is None else _event_kinds(events)
+        return self._control.events().subscribe(observer, strict=strict, kinds=kinds)
 
     def flush_events(self, timeout: float | None = 5.0) -> bool:
         """Wait until subscribers have received every event so far."""
@@ -817,6 +825,20 @@ def _per_sample(value: Any, n: int, name: str, where: str) -> np.ndarray | None:
             f"[{low}, 2**63), got {arr.dtype} of shape {arr.shape}"
         )
     return arr.astype(np.int64)
+
+
+def _event_kinds(events: Any) -> frozenset[type]:
+    """The event classes of ``subscribe(events=...)``, checked."""
+    known = typing.get_args(Event)
+    if isinstance(events, str | type) or not isinstance(events, Sequence) or not events:
+        raise ConfigError(
+            f"subscribe() events must be a non-empty list of event classes, got {events!r}"
+        )
+    for kind in events:
+        if kind not in known:
+            names = ", ".join(cls.__name__ for cls in known)
+            raise ConfigError(f"subscribe() events: {kind!r} is not an event class ({names})")
+    return frozenset(events)
 
 
 def _in_request_order(

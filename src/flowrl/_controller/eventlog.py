@@ -22,12 +22,20 @@ log = logging.getLogger("flowrl.events")
 
 
 class Subscription:
-    """Handle returned by ``subscribe``; call :meth:`cancel` to stop receiving events."""
+    """Handle returned by ``subscribe``; call :meth:`cancel` to stop receiving events.
+    ``kinds``: the event classes it receives (None: every event)."""
 
-    def __init__(self, log_: EventLog, callback: Callable[[Event], Any], strict: bool) -> None:
+    def __init__(
+        self,
+        log_: EventLog,
+        callback: Callable[[Event], Any],
+        strict: bool,
+        kinds: frozenset[type] | None = None,
+    ) -> None:
         self._log = log_
         self.callback = callback
         self.strict = strict
+        self.kinds = kinds
         self.active = True
 
     def cancel(self) -> None:
@@ -56,6 +64,9 @@ class EventLog:
         # Synchronous sinks (the counters, the journal, the zmq PUB relay), called in order
         # on append.
         self.sinks: list[Callable[[Event], None]] = []
+        # The event classes some subscriber receives (None: every event): what a relay of a
+        # remote controller's events has to decode at all.
+        self.wanted: frozenset[type] | None = frozenset()
 
     def next_seq(self) -> int:
         self.seq += 1
@@ -73,10 +84,17 @@ class EventLog:
         else:
             self._delivered = event.seq
 
-    def subscribe(self, callback: Callable[[Event], Any], *, strict: bool = False) -> Subscription:
-        sub = Subscription(self, callback, strict)
+    def subscribe(
+        self,
+        callback: Callable[[Event], Any],
+        *,
+        strict: bool = False,
+        kinds: frozenset[type] | None = None,
+    ) -> Subscription:
+        sub = Subscription(self, callback, strict, kinds)
         with self._cond:
             self._subs.append(sub)
+            self._update_wanted()
             self._delivered = self.seq  # a new subscriber sees events from now on
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="flowrl-events", daemon=True)
@@ -108,7 +126,14 @@ class EventLog:
             sub.active = False
             if sub in self._subs:
                 self._subs.remove(sub)
+                self._update_wanted()
             self._cond.notify_all()
+
+    def _update_wanted(self) -> None:
+        if any(sub.kinds is None for sub in self._subs):
+            self.wanted = None
+        else:
+            self.wanted = frozenset().union(*(sub.kinds or () for sub in self._subs))
 
     def _run(self) -> None:
         while True:
@@ -122,7 +147,7 @@ class EventLog:
                 subs = list(self._subs)
             for event in batch:
                 for sub in subs:
-                    if sub.active:
+                    if sub.active and (sub.kinds is None or type(event) in sub.kinds):
                         self._deliver(sub, event)
             with self._cond:
                 self._delivered = batch[-1].seq

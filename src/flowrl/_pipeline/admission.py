@@ -96,7 +96,7 @@ class AdmissionController:
         self._base = self._version = hub.version
         self._admitted = 0
         self._waiting = 0
-        self._subscription = hub.subscribe(self._on_event)
+        self._subscription = hub.subscribe(self._on_event, events=[VersionPublished])
 
     def _on_event(self, event: Event) -> None:
         if isinstance(event, VersionPublished):

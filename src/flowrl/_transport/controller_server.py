@@ -31,6 +31,7 @@ from flowrl._transport import wire
 from flowrl._transport.auth import Gate, HubKey, client_options, listen
 from flowrl._transport.pools import ahead_cap, next_cap
 from flowrl._transport.sockio import has_input, poll_in, recv_parts, send_parts
+from flowrl._transport.subscriber import EVENT_TOPICS
 from flowrl.errors import ConfigError, FlowRLError, HubFull, NothingReady, SchemaError, Timeout
 from flowrl.events import event_encoder
 
@@ -382,7 +383,7 @@ class ControllerServer:
         # PUB drops what no subscriber receives; skip the encoding until a client has
         # subscribed (its subscription handshake goes through PublishHello).
         if self._subscribed:
-            send_parts(self.pub, [b"e", event_encoder.encode(event)])
+            send_parts(self.pub, [EVENT_TOPICS[type(event)], event_encoder.encode(event)])
 
     def _shutdown(self) -> None:
         self._flush_evictions(force=True)

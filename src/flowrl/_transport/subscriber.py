@@ -1,15 +1,17 @@
 """A zmq client's relay of the controller's event stream to its local subscribers.
 
-The controller publishes every event, in order, on a PUB socket; a relay subscribes
-(handshaking with ``PublishHello`` markers, since PUB/SUB drops messages until the
-connection is up) and a pump thread appends each event to a local :class:`EventLog`,
-which runs the client's observers and policies.
+The controller publishes every event, in order, on a PUB socket, under a topic naming its
+kind (:data:`EVENT_TOPICS`); a relay subscribes (handshaking with ``PublishHello`` markers,
+since PUB/SUB drops messages until the connection is up) and a pump thread appends each
+event that a local subscriber wants to a local :class:`EventLog`, which runs the client's
+observers and policies. Events no local subscriber wants are not even decoded.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import typing
 
 import zmq
 
@@ -19,9 +21,15 @@ from flowrl._transport.auth import client_options
 from flowrl._transport.session import Session
 from flowrl._transport.sockio import poll_in, recv_parts
 from flowrl.errors import TransportError
-from flowrl.events import event_decoder
+from flowrl.events import Event, event_decoder
 
-__all__ = ["EventRelay"]
+__all__ = ["EVENT_TOPICS", "EventRelay"]
+
+#: The PUB topic of each kind of event: ``e`` and its tag.
+EVENT_TOPICS: dict[type, bytes] = {
+    cls: b"e" + cls.__struct_config__.tag.encode() for cls in typing.get_args(Event)
+}
+_KIND_OF_TOPIC = {topic: cls for cls, topic in EVENT_TOPICS.items()}
 
 
 class EventRelay:
@@ -58,8 +66,11 @@ class EventRelay:
             if not poll_in(subs, 100):
                 continue
             topic, body = recv_parts(sub)
-            if topic == b"e":
-                self.log.append(event_decoder.decode(body))
+            kind = _KIND_OF_TOPIC.get(topic)
+            if kind is not None:
+                wanted = self.log.wanted
+                if wanted is None or kind in wanted:
+                    self.log.append(event_decoder.decode(body))
             elif topic == b"h":
                 with self._hello:
                     self._hello_seen = max(self._hello_seen, int.from_bytes(body, "little"))

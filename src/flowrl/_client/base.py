@@ -41,6 +41,7 @@ from flowrl._schema.columns import Column
 from flowrl._schema.encode import Encoded, numeric_array
 from flowrl._schema.ragged import RaggedArray
 from flowrl._schema.schema import Schema
+from flowrl._schema.small import all_equal, bounds
 from flowrl._store.partial import VERSIONS
 from flowrl._validate import check_seconds, int_in
 from flowrl.errors import (
@@ -312,7 +313,7 @@ class HubClient:
             # hold (evicted) and stages the bytes, and the commit checks what check_update
             # would have (a put refused there changes nothing: the unit forgets the bytes).
             units = indices.units
-            if units.size and (units == units[0]).all():
+            if units.size and all_equal(units):
                 return units
         return self._control.check_update(CheckUpdate(indices=target, columns=columns, ack=ack))
 
@@ -595,7 +596,7 @@ class HubClient:
                 f"{where}: a BatchMeta holds one int storage unit per sample; this one has "
                 f"units {units.dtype} of shape {units.shape} for {meta.indices.size} samples"
             )
-        low, high = (int(units.min()), int(units.max())) if units.size else (0, 0)
+        low, high = bounds(units) if units.size else (0, 0)
         if low < 0 or high >= n_units:
             bad = low if low < 0 else high
             raise UnknownIndexError(
@@ -771,6 +772,6 @@ def _part(values: np.ndarray, pos: np.ndarray | None) -> np.ndarray:
 def _split_by_unit(units: np.ndarray) -> list[tuple[int, np.ndarray | None]]:
     """(unit, positions) per storage unit; positions None when one unit holds everything."""
     first = int(units[0])
-    if (units == first).all():
+    if all_equal(units):
         return [(first, None)]
     return [(int(u), np.flatnonzero(units == u)) for u in np.unique(units)]

@@ -34,6 +34,7 @@ from flowrl._config import JournalConfig, UnitStats
 from flowrl._folder_lock import FolderLock
 from flowrl._schema.columns import Column
 from flowrl._schema.encode import numeric_array
+from flowrl._schema.small import SMALL, all_equal, has_negative
 from flowrl._store.partial import PartialStore
 from flowrl._store.persist import (
     ColumnLog,
@@ -81,14 +82,21 @@ class _ColumnStore:
         self.next_chunk = 0
 
     def _unref(self, chunk_ids: np.ndarray) -> None:
-        chunk_ids = chunk_ids[chunk_ids >= 0]
-        if chunk_ids.size == 0:
-            return
-        if (chunk_ids == chunk_ids[0]).all():  # the usual case: one put's chunk
-            ids, counts = chunk_ids[:1], np.array([chunk_ids.size])
+        if chunk_ids.size <= SMALL:  # (a stage round's one sample: no numpy calls)
+            refs: dict[int, int] = {}
+            for cid in chunk_ids.tolist():
+                if cid >= 0:
+                    refs[cid] = refs.get(cid, 0) + 1
         else:
-            ids, counts = np.unique(chunk_ids, return_counts=True)
-        for cid, cnt in zip(ids.tolist(), counts.tolist(), strict=True):
+            chunk_ids = chunk_ids[chunk_ids >= 0]
+            if chunk_ids.size == 0:
+                return
+            if all_equal(chunk_ids):  # the usual case: one put's chunk
+                refs = {int(chunk_ids[0]): int(chunk_ids.size)}
+            else:
+                ids, counts = np.unique(chunk_ids, return_counts=True)
+                refs = dict(zip(ids.tolist(), counts.tolist(), strict=True))
+        for cid, cnt in refs.items():
             left = self.live[cid] - cnt
             if left:
                 self.live[cid] = left
@@ -318,11 +326,10 @@ class StorageUnit:
     ) -> Mapping[str, pa.Array] | Callable[[], Mapping[str, pa.Array]]:
         """Refuse a stale write, or a persistent unit's write of an undeclared column;
         returns ``arrays`` (built, on a persistent unit: its bytes are logged first)."""
-        stale = self._newest[slots] > indices
-        if stale.any():
+        stale = _first_stale(self._newest, slots, indices)
+        if stale is not None:
             raise UnknownIndexError(
-                f"sample index {int(indices[np.argmax(stale)])} was evicted before this "
-                "write arrived; nothing was written"
+                f"sample index {stale} was evicted before this write arrived; nothing was written"
             )
         if self.folder is not None:
             arrays = arrays() if callable(arrays) else arrays
@@ -394,7 +401,7 @@ class StorageUnit:
             indices, arrays, types, tags, logged = staged
             slots = indices % self.capacity
             self._staged_on[slots] -= 1
-            if committed and not (self._newest[slots] > indices).any():
+            if committed and _first_stale(self._newest, slots, indices) is None:
                 self._file(slots, indices, arrays, types, tags, logged)
             elif logged:
                 self._unlog(slots, indices, logged)
@@ -422,11 +429,15 @@ class StorageUnit:
 
     def staged(self, indices: np.ndarray) -> bool:
         """Whether a write to any of these samples waits for its commit's verdict."""
+        slots = indices % self.capacity
         with self._lock:
-            return bool(self._staged_on[indices % self.capacity].any())
+            if slots.size <= SMALL:
+                staged_on = self._staged_on
+                return any(staged_on[slot] for slot in slots.tolist())
+            return bool(self._staged_on[slots].any())
 
     def read(self, indices: np.ndarray, columns: tuple[str, ...]) -> dict[str, pa.Array]:
-        if indices.size and indices.min() < 0:
+        if has_negative(indices):
             raise UnknownIndexError(f"sample index {int(indices.min())} does not exist")
         slots = indices % self.capacity
         run = _consecutive(indices)
@@ -580,10 +591,14 @@ class StorageUnit:
     def holds(self, indices: np.ndarray) -> bool:
         """Whether a column of every sample of ``indices`` is stored here."""
         slots = indices % self.capacity
-        held = np.zeros(indices.size, dtype=bool)
         with self._lock:
-            for store in self._columns.values():
-                held |= store.owner[slots] == indices
+            owners = [store.owner for store in self._columns.values()]
+            if indices.size <= SMALL:
+                pairs = zip(slots.tolist(), indices.tolist(), strict=True)
+                return all(any(owner[slot] == index for owner in owners) for slot, index in pairs)
+            held = np.zeros(indices.size, dtype=bool)
+            for owner in owners:
+                held |= owner[slots] == indices
         return bool(held.all())
 
     def statistics(self) -> UnitStats:
@@ -600,6 +615,18 @@ class _Staged(NamedTuple):
     types: Mapping[str, Column]
     tags: Mapping[str, object]
     logged: dict[str, int]  # a persistent unit's chunk ids, logged when staged
+
+
+def _first_stale(newest: np.ndarray, slots: np.ndarray, indices: np.ndarray) -> int | None:
+    """The first of ``indices`` whose slot holds a newer index already (its sample was
+    evicted and the slot reused), or None."""
+    if indices.size <= SMALL:
+        for slot, index in zip(slots.tolist(), indices.tolist(), strict=True):
+            if newest[slot] > index:
+                return index
+        return None
+    stale = newest[slots] > indices
+    return int(indices[np.argmax(stale)]) if stale.any() else None
 
 
 def _consecutive(indices: np.ndarray) -> bool:

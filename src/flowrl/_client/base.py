@@ -227,8 +227,10 @@ class HubClient:
             raise ConfigError(f"partition must be a str, got {partition!r} in {where}")
         if not isinstance(producer, str):
             raise ConfigError(f"producer must be a str, got {producer!r} in put()")
-        seq = _sequence_number(seq, producer, where)
-        timeout = check_seconds(timeout, "put() timeout", allow_zero=True)
+        if seq is not None:
+            seq = _sequence_number(seq, producer, where)
+        if timeout is not None:
+            timeout = check_seconds(timeout, "put() timeout", allow_zero=True)
         if isinstance(indices, BatchMeta):
             self._check_handle(indices, where)
         target = _as_indices(indices, where) if indices is not None else None
@@ -236,9 +238,9 @@ class HubClient:
         n_expected = None if target is None else int(target.size)
         owned = not (wait and self._data.copies_puts)  # put_async: the caller may reuse its arrays
         encoded, new_columns, n = self.schema.encode_all(data, n_expected, where, owned)
-        groups_arr = _per_sample(groups, n, "groups", where)
-        tokens_arr = _per_sample(tokens, n, "tokens", where)
-        versions = _versions(version, n, where)
+        groups_arr = None if groups is None else _per_sample(groups, n, "groups", where)
+        tokens_arr = None if tokens is None else _per_sample(tokens, n, "tokens", where)
+        versions = None if version is None else _versions(version, n, where)
         # A put to existing samples stages its bytes on their units under ``put_id``:
         # visible only once the commit succeeds (new samples are invisible until then).
         commit = Commit(
@@ -273,8 +275,9 @@ class HubClient:
     ) -> PutFuture:
         """Store a validated put's bytes and commit it (``commit``: its commit, less the
         indices of a new put, reserved here)."""
-        types = {c.name: c for c in new_columns}
-        types.update((k, self.schema[k]) for k in encoded if k not in types)
+        types: Mapping[str, Column] = self.schema.by_name
+        if new_columns:  # (not declared until the put succeeds)
+            types = {**types, **{c.name: c for c in new_columns}}
         if target is None:
             return self._put_new(n, encoded, types, new_columns, commit, timeout, wait)
         # (a re-sent idempotent put's claim was acked by its first landing: the commit
@@ -321,7 +324,7 @@ class HubClient:
         self,
         n: int,
         encoded: dict[str, Encoded],
-        types: dict[str, Column],
+        types: Mapping[str, Column],
         new_columns: Sequence[Column],
         commit: Commit,
         timeout: float | None,
@@ -345,7 +348,7 @@ class HubClient:
         self,
         reservation: Reservation,
         encoded: dict[str, Encoded],
-        types: dict[str, Column],
+        types: Mapping[str, Column],
         new_columns: Sequence[Column],
         commit: Commit,
         timeout: float | None,
@@ -382,7 +385,7 @@ class HubClient:
         unit: int,
         indices: np.ndarray,
         encoded: dict[str, Encoded],
-        types: dict[str, Column],
+        types: Mapping[str, Column],
         new_columns: Sequence[Column],
         commit: Commit,
         wait: bool,

@@ -388,7 +388,7 @@ class StorageUnit:
                 for name, array in arrays.items():
                     store = self._store(name, types.get(name))
                     logged[name] = store.log_ahead(indices, array)
-            self._staged[put_id] = _Staged(indices, arrays, types, tags or {}, logged)
+            self._staged[put_id] = _Staged(indices, slots, arrays, types, tags or {}, logged)
             self._staged_on[slots] += 1
 
     def settle(self, put_id: int, committed: bool) -> bool:
@@ -398,8 +398,7 @@ class StorageUnit:
             staged = self._staged.pop(put_id, None)
             if staged is None:
                 return False
-            indices, arrays, types, tags, logged = staged
-            slots = indices % self.capacity
+            indices, slots, arrays, types, tags, logged = staged
             self._staged_on[slots] -= 1
             if committed and _first_stale(self._newest, slots, indices) is None:
                 self._file(slots, indices, arrays, types, tags, logged)
@@ -431,10 +430,8 @@ class StorageUnit:
         """Whether a write to any of these samples waits for its commit's verdict."""
         slots = indices % self.capacity
         with self._lock:
-            if slots.size <= SMALL:
-                staged_on = self._staged_on
-                return any(staged_on[slot] for slot in slots.tolist())
-            return bool(self._staged_on[slots].any())
+            staged_on = self._staged_on[slots]
+            return any(staged_on.tolist()) if slots.size <= SMALL else bool(staged_on.any())
 
     def read(self, indices: np.ndarray, columns: tuple[str, ...]) -> dict[str, pa.Array]:
         if has_negative(indices):
@@ -592,13 +589,16 @@ class StorageUnit:
         """Whether a column of every sample of ``indices`` is stored here."""
         slots = indices % self.capacity
         with self._lock:
-            owners = [store.owner for store in self._columns.values()]
+            owners = [store.owner[slots] for store in self._columns.values()]
             if indices.size <= SMALL:
-                pairs = zip(slots.tolist(), indices.tolist(), strict=True)
-                return all(any(owner[slot] == index for owner in owners) for slot, index in pairs)
+                listed = [owner.tolist() for owner in owners]
+                return all(
+                    any(owner[i] == index for owner in listed)
+                    for i, index in enumerate(indices.tolist())
+                )
             held = np.zeros(indices.size, dtype=bool)
             for owner in owners:
-                held |= owner[slots] == indices
+                held |= owner == indices
         return bool(held.all())
 
     def statistics(self) -> UnitStats:
@@ -611,6 +611,7 @@ class StorageUnit:
 
 class _Staged(NamedTuple):
     indices: np.ndarray
+    slots: np.ndarray
     arrays: Mapping[str, pa.Array]
     types: Mapping[str, Column]
     tags: Mapping[str, object]
@@ -621,8 +622,8 @@ def _first_stale(newest: np.ndarray, slots: np.ndarray, indices: np.ndarray) -> 
     """The first of ``indices`` whose slot holds a newer index already (its sample was
     evicted and the slot reused), or None."""
     if indices.size <= SMALL:
-        for slot, index in zip(slots.tolist(), indices.tolist(), strict=True):
-            if newest[slot] > index:
+        for held, index in zip(newest[slots].tolist(), indices.tolist(), strict=True):
+            if held > index:
                 return index
         return None
     stale = newest[slots] > indices

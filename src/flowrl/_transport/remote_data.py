@@ -9,7 +9,7 @@ are written there (``lanes``), and reads map it instead of copying.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, final
 
 import numpy as np
@@ -71,7 +71,7 @@ class RemoteData(DataPort):
         unit: int,
         indices: np.ndarray,
         encoded: dict[str, Encoded],
-        types: dict[str, Column],
+        types: Mapping[str, Column],
         put_id: int = 0,
     ) -> None:
         self._session.call(unit, *self._write_request(unit, indices, encoded, types, put_id=put_id))
@@ -81,7 +81,7 @@ class RemoteData(DataPort):
         unit: int,
         indices: np.ndarray,
         encoded: dict[str, Encoded],
-        types: dict[str, Column],
+        types: Mapping[str, Column],
         commit: commands.Commit,
         wait: bool,
         again: Callable[[], np.ndarray] | None,
@@ -223,7 +223,7 @@ class RemoteData(DataPort):
         unit: int,
         indices: np.ndarray,
         encoded: dict[str, Encoded],
-        types: dict[str, Column],
+        types: Mapping[str, Column],
         **commit: Any,
     ) -> tuple[wire.Write, list[Any]]:
         """A Write and its payload frames (one per buffer; none when the payload went to

@@ -198,8 +198,11 @@ class Session:
         """(request id, reply, payload frames) of the first reply to one of ``rids``, or
         None at ``deadline`` (monotonic; inf: none). Sockets as for :meth:`_recv`."""
         sock = self.socket(unit)
-        controller = self.socket(None) if or_controller else sock if unit is None else None
-        socks = [sock, controller] if or_controller else [sock]
+        socks = [sock]
+        controller = sock if unit is None else None
+        if or_controller:
+            controller = self.socket(None)
+            socks.append(controller)
         while True:
             # Poll in bounded slices: zmq takes int milliseconds (a huge wait overflows)
             # and a slice ends in time to notice that another thread closed the client.

@@ -124,14 +124,16 @@ class UnitServer:
         self.running = True
 
     def serve(self) -> None:
-        socks = [self.sock, self.control]
+        socks = [self.control, self.sock]  # (a verdict first: a request may wait for it)
+        staged = self._staged
         while self.running:
-            ready = poll_in(socks, self._poll_timeout())
-            if self.control in ready:
-                self._control(self.control.recv(copy=False))
-            if self.sock in ready:
-                self._handle(recv_parts(self.sock, copy=False))
-            if self._staged:
+            ready = poll_in(socks, self._poll_timeout() if staged else None)
+            for sock in ready:
+                if sock is self.sock:
+                    self._handle(recv_parts(sock, copy=False))
+                else:
+                    self._control(sock.recv(copy=False))
+            if staged:
                 self._expire_staged()
         for sock in [self.sock, self.control, *self.controllers.values()]:
             sock.close()
@@ -142,11 +144,11 @@ class UnitServer:
     def _control(self, frame: Any) -> None:
         try:
             msg = wire.decode_request(frame.buffer)
-            if isinstance(msg, wire.Evict):
-                self.unit.evict(wire.ints(msg.indices))
-            elif isinstance(msg, wire.Settle):
+            kind = type(msg)
+            if kind is wire.Settle:
                 if self.unit.settle(msg.put_id, msg.committed):
-                    self._serve_waiting()
+                    if self._waiting:
+                        self._serve_waiting()
                 elif msg.committed:
                     log.error(
                         "storage unit %d: put %d was committed after its bytes were "
@@ -155,9 +157,11 @@ class UnitServer:
                         msg.put_id,
                         STAGED_TTL_S,
                     )
-            elif isinstance(msg, wire.Retain):
+            elif kind is wire.Evict:
+                self.unit.evict(wire.ints(msg.indices))
+            elif kind is wire.Retain:
                 self.unit.retain(wire.ints(msg.indices), msg.below)
-            elif isinstance(msg, wire.Shutdown):
+            elif kind is wire.Shutdown:
                 self.running = False
         except wire.Malformed as exc:
             log.warning("storage unit %d dropped a control message: %s", self.unit.unit_id, exc)
@@ -165,9 +169,8 @@ class UnitServer:
             log.exception("storage unit %d failed on a control message", self.unit.unit_id)
 
     # -- staged writes ---------------------------------------------------------------------
-    def _poll_timeout(self) -> int | None:
-        if not self._staged:
-            return None
+    def _poll_timeout(self) -> int:
+        """Until the oldest staged write's verdict is due (milliseconds)."""
         return max(0, int((self._staged[0][0] - time.monotonic()) * 1000) + 1)
 
     def _expire_staged(self) -> None:

@@ -156,7 +156,7 @@ def _encode_dense(column: Column, values: Any, n: int | None, where: str, owned:
     count = arr.shape[0]
     nbytes = np.empty(count, dtype=np.int64)
     nbytes.fill(arr.itemsize * math.prod(shape))  # (np.full costs 5x more on one sample)
-    if arr.dtype != np.bool_:
+    if arr.dtype.kind != "b":
         return Encoded(column, count, nbytes, None, buffers=[arr.reshape(-1)])
     if column.kind == "scalar":
         return Encoded(column, count, nbytes, None, array=pa.array(arr, type=pa.bool_()))

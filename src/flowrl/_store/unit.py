@@ -635,4 +635,9 @@ def _consecutive(indices: np.ndarray) -> bool:
     n = indices.size
     if n == 0 or int(indices[-1]) - int(indices[0]) != n - 1:
         return False
-    return n < 3 or bool((indices[1:] - indices[:-1] == 1).all())
+    if n < 3:
+        return True
+    if n <= SMALL:
+        first = int(indices[0])
+        return indices.tolist() == list(range(first, first + n))
+    return bool((indices[1:] - indices[:-1] == 1).all())

@@ -75,9 +75,12 @@ class Malformed(errors.TransportError):
 _UNDECODABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
 
 
+_FIFO_SPEC = FifoSpec()
+
+
 def spec_of_sampler(sampler: Sampler) -> SamplerSpec:
     if isinstance(sampler, FifoSampler):
-        return FifoSpec()
+        return _FIFO_SPEC
     if isinstance(sampler, GroupSampler):
         return GroupSpec(group_size=sampler.group_size)
     if isinstance(sampler, StalenessSampler):

@@ -10,14 +10,14 @@ import pytest
 
 from flowrl import Column
 from flowrl._protocol import commands
-from flowrl._schema.small import SMALL, all_equal, bounds, has_negative
+from flowrl._schema.small import FEW, SMALL, all_equal, bounds, has_negative
 from flowrl._store.unit import StorageUnit
 from flowrl._transport import wire
 from flowrl._transport.frames import ArrayHeader
 from flowrl.errors import TransportError, UnknownIndexError
 
 #: Sizes on both sides of the threshold.
-SIZES = [1, 2, 3, SMALL - 1, SMALL, SMALL + 1, 3 * SMALL + 5]
+SIZES = [1, 2, 3, FEW, FEW + 1, SMALL - 1, SMALL, SMALL + 1, 3 * SMALL + 5]
 
 
 @pytest.mark.parametrize("n", SIZES)

@@ -34,7 +34,7 @@ from flowrl._config import JournalConfig, UnitStats
 from flowrl._folder_lock import FolderLock
 from flowrl._schema.columns import Column
 from flowrl._schema.encode import numeric_array
-from flowrl._schema.small import SMALL, all_equal, has_negative
+from flowrl._schema.small import FEW, SMALL, all_equal, has_negative
 from flowrl._store.partial import PartialStore
 from flowrl._store.persist import (
     ColumnLog,
@@ -81,10 +81,10 @@ class _ColumnStore:
         self.nbytes = 0
         self.next_chunk = 0
 
-    def _unref(self, chunk_ids: np.ndarray) -> None:
-        if chunk_ids.size <= SMALL:  # (a stage round's one sample: no numpy calls)
+    def _unref(self, chunk_ids: np.ndarray | list[int]) -> None:
+        if isinstance(chunk_ids, list) or chunk_ids.size <= SMALL:  # (no numpy calls)
             refs: dict[int, int] = {}
-            for cid in chunk_ids.tolist():
+            for cid in chunk_ids if isinstance(chunk_ids, list) else chunk_ids.tolist():
                 if cid >= 0:
                     refs[cid] = refs.get(cid, 0) + 1
         else:
@@ -123,7 +123,9 @@ class _ColumnStore:
         # Whatever occupied these slots (an older write of the index, or a stale evicted
         # sample whose evict message has not arrived yet) loses its reference (a free slot's
         # chunk is -1, as its owner).
-        self._unref(self.chunk_of[slots])
+        few = slots.size <= FEW
+        chunk_of = self.chunk_of
+        self._unref([int(chunk_of[slot]) for slot in slots.tolist()] if few else chunk_of[slots])
         cid = logged if logged >= 0 else self.log_ahead(indices, array, loaded_from)
         self.chunks[cid] = array
         self.nbytes += array.get_total_buffer_size()  # what the chunk keeps alive
@@ -132,9 +134,14 @@ class _ColumnStore:
             self.first[cid] = int(indices[0])
         if tag is not None:
             self.tags[cid] = tag
-        self.owner[slots] = indices
-        self.chunk_of[slots] = cid
-        self.row_of[slots] = np.arange(slots.size)
+        if few:
+            owner, row_of = self.owner, self.row_of
+            for row, (slot, index) in enumerate(zip(slots.tolist(), indices.tolist(), strict=True)):
+                owner[slot], chunk_of[slot], row_of[slot] = index, cid, row
+        else:
+            self.owner[slots] = indices
+            chunk_of[slots] = cid
+            self.row_of[slots] = np.arange(slots.size)
 
     def log_ahead(self, indices: np.ndarray, array: pa.Array, loaded_from: str = "") -> int:
         """A new chunk id, its rows logged (a persistent column) before they are filed."""
@@ -351,7 +358,13 @@ class StorageUnit:
         logged: Mapping[str, int],
     ) -> None:
         """Make a checked write visible (``logged``: chunks a persistent unit logged ahead)."""
-        self._newest[slots] = indices  # (checked: none is older than what the slot held)
+        # (checked: none is older than what the slot held)
+        if slots.size <= FEW:
+            newest = self._newest
+            for slot, index in zip(slots.tolist(), indices.tolist(), strict=True):
+                newest[slot] = index
+        else:
+            self._newest[slots] = indices
         run = _consecutive(indices)
         for name, array in arrays.items():
             store = self._store(name, types.get(name))
@@ -389,7 +402,7 @@ class StorageUnit:
                     store = self._store(name, types.get(name))
                     logged[name] = store.log_ahead(indices, array)
             self._staged[put_id] = _Staged(indices, slots, arrays, types, tags or {}, logged)
-            self._staged_on[slots] += 1
+            _count(self._staged_on, slots, 1)
 
     def settle(self, put_id: int, committed: bool) -> bool:
         """File (``committed``) or forget a staged write; False if none is staged as
@@ -399,7 +412,7 @@ class StorageUnit:
             if staged is None:
                 return False
             indices, slots, arrays, types, tags, logged = staged
-            self._staged_on[slots] -= 1
+            _count(self._staged_on, slots, -1)
             if committed and _first_stale(self._newest, slots, indices) is None:
                 self._file(slots, indices, arrays, types, tags, logged)
             elif logged:
@@ -430,8 +443,10 @@ class StorageUnit:
         """Whether a write to any of these samples waits for its commit's verdict."""
         slots = indices % self.capacity
         with self._lock:
-            staged_on = self._staged_on[slots]
-            return any(staged_on.tolist()) if slots.size <= SMALL else bool(staged_on.any())
+            staged_on = self._staged_on
+            if slots.size <= FEW:
+                return any(staged_on[slot] for slot in slots.tolist())
+            return bool(staged_on[slots].any())
 
     def read(self, indices: np.ndarray, columns: tuple[str, ...]) -> dict[str, pa.Array]:
         if has_negative(indices):
@@ -589,16 +604,13 @@ class StorageUnit:
         """Whether a column of every sample of ``indices`` is stored here."""
         slots = indices % self.capacity
         with self._lock:
-            owners = [store.owner[slots] for store in self._columns.values()]
-            if indices.size <= SMALL:
-                listed = [owner.tolist() for owner in owners]
-                return all(
-                    any(owner[i] == index for owner in listed)
-                    for i, index in enumerate(indices.tolist())
-                )
+            owners = [store.owner for store in self._columns.values()]
+            if indices.size <= FEW:
+                pairs = zip(slots.tolist(), indices.tolist(), strict=True)
+                return all(any(owner[slot] == index for owner in owners) for slot, index in pairs)
             held = np.zeros(indices.size, dtype=bool)
             for owner in owners:
-                held |= owner == indices
+                held |= owner[slots] == indices
         return bool(held.all())
 
     def statistics(self) -> UnitStats:
@@ -618,12 +630,21 @@ class _Staged(NamedTuple):
     logged: dict[str, int]  # a persistent unit's chunk ids, logged when staged
 
 
+def _count(counts: np.ndarray, slots: np.ndarray, delta: int) -> None:
+    """Add ``delta`` to the count of each of ``slots`` (distinct)."""
+    if slots.size <= FEW:
+        for slot in slots.tolist():
+            counts[slot] += delta
+    else:
+        counts[slots] += delta
+
+
 def _first_stale(newest: np.ndarray, slots: np.ndarray, indices: np.ndarray) -> int | None:
     """The first of ``indices`` whose slot holds a newer index already (its sample was
     evicted and the slot reused), or None."""
-    if indices.size <= SMALL:
-        for held, index in zip(newest[slots].tolist(), indices.tolist(), strict=True):
-            if held > index:
+    if indices.size <= FEW:
+        for slot, index in zip(slots.tolist(), indices.tolist(), strict=True):
+            if newest[slot] > index:
                 return index
         return None
     stale = newest[slots] > indices

@@ -10,7 +10,7 @@ import pytest
 
 from flowrl import Column
 from flowrl._protocol import commands
-from flowrl._schema.small import FEW, SMALL, all_equal, bounds, has_negative
+from flowrl._schema.small import FEW, SMALL, all_equal, bounds, has_negative, never_decreasing
 from flowrl._store.unit import StorageUnit
 from flowrl._transport import wire
 from flowrl._transport.frames import ArrayHeader
@@ -33,6 +33,8 @@ def test_small_reductions_agree_with_numpy(n: int, dtype: type) -> None:
         assert type(bounds(values)[0]) is int
         assert all_equal(values) == bool((values == values[0]).all())
         assert has_negative(values) == bool((values < 0).any())
+        assert never_decreasing(values) == bool((np.diff(values) >= 0).all())
+        assert never_decreasing(np.sort(values))
     assert not has_negative(np.empty(0, dtype=dtype))
 
 

@@ -20,6 +20,7 @@ from flowrl._client.batch import LazyColumn
 from flowrl._schema.columns import Column
 from flowrl._schema.encode import Encoded, arrow_of_buffers
 from flowrl._schema.ragged import RaggedArray, arrow_ragged_parts
+from flowrl._schema.small import never_decreasing
 from flowrl.errors import TransportError
 
 __all__ = [
@@ -187,7 +188,7 @@ def window_of(
             offsets.size != header.length + 1
             or first < 0
             or last * width > memoryview(frames[1]).nbytes
-            or (window[1:] < window[:-1]).any()
+            or not never_decreasing(window)
         ):
             raise TransportError(f"column {column.name!r}: malformed offsets in a chunk read")
         values = np.frombuffer(frames[1], dtype=dtype, count=last - first, offset=first * width)
@@ -209,7 +210,7 @@ def window_of(
 
 def _check_offsets(column: Column, offsets: np.ndarray) -> int:
     """Offsets start at 0 and never decrease (readers trust them); returns the last one."""
-    if offsets[0] != 0 or (offsets[1:] < offsets[:-1]).any():
+    if offsets[0] != 0 or not never_decreasing(offsets):
         raise TransportError(f"column {column.name!r}: offsets must start at 0 and never decrease")
     return int(offsets[-1])
 

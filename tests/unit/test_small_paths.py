@@ -14,6 +14,7 @@ from flowrl._schema.small import FEW, SMALL, all_equal, bounds, has_negative, ne
 from flowrl._store.unit import StorageUnit
 from flowrl._transport import wire
 from flowrl._transport.frames import ArrayHeader
+from flowrl._transport.pools import Pool
 from flowrl.errors import TransportError, UnknownIndexError
 
 #: Sizes on both sides of the threshold.
@@ -151,3 +152,18 @@ def test_requests_naming_a_negative_sample_are_refused(n: int) -> None:
 def test_each_request_kind_gets_its_own_checks(msg: object, problem: str) -> None:
     with pytest.raises(TransportError, match=problem):
         wire.decode_request(wire.encode(msg))
+
+
+@pytest.mark.parametrize("per_index", [False, True])
+def test_a_pool_of_one_unit_hands_out_its_indices_in_order(per_index: bool) -> None:
+    indices = np.arange(100, 110, dtype=np.int64)
+    units = np.full(10, 3, dtype=np.int16) if per_index else 3
+    pool = Pool(indices, units, until=float("inf"))
+    assert pool.left() == 10
+    taken = pool.take(4)
+    assert taken is not None and taken[0].tolist() == [100, 101, 102, 103] and taken[1] == 3
+    taken = pool.take(1)
+    assert taken is not None and taken[0].tolist() == [104]
+    assert pool.take(6) is None and pool.left() == 5  # not enough: nothing taken
+    assert pool.rest().tolist() == [105, 106, 107, 108, 109]
+    assert pool.left() == 0 and pool.take(1) is None and pool.rest().size == 0

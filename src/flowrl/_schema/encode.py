@@ -251,7 +251,7 @@ def _encode_ragged(column: Column, values: Any, n: int | None, where: str, owned
         )
     lengths = offsets[1:] - offsets[:-1]  # np.diff costs ~8x more on a few samples
     count = lengths.size
-    if vals.dtype != np.bool_:
+    if vals.dtype.kind != "b":
         return Encoded(column, count, lengths * vals.itemsize, lengths, buffers=[offsets, vals])
     child = pa.array(vals, type=pa.bool_())
     array = pa.Array.from_buffers(

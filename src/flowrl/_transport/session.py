@@ -121,8 +121,6 @@ class Session:
             raise self.socket_error(exc) from None
         try:
             sock.setsockopt(zmq.LINGER, 0)
-            # A wait on this socket alone receives at once, a slice at most (recv_first).
-            sock.setsockopt(zmq.RCVTIMEO, int(POLL_SLICE_S * 1000))
             if unit is None:  # named, so a storage unit can have the controller answer it
                 sock.setsockopt(zmq.ROUTING_ID, b"f" + secrets.token_bytes(15))
             address = self.address if unit is None else self.unit_addresses[unit]
@@ -205,21 +203,12 @@ class Session:
         if or_controller:
             controller = self.socket(None)
             socks.append(controller)
-        first = None
         while True:
-            # Wait in bounded slices: zmq takes int milliseconds (a huge wait overflows)
+            # Poll in bounded slices: zmq takes int milliseconds (a huge wait overflows)
             # and a slice ends in time to notice that another thread closed the client.
             left = min(POLL_SLICE_S, deadline - time.monotonic())
             try:
-                if len(socks) == 1 and left >= POLL_SLICE_S:
-                    # One socket, a whole slice to wait: receive (its timeout is the slice)
-                    # instead of polling first.
-                    first = sock.recv(copy=False)
-                    ready = socks
-                else:
-                    ready = poll_in(socks, int(max(0.0, left) * 1000) + 1)
-            except zmq.Again:
-                ready = []
+                ready = poll_in(socks, int(max(0.0, left) * 1000) + 1)
             except zmq.ZMQError as exc:
                 raise self.socket_error(exc) from None
             if not ready:
@@ -231,21 +220,18 @@ class Session:
             for ready_sock in ready:
                 if self.silent:  # it is there
                     self.silent.pop(None if ready_sock is controller else unit, None)
-                payload = ready_sock is not controller
-                reply = self.take_reply(ready_sock, rids, payload, first)
-                first = None
+                reply = self.take_reply(ready_sock, rids, payload=ready_sock is not controller)
                 if reply is not None:
                     return reply
 
     def take_reply(
-        self, sock: zmq.Socket, rids: tuple[bytes, ...], payload: bool, first: Any = None
+        self, sock: zmq.Socket, rids: tuple[bytes, ...], payload: bool
     ) -> tuple[bytes, Any, list[Any]] | None:
-        """Read one reply (``first``: its first frame, received already); None if it
-        answers none of ``rids`` (a put_async, settled here, or a request this thread gave
-        up on). Units reply with payload frames (zero-copy); the controller's replies are
-        small."""
+        """Read one reply; None if it answers none of ``rids`` (a put_async, settled here,
+        or a request this thread gave up on). Units reply with payload frames (zero-copy);
+        the controller's replies are small."""
         try:
-            frames: list[Any] = recv_parts(sock, copy=not payload, first=first)
+            frames: list[Any] = recv_parts(sock, copy=not payload)
         except zmq.ZMQError as exc:
             raise self.socket_error(exc) from None
         if len(frames) < 2:

@@ -32,11 +32,10 @@ def send_parts(sock: zmq.Socket, parts: Sequence[Any], copy: bool = True, flags:
         send(part, more if i < last else flags, copy=copy)
 
 
-def recv_parts(sock: zmq.Socket, copy: bool = True, first: zmq.Frame | None = None) -> list[Any]:
-    """``sock.recv_multipart(copy=copy)``: bytes, or zmq Frames when not ``copy``
-    (``first``: the message's first frame, received already)."""
+def recv_parts(sock: zmq.Socket, copy: bool = True) -> list[Any]:
+    """``sock.recv_multipart(copy=copy)``: bytes, or zmq Frames when not ``copy``."""
     recv = sock.recv
-    frame = recv(copy=False) if first is None else first
+    frame = recv(copy=False)
     parts = [frame.bytes if copy else frame]
     while frame.more:
         frame = recv(copy=False)

@@ -272,6 +272,43 @@ CONSUMER = textwrap.dedent(
 )
 
 
+def test_a_wait_longer_than_a_slice_gets_its_answer_and_close_ends_it(hub) -> None:
+    """A wait polls in slices (``POLL_SLICE_S``): a claim answered after two slices
+    returns, and a wait the client is closed under by another thread ends with HubClosed,
+    not at its timeout. (A blocking receive instead of the poll, its timeout the slice,
+    saved a few µs a wait but aborted the process here: libzmq asserts when a socket is
+    closed under a receive.)"""
+    import threading
+
+    from flowrl._transport.session import POLL_SLICE_S
+
+    threading.Timer(
+        2.2 * POLL_SLICE_S,
+        lambda: flowrl.connect(hub.address).put(
+            {"ids": [np.arange(3)], "reward": np.zeros(1, dtype=np.float32)}
+        ),
+    ).start()
+    t0 = time.monotonic()
+    meta = hub.claim("train", 1, timeout=30)
+    assert len(meta) == 1 and 2 * POLL_SLICE_S < time.monotonic() - t0 < 15
+    other = flowrl.connect(hub.address)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            other.claim("train", 1, timeout=60)
+        except BaseException as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.5)
+    other.close()
+    waiter.join(timeout=10 * POLL_SLICE_S)
+    assert not waiter.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], flowrl.errors.HubClosed)
+
+
 def test_consumer_killed_mid_batch_loses_nothing(hub) -> None:
     idx = _put(hub, 4)
     proc = subprocess.Popen(

@@ -42,6 +42,7 @@ from flowrl._schema.columns import Column
 from flowrl._schema.encode import Encoded, numeric_array
 from flowrl._schema.ragged import RaggedArray
 from flowrl._schema.schema import Schema
+from flowrl._schema.small import all_equal, bounds
 from flowrl._store.partial import VERSIONS
 from flowrl._validate import check_seconds, int_in
 from flowrl.errors import (
@@ -227,8 +228,10 @@ class HubClient:
             raise ConfigError(f"partition must be a str, got {partition!r} in {where}")
         if not isinstance(producer, str):
             raise ConfigError(f"producer must be a str, got {producer!r} in put()")
-        seq = _sequence_number(seq, producer, where)
-        timeout = check_seconds(timeout, "put() timeout", allow_zero=True)
+        if seq is not None:
+            seq = _sequence_number(seq, producer, where)
+        if timeout is not None:
+            timeout = check_seconds(timeout, "put() timeout", allow_zero=True)
         if isinstance(indices, BatchMeta):
             self._check_handle(indices, where)
         target = _as_indices(indices, where) if indices is not None else None
@@ -236,9 +239,9 @@ class HubClient:
         n_expected = None if target is None else int(target.size)
         owned = not (wait and self._data.copies_puts)  # put_async: the caller may reuse its arrays
         encoded, new_columns, n = self.schema.encode_all(data, n_expected, where, owned)
-        groups_arr = _per_sample(groups, n, "groups", where)
-        tokens_arr = _per_sample(tokens, n, "tokens", where)
-        versions = _versions(version, n, where)
+        groups_arr = None if groups is None else _per_sample(groups, n, "groups", where)
+        tokens_arr = None if tokens is None else _per_sample(tokens, n, "tokens", where)
+        versions = None if version is None else _versions(version, n, where)
         # A put to existing samples stages its bytes on their units under ``put_id``:
         # visible only once the commit succeeds (new samples are invisible until then).
         commit = Commit(
@@ -273,8 +276,9 @@ class HubClient:
     ) -> PutFuture:
         """Store a validated put's bytes and commit it (``commit``: its commit, less the
         indices of a new put, reserved here)."""
-        types = {c.name: c for c in new_columns}
-        types.update((k, self.schema[k]) for k in encoded if k not in types)
+        types: Mapping[str, Column] = self.schema.by_name
+        if new_columns:  # (not declared until the put succeeds)
+            types = {**types, **{c.name: c for c in new_columns}}
         if target is None:
             return self._put_new(n, encoded, types, new_columns, commit, timeout, wait)
         # (a re-sent idempotent put's claim was acked by its first landing: the commit
@@ -313,7 +317,7 @@ class HubClient:
             # hold (evicted) and stages the bytes, and the commit checks what check_update
             # would have (a put refused there changes nothing: the unit forgets the bytes).
             units = indices.units
-            if units.size and (units == units[0]).all():
+            if units.size and all_equal(units):
                 return units
         return self._control.check_update(CheckUpdate(indices=target, columns=columns, ack=ack))
 
@@ -321,7 +325,7 @@ class HubClient:
         self,
         n: int,
         encoded: dict[str, Encoded],
-        types: dict[str, Column],
+        types: Mapping[str, Column],
         new_columns: Sequence[Column],
         commit: Commit,
         timeout: float | None,
@@ -345,7 +349,7 @@ class HubClient:
         self,
         reservation: Reservation,
         encoded: dict[str, Encoded],
-        types: dict[str, Column],
+        types: Mapping[str, Column],
         new_columns: Sequence[Column],
         commit: Commit,
         timeout: float | None,
@@ -382,7 +386,7 @@ class HubClient:
         unit: int,
         indices: np.ndarray,
         encoded: dict[str, Encoded],
-        types: dict[str, Column],
+        types: Mapping[str, Column],
         new_columns: Sequence[Column],
         commit: Commit,
         wait: bool,
@@ -668,7 +672,7 @@ class HubClient:
                 f"{where}: a BatchMeta holds one int storage unit per sample; this one has "
                 f"units {units.dtype} of shape {units.shape} for {meta.indices.size} samples"
             )
-        low, high = (int(units.min()), int(units.max())) if units.size else (0, 0)
+        low, high = bounds(units) if units.size else (0, 0)
         if low < 0 or high >= n_units:
             bad = low if low < 0 else high
             raise UnknownIndexError(
@@ -865,6 +869,6 @@ def _part(values: np.ndarray, pos: np.ndarray | None) -> np.ndarray:
 def _split_by_unit(units: np.ndarray) -> list[tuple[int, np.ndarray | None]]:
     """(unit, positions) per storage unit; positions None when one unit holds everything."""
     first = int(units[0])
-    if (units == first).all():
+    if all_equal(units):
         return [(first, None)]
     return [(int(u), np.flatnonzero(units == u)) for u in np.unique(units)]

@@ -180,7 +180,7 @@ def _to_python(column: Column, arr: pa.Array) -> Any:
 
 def _primitive_view(arr: pa.Array, dtype: np.dtype) -> np.ndarray:
     """A read-only numpy view of a null-free primitive Arrow array (bools are unpacked)."""
-    if dtype == np.bool_:
+    if dtype.kind == "b":
         out = arr.to_numpy(zero_copy_only=False)
     elif (data := arr.buffers()[1]) is None:
         out = np.empty(0, dtype=dtype)

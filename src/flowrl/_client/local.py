@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import final
 
 import numpy as np
@@ -234,7 +234,7 @@ class LocalData(DataPort):
         unit: int,
         indices: np.ndarray,
         encoded: dict[str, Encoded],
-        types: dict[str, Column],
+        types: Mapping[str, Column],
         put_id: int = 0,
     ) -> None:
         self._check_open()
@@ -249,7 +249,7 @@ class LocalData(DataPort):
         unit: int,
         indices: np.ndarray,
         encoded: dict[str, Encoded],
-        types: dict[str, Column],
+        types: Mapping[str, Column],
         commit: Commit,
         wait: bool,
         again: Callable[[], np.ndarray] | None,

@@ -142,7 +142,7 @@ class DataPort(abc.ABC):
         unit: int,
         indices: np.ndarray,
         encoded: dict[str, Encoded],
-        types: dict[str, Column],
+        types: Mapping[str, Column],
         put_id: int = 0,
     ) -> None:
         """Store bytes on a unit; with a ``put_id`` (a put to existing samples) staged:
@@ -154,7 +154,7 @@ class DataPort(abc.ABC):
         unit: int,
         indices: np.ndarray,
         encoded: dict[str, Encoded],
-        types: dict[str, Column],
+        types: Mapping[str, Column],
         commit: Commit,
         wait: bool,
         again: Callable[[], np.ndarray] | None,

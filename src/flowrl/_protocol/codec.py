@@ -36,9 +36,12 @@ Seconds = Annotated[float, msgspec.Meta(ge=0)]  # NaN and negatives rejected, in
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
 
 
+_INT64 = np.dtype("<i8")  # (a dtype named by a string is parsed on every call)
+
+
 def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
-        return np.ascontiguousarray(obj, dtype="<i8").data
+        return np.ascontiguousarray(obj, dtype=_INT64).data
     raise NotImplementedError(f"{type(obj).__name__} cannot travel on the wire")
 
 

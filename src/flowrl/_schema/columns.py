@@ -106,7 +106,7 @@ class Column(msgspec.Struct, frozen=True):
     # -- derived ----------------------------------------------------------------------------
     @property
     def np_dtype(self) -> np.dtype:
-        return np.dtype(self.dtype)
+        return _NP_DTYPES.get(self.dtype) or np.dtype(self.dtype)
 
     @property
     def arrow_type(self) -> pa.DataType:
@@ -125,6 +125,10 @@ class Column(msgspec.Struct, frozen=True):
         if self.kind == "ragged":
             return f"ragged {self.dtype} sequences"
         return f"{self.kind} values"
+
+
+#: Each numeric dtype once (the data path asks on every message; np.dtype parses a name).
+_NP_DTYPES = {name: np.dtype(name) for name in _DTYPES}
 
 
 @functools.cache

@@ -151,7 +151,7 @@ def arrow_ragged_parts(arr: pa.Array, dtype: np.dtype) -> tuple[np.ndarray, pa.B
     buffer is None where the values are bit-packed bools or absent: slice ``arr.values``."""
     buffers = arr.buffers()  # validity, offsets, values' validity, values' data
     offsets = np.frombuffer(buffers[1], dtype=np.int64, count=len(arr) + 1, offset=arr.offset * 8)
-    if dtype == np.bool_ or buffers[3] is None:
+    if dtype.kind == "b" or buffers[3] is None:
         return offsets, None, 0
     return offsets, buffers[3], arr.values.offset + int(offsets[0])
 

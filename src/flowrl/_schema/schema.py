@@ -59,7 +59,9 @@ class Schema:
             self._columns.update(seen)
 
     def check_names(self, names: Iterable[str], where: str) -> tuple[str, ...]:
-        if isinstance(names, str | bytes) or not isinstance(names, Iterable):
+        if type(names) not in (tuple, list) and (  # (an ABC check costs more)
+            isinstance(names, str | bytes) or not isinstance(names, Iterable)
+        ):
             raise ConfigError(f"columns in {where} must be a list of column names, got {names!r}")
         names = tuple(names)
         for name in names:
@@ -80,7 +82,7 @@ class Schema:
         Returns the encoded arrays, the columns this write would newly declare (the caller
         declares them only once the whole write succeeded) and the sample count.
         """
-        if not isinstance(data, Mapping) or not data:
+        if not (type(data) is dict or isinstance(data, Mapping)) or not data:
             raise SchemaError(
                 f"{where} expects a non-empty mapping of column name to values, got "
                 f"{type(data).__name__ if not isinstance(data, Mapping) else 'an empty mapping'}"

@@ -34,6 +34,7 @@ from flowrl._config import JournalConfig, UnitStats
 from flowrl._folder_lock import FolderLock
 from flowrl._schema.columns import Column
 from flowrl._schema.encode import numeric_array
+from flowrl._schema.small import FEW, SMALL, all_equal, has_negative
 from flowrl._store.partial import PartialStore
 from flowrl._store.persist import (
     ColumnLog,
@@ -80,15 +81,22 @@ class _ColumnStore:
         self.nbytes = 0
         self.next_chunk = 0
 
-    def _unref(self, chunk_ids: np.ndarray) -> None:
-        chunk_ids = chunk_ids[chunk_ids >= 0]
-        if chunk_ids.size == 0:
-            return
-        if (chunk_ids == chunk_ids[0]).all():  # the usual case: one put's chunk
-            ids, counts = chunk_ids[:1], np.array([chunk_ids.size])
+    def _unref(self, chunk_ids: np.ndarray | list[int]) -> None:
+        if isinstance(chunk_ids, list) or chunk_ids.size <= SMALL:  # (no numpy calls)
+            refs: dict[int, int] = {}
+            for cid in chunk_ids if isinstance(chunk_ids, list) else chunk_ids.tolist():
+                if cid >= 0:
+                    refs[cid] = refs.get(cid, 0) + 1
         else:
-            ids, counts = np.unique(chunk_ids, return_counts=True)
-        for cid, cnt in zip(ids.tolist(), counts.tolist(), strict=True):
+            chunk_ids = chunk_ids[chunk_ids >= 0]
+            if chunk_ids.size == 0:
+                return
+            if all_equal(chunk_ids):  # the usual case: one put's chunk
+                refs = {int(chunk_ids[0]): int(chunk_ids.size)}
+            else:
+                ids, counts = np.unique(chunk_ids, return_counts=True)
+                refs = dict(zip(ids.tolist(), counts.tolist(), strict=True))
+        for cid, cnt in refs.items():
             left = self.live[cid] - cnt
             if left:
                 self.live[cid] = left
@@ -115,7 +123,9 @@ class _ColumnStore:
         # Whatever occupied these slots (an older write of the index, or a stale evicted
         # sample whose evict message has not arrived yet) loses its reference (a free slot's
         # chunk is -1, as its owner).
-        self._unref(self.chunk_of[slots])
+        few = slots.size <= FEW
+        chunk_of = self.chunk_of
+        self._unref([int(chunk_of[slot]) for slot in slots.tolist()] if few else chunk_of[slots])
         cid = logged if logged >= 0 else self.log_ahead(indices, array, loaded_from)
         self.chunks[cid] = array
         self.nbytes += array.get_total_buffer_size()  # what the chunk keeps alive
@@ -124,9 +134,14 @@ class _ColumnStore:
             self.first[cid] = int(indices[0])
         if tag is not None:
             self.tags[cid] = tag
-        self.owner[slots] = indices
-        self.chunk_of[slots] = cid
-        self.row_of[slots] = np.arange(slots.size)
+        if few:
+            owner, row_of = self.owner, self.row_of
+            for row, (slot, index) in enumerate(zip(slots.tolist(), indices.tolist(), strict=True)):
+                owner[slot], chunk_of[slot], row_of[slot] = index, cid, row
+        else:
+            self.owner[slots] = indices
+            chunk_of[slots] = cid
+            self.row_of[slots] = np.arange(slots.size)
 
     def log_ahead(self, indices: np.ndarray, array: pa.Array, loaded_from: str = "") -> int:
         """A new chunk id, its rows logged (a persistent column) before they are filed."""
@@ -318,11 +333,10 @@ class StorageUnit:
     ) -> Mapping[str, pa.Array] | Callable[[], Mapping[str, pa.Array]]:
         """Refuse a stale write, or a persistent unit's write of an undeclared column;
         returns ``arrays`` (built, on a persistent unit: its bytes are logged first)."""
-        stale = self._newest[slots] > indices
-        if stale.any():
+        stale = _first_stale(self._newest, slots, indices)
+        if stale is not None:
             raise UnknownIndexError(
-                f"sample index {int(indices[np.argmax(stale)])} was evicted before this "
-                "write arrived; nothing was written"
+                f"sample index {stale} was evicted before this write arrived; nothing was written"
             )
         if self.folder is not None:
             arrays = arrays() if callable(arrays) else arrays
@@ -344,7 +358,13 @@ class StorageUnit:
         logged: Mapping[str, int],
     ) -> None:
         """Make a checked write visible (``logged``: chunks a persistent unit logged ahead)."""
-        self._newest[slots] = indices  # (checked: none is older than what the slot held)
+        # (checked: none is older than what the slot held)
+        if slots.size <= FEW:
+            newest = self._newest
+            for slot, index in zip(slots.tolist(), indices.tolist(), strict=True):
+                newest[slot] = index
+        else:
+            self._newest[slots] = indices
         run = _consecutive(indices)
         for name, array in arrays.items():
             store = self._store(name, types.get(name))
@@ -381,8 +401,8 @@ class StorageUnit:
                 for name, array in arrays.items():
                     store = self._store(name, types.get(name))
                     logged[name] = store.log_ahead(indices, array)
-            self._staged[put_id] = _Staged(indices, arrays, types, tags or {}, logged)
-            self._staged_on[slots] += 1
+            self._staged[put_id] = _Staged(indices, slots, arrays, types, tags or {}, logged)
+            _count(self._staged_on, slots, 1)
 
     def settle(self, put_id: int, committed: bool) -> bool:
         """File (``committed``) or forget a staged write; False if none is staged as
@@ -391,10 +411,9 @@ class StorageUnit:
             staged = self._staged.pop(put_id, None)
             if staged is None:
                 return False
-            indices, arrays, types, tags, logged = staged
-            slots = indices % self.capacity
-            self._staged_on[slots] -= 1
-            if committed and not (self._newest[slots] > indices).any():
+            indices, slots, arrays, types, tags, logged = staged
+            _count(self._staged_on, slots, -1)
+            if committed and _first_stale(self._newest, slots, indices) is None:
                 self._file(slots, indices, arrays, types, tags, logged)
             elif logged:
                 self._unlog(slots, indices, logged)
@@ -422,11 +441,15 @@ class StorageUnit:
 
     def staged(self, indices: np.ndarray) -> bool:
         """Whether a write to any of these samples waits for its commit's verdict."""
+        slots = indices % self.capacity
         with self._lock:
-            return bool(self._staged_on[indices % self.capacity].any())
+            staged_on = self._staged_on
+            if slots.size <= FEW:
+                return any(staged_on[slot] for slot in slots.tolist())
+            return bool(staged_on[slots].any())
 
     def read(self, indices: np.ndarray, columns: tuple[str, ...]) -> dict[str, pa.Array]:
-        if indices.size and indices.min() < 0:
+        if has_negative(indices):
             raise UnknownIndexError(f"sample index {int(indices.min())} does not exist")
         slots = indices % self.capacity
         run = _consecutive(indices)
@@ -580,10 +603,14 @@ class StorageUnit:
     def holds(self, indices: np.ndarray) -> bool:
         """Whether a column of every sample of ``indices`` is stored here."""
         slots = indices % self.capacity
-        held = np.zeros(indices.size, dtype=bool)
         with self._lock:
-            for store in self._columns.values():
-                held |= store.owner[slots] == indices
+            owners = [store.owner for store in self._columns.values()]
+            if indices.size <= FEW:
+                pairs = zip(slots.tolist(), indices.tolist(), strict=True)
+                return all(any(owner[slot] == index for owner in owners) for slot, index in pairs)
+            held = np.zeros(indices.size, dtype=bool)
+            for owner in owners:
+                held |= owner[slots] == indices
         return bool(held.all())
 
     def statistics(self) -> UnitStats:
@@ -596,10 +623,32 @@ class StorageUnit:
 
 class _Staged(NamedTuple):
     indices: np.ndarray
+    slots: np.ndarray
     arrays: Mapping[str, pa.Array]
     types: Mapping[str, Column]
     tags: Mapping[str, object]
     logged: dict[str, int]  # a persistent unit's chunk ids, logged when staged
+
+
+def _count(counts: np.ndarray, slots: np.ndarray, delta: int) -> None:
+    """Add ``delta`` to the count of each of ``slots`` (distinct)."""
+    if slots.size <= FEW:
+        for slot in slots.tolist():
+            counts[slot] += delta
+    else:
+        counts[slots] += delta
+
+
+def _first_stale(newest: np.ndarray, slots: np.ndarray, indices: np.ndarray) -> int | None:
+    """The first of ``indices`` whose slot holds a newer index already (its sample was
+    evicted and the slot reused), or None."""
+    if indices.size <= FEW:
+        for slot, index in zip(slots.tolist(), indices.tolist(), strict=True):
+            if newest[slot] > index:
+                return index
+        return None
+    stale = newest[slots] > indices
+    return int(indices[np.argmax(stale)]) if stale.any() else None
 
 
 def _consecutive(indices: np.ndarray) -> bool:
@@ -607,4 +656,9 @@ def _consecutive(indices: np.ndarray) -> bool:
     n = indices.size
     if n == 0 or int(indices[-1]) - int(indices[0]) != n - 1:
         return False
-    return n < 3 or bool((indices[1:] - indices[:-1] == 1).all())
+    if n < 3:
+        return True
+    if n <= SMALL:
+        first = int(indices[0])
+        return indices.tolist() == list(range(first, first + n))
+    return bool((indices[1:] - indices[:-1] == 1).all())

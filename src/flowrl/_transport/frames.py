@@ -20,6 +20,7 @@ from flowrl._client.batch import LazyColumn
 from flowrl._schema.columns import Column
 from flowrl._schema.encode import Encoded, arrow_of_buffers
 from flowrl._schema.ragged import RaggedArray, arrow_ragged_parts
+from flowrl._schema.small import never_decreasing
 from flowrl.errors import TransportError
 
 __all__ = [
@@ -54,15 +55,15 @@ def to_frames(name: str, column: Column, arr: pa.Array) -> tuple[ArrayHeader, li
     n = len(arr)
     kind = column.kind
     if kind == "scalar":
-        return ArrayHeader(name, n, 1), [_primitive_slice(arr)]
+        return ArrayHeader(name, n, 1), [_primitive_slice(arr, column)]
     if kind == "tensor":
         storage = arr.storage if isinstance(arr, pa.ExtensionArray) else arr
-        return ArrayHeader(name, n, 1), [_primitive_slice(storage.flatten())]
+        return ArrayHeader(name, n, 1), [_primitive_slice(storage.flatten(), column)]
     if kind == "ragged":
         raw, data, first = arrow_ragged_parts(arr, column.np_dtype)
         start, end = int(raw[0]), int(raw[-1])
         if data is None:
-            values = _primitive_slice(arr.values.slice(start, end - start))
+            values = _primitive_slice(arr.values.slice(start, end - start), column)
         else:
             width = column.np_dtype.itemsize
             values = data.slice(first * width, (end - start) * width)
@@ -187,7 +188,7 @@ def window_of(
             offsets.size != header.length + 1
             or first < 0
             or last * width > memoryview(frames[1]).nbytes
-            or (window[1:] < window[:-1]).any()
+            or not never_decreasing(window)
         ):
             raise TransportError(f"column {column.name!r}: malformed offsets in a chunk read")
         values = np.frombuffer(frames[1], dtype=dtype, count=last - first, offset=first * width)
@@ -197,7 +198,7 @@ def window_of(
         return LazyColumn(
             RaggedArray._trusted(values, cu), lambda: from_frames(column, rows, [cu, values])
         )
-    per_row = int(np.prod(column.shape)) if kind == "tensor" else 1
+    per_row = math.prod(column.shape) if kind == "tensor" else 1
     if memoryview(frames[0]).nbytes != header.length * per_row * width:
         raise TransportError(f"column {column.name!r}: a data frame of the wrong size")
     view = np.frombuffer(frames[0], dtype=dtype, count=n * per_row, offset=start * per_row * width)
@@ -209,15 +210,17 @@ def window_of(
 
 def _check_offsets(column: Column, offsets: np.ndarray) -> int:
     """Offsets start at 0 and never decrease (readers trust them); returns the last one."""
-    if offsets[0] != 0 or (offsets[1:] < offsets[:-1]).any():
+    if offsets[0] != 0 or not never_decreasing(offsets):
         raise TransportError(f"column {column.name!r}: offsets must start at 0 and never decrease")
     return int(offsets[-1])
 
 
-def _primitive_slice(arr: pa.Array) -> Any:
-    if arr.type == pa.bool_():
+def _primitive_slice(arr: pa.Array, column: Column) -> Any:
+    """The bytes of an array of ``column``'s values (its dtype, asked of the column: an
+    Arrow type comparison costs more than the rest)."""
+    if column.dtype == "bool":
         # bit-packed with a possible bit offset: repack (bools are small)
         return np.packbits(arr.to_numpy(zero_copy_only=False), bitorder="little")
-    width = arr.type.bit_width // 8
+    width = column.np_dtype.itemsize
     data = arr.buffers()[1]
     return data.slice(arr.offset * width, len(arr) * width) if data is not None else b""

@@ -40,20 +40,28 @@ def next_cap(capacity: int) -> int:
 
 
 class Pool:
-    """Indices a thread reserved ahead for its next small puts, and their storage units."""
+    """Indices a thread reserved ahead for its next puts, and their storage units: one
+    unit for them all (a commit reserved them: taken in order, a cursor keeps the place),
+    or one per index."""
 
-    __slots__ = ("first", "free", "indices", "units", "until")
+    __slots__ = ("first", "free", "indices", "unit", "units", "until")
 
-    def __init__(self, indices: np.ndarray, units: np.ndarray, until: float) -> None:
+    def __init__(self, indices: np.ndarray, units: np.ndarray | int, until: float) -> None:
         self.indices = indices
-        self.units = units
-        self.free = np.ones(indices.size, dtype=bool)
         self.first = 0  # every index before it is taken (takes go mostly in order)
         self.until = until
+        self.unit = units if isinstance(units, int) else -1
+        self.units: np.ndarray | None = None if isinstance(units, int) else units
+        self.free = None if self.units is None else np.ones(indices.size, dtype=bool)
 
     def take(self, n: int) -> tuple[np.ndarray, int] | None:
         """``n`` indices on one unit (that of the oldest left), or None if there are not."""
-        free, first = self.free, self.first
+        units, free, first = self.units, self.free, self.first
+        if units is None or free is None:  # one unit: the next n in order
+            if first + n > self.indices.size:
+                return None
+            self.first = first + n
+            return self.indices[first : first + n], self.unit
         while first < free.size and not free[first]:
             first += 1
         self.first = first
@@ -61,16 +69,26 @@ class Pool:
             return None
         if n == 1:  # the usual case: a single-sample put, the oldest index left
             free[first] = False
-            return self.indices[first : first + 1], int(self.units[first])
+            return self.indices[first : first + 1], int(units[first])
         pos = first + np.flatnonzero(free[first:])
-        pos = pos[self.units[pos] == self.units[first]][:n]
+        pos = pos[units[pos] == units[first]][:n]
         if pos.size < n:
             return None
         free[pos] = False
-        return self.indices[pos], int(self.units[first])
+        return self.indices[pos], int(units[first])
+
+    def left(self) -> int:
+        """How many indices are left."""
+        if self.free is None:
+            return int(self.indices.size - self.first)
+        return int(self.free.sum())
 
     def rest(self) -> np.ndarray:
         """Every index left (the pool is empty afterwards)."""
+        if self.free is None:
+            left = self.indices[self.first :]
+            self.first = self.indices.size
+            return left
         left = self.indices[self.free]
         self.free[:] = False
         return left

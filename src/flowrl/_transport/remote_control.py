@@ -119,7 +119,7 @@ class RemoteControl(ControlPort):
         if n < self._pool_block or n > self._next_cap:
             return 0
         pool: Pool | None = getattr(self._local, "pool", None)
-        if pool is not None and time.monotonic() < pool.until and pool.free.sum() >= n:
+        if pool is not None and time.monotonic() < pool.until and pool.left() >= n:
             return 0
         return n
 
@@ -129,8 +129,7 @@ class RemoteControl(ControlPort):
         old: Pool | None = getattr(self._local, "pool", None)
         if old is not None:
             self._pools.retire(old)
-        units = np.full(indices.size, unit, dtype=np.int16)
-        self._local.pool = Pool(indices, units, time.monotonic() + self._pool_ttl)
+        self._local.pool = Pool(indices, int(unit), time.monotonic() + self._pool_ttl)
         self._pools.hold(self._local, self._local.pool)
 
     def forget_pool(self) -> None:

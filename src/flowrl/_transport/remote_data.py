@@ -9,7 +9,7 @@ are written there (``lanes``), and reads map it instead of copying.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, final
 
 import numpy as np
@@ -23,6 +23,7 @@ from flowrl._protocol import commands
 from flowrl._schema.columns import Column
 from flowrl._schema.encode import Encoded
 from flowrl._schema.schema import Schema
+from flowrl._schema.small import has_negative
 from flowrl._store.partial import VERSIONS
 from flowrl._store.shm import ShmMaps, ShmUnavailable
 from flowrl._transport import wire
@@ -70,7 +71,7 @@ class RemoteData(DataPort):
         unit: int,
         indices: np.ndarray,
         encoded: dict[str, Encoded],
-        types: dict[str, Column],
+        types: Mapping[str, Column],
         put_id: int = 0,
     ) -> None:
         self._session.call(unit, *self._write_request(unit, indices, encoded, types, put_id=put_id))
@@ -80,7 +81,7 @@ class RemoteData(DataPort):
         unit: int,
         indices: np.ndarray,
         encoded: dict[str, Encoded],
-        types: dict[str, Column],
+        types: Mapping[str, Column],
         commit: commands.Commit,
         wait: bool,
         again: Callable[[], np.ndarray] | None,
@@ -123,19 +124,17 @@ class RemoteData(DataPort):
         self, parts: list[tuple[int, np.ndarray]], columns: tuple[str, ...]
     ) -> list[dict[str, pa.Array | LazyColumn]]:
         for _, idx in parts:
-            if idx.size and idx.min() < 0:  # a tampered handle: no unit holds such a sample
+            if has_negative(idx):  # a tampered handle: no unit holds such a sample
                 raise UnknownIndexError(f"sample index {int(idx.min())} does not exist")
         # Send every unit's request first, then collect: units serve in parallel.
+        session, names = self._session, list(columns)
         rids = [
-            self._session.send(
-                unit,
-                wire.Read(indices=idx.tobytes(), columns=list(columns), shm=self._shm[unit]),
-            )
+            session.send(unit, wire.Read(indices=idx.tobytes(), columns=names, shm=self._shm[unit]))
             for unit, idx in parts
         ]
         out = []
         for (unit, idx), rid in zip(parts, rids, strict=True):
-            reply, frames = self._session.recv(unit, rid, self._session.reply_wait(unit))
+            reply, frames = session.recv(unit, rid, session.reply_wait(unit))
             try:
                 buffers = (
                     [f.buffer for f in frames]
@@ -146,26 +145,33 @@ class RemoteData(DataPort):
                 log.info("storage unit %d's shared memory is not visible here", unit)
                 self._shm[unit] = False
                 return self.read_many(parts, columns)
-            arrays: dict[str, pa.Array | LazyColumn] = {}
-            reply_of = f"storage unit {unit}'s reply"
-            starts = reply.starts  # whole chunks: the rows read start there
-            if starts is not None and len(starts) != len(reply.arrays):
-                raise TransportError(f"{reply_of} names {len(starts)} starts for its arrays")
-            n = idx.size
-            for i, (header, bufs) in enumerate(
-                zip(reply.arrays, split_frames(reply.arrays, buffers, reply_of), strict=True)
-            ):
-                start = 0 if starts is None else starts[i]
-                if start + n > header.length or (starts is None and header.length != n):
-                    raise TransportError(f"storage unit {unit} returned the wrong row count")
-                column = self.schema[header.column]
-                rows = None if starts is None else window_of(column, header, bufs, start, n)
-                if rows is None:
-                    arr = from_frames(column, header, bufs)
-                    rows = arr if header.length == n else arr.slice(start, n)
-                arrays[header.column] = rows
-            out.append(arrays)
+            out.append(self._arrays_of(unit, reply, buffers, idx.size))
         return out
+
+    def _arrays_of(
+        self, unit: int, reply: wire.Arrays, buffers: list[Any], n: int
+    ) -> dict[str, pa.Array | LazyColumn]:
+        """The ``n`` rows of each column a read answered: numpy views over the received
+        bytes (Arrow arrays built on demand), Arrow arrays for strings, objects and bools."""
+        arrays: dict[str, pa.Array | LazyColumn] = {}
+        reply_of = f"storage unit {unit}'s reply"
+        starts = reply.starts  # whole chunks: the rows read start there
+        if starts is not None and len(starts) != len(reply.arrays):
+            raise TransportError(f"{reply_of} names {len(starts)} starts for its arrays")
+        by_name = self.schema.by_name
+        for i, (header, bufs) in enumerate(
+            zip(reply.arrays, split_frames(reply.arrays, buffers, reply_of), strict=True)
+        ):
+            start = 0 if starts is None else starts[i]
+            if start + n > header.length or (starts is None and header.length != n):
+                raise TransportError(f"storage unit {unit} returned the wrong row count")
+            column = by_name.get(header.column) or self.schema[header.column]
+            rows = window_of(column, header, bufs, start, n)
+            if rows is None:
+                arr = from_frames(column, header, bufs)
+                rows = arr if header.length == n else arr.slice(start, n)
+            arrays[header.column] = rows
+        return arrays
 
     def append(
         self, unit: int, indices: np.ndarray, values: list[tuple[Column, pa.Array]], version: int
@@ -217,7 +223,7 @@ class RemoteData(DataPort):
         unit: int,
         indices: np.ndarray,
         encoded: dict[str, Encoded],
-        types: dict[str, Column],
+        types: Mapping[str, Column],
         **commit: Any,
     ) -> tuple[wire.Write, list[Any]]:
         """A Write and its payload frames (one per buffer; none when the payload went to

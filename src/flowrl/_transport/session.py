@@ -25,7 +25,7 @@ import zmq
 from flowrl._transport import wire
 from flowrl._transport.auth import HubKey, client_options
 from flowrl._transport.frames import ZERO_COPY_MIN_BYTES
-from flowrl._transport.sockio import poll_in, recv_parts, send_parts
+from flowrl._transport.sockio import SNDMORE, poll_in, recv_parts, send_parts
 from flowrl._transport.thread_sockets import FDS_NEEDED, ThreadSockets, descriptors_left
 from flowrl.errors import (
     FlowRLError,
@@ -160,9 +160,13 @@ class Session:
         body = wire.encode(msg)  # raises ConfigError for values msgpack cannot carry
         sock = self.socket(unit)
         try:
-            # Zero-copy only pays for payload frames; small control messages are copied.
-            small = sum(memoryview(f).nbytes for f in frames) < ZERO_COPY_MIN_BYTES
-            send_parts(sock, [rid, body, *frames], copy=small)
+            if frames:
+                # Zero-copy only pays for payload frames; small control messages are copied.
+                small = sum(memoryview(f).nbytes for f in frames) < ZERO_COPY_MIN_BYTES
+                send_parts(sock, [rid, body, *frames], copy=small)
+            else:
+                sock.send(rid, SNDMORE)
+                sock.send(body)
         except zmq.ZMQError as exc:
             raise self.socket_error(exc) from None
         return rid
@@ -193,12 +197,12 @@ class Session:
     ) -> tuple[bytes, Any, list[Any]] | None:
         """(request id, reply, payload frames) of the first reply to one of ``rids``, or
         None at ``deadline`` (monotonic; inf: none). Sockets as for :meth:`_recv`."""
-        socks = [self.socket(unit)]
-        servers: list[int | None] = [unit]
+        sock = self.socket(unit)
+        socks = [sock]
+        controller = sock if unit is None else None
         if or_controller:
-            socks.append(self.socket(None))
-            servers.append(None)
-        controller = self.socket(None) if unit is None or or_controller else None
+            controller = self.socket(None)
+            socks.append(controller)
         while True:
             # Poll in bounded slices: zmq takes int milliseconds (a huge wait overflows)
             # and a slice ends in time to notice that another thread closed the client.
@@ -213,9 +217,10 @@ class Session:
                 if time.monotonic() < deadline:
                     continue
                 return None
-            for sock in ready:
-                self.silent.pop(servers[socks.index(sock)], None)  # it is there
-                reply = self.take_reply(sock, rids, payload=sock is not controller)
+            for ready_sock in ready:
+                if self.silent:  # it is there
+                    self.silent.pop(None if ready_sock is controller else unit, None)
+                reply = self.take_reply(ready_sock, rids, payload=ready_sock is not controller)
                 if reply is not None:
                     return reply
 
@@ -231,15 +236,14 @@ class Session:
             raise self.socket_error(exc) from None
         if len(frames) < 2:
             raise TransportError(f"a reply of {len(frames)} frame(s) from the hub")
-        got = _bytes(frames[0])
+        got = frames[0].bytes if payload else frames[0]
         reply = wire.decode_reply(frames[1].buffer if payload else frames[1])
-        error = wire.exception_of(reply) if isinstance(reply, wire.Error) else None
         if got not in rids:
             # The answer to one of this thread's put_async, or to a request it gave up on.
-            self.on_stray(got, error)
+            self.on_stray(got, wire.exception_of(reply) if type(reply) is wire.Error else None)
             return None
-        if error is not None:
-            raise error
+        if type(reply) is wire.Error:
+            raise wire.exception_of(reply)
         return got, reply, frames[2:]
 
     def call_parked(
@@ -303,10 +307,6 @@ class Session:
 
 def _ignore(rid: bytes, error: FlowRLError | None) -> None:
     pass
-
-
-def _bytes(frame: Any) -> bytes:
-    return frame if isinstance(frame, bytes) else frame.bytes
 
 
 def left(deadline: float) -> float | None:

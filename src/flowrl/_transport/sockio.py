@@ -14,7 +14,7 @@ from typing import Any
 
 import zmq
 
-__all__ = ["NOBLOCK", "POLLIN", "has_input", "poll_in", "recv_parts", "send_parts"]
+__all__ = ["NOBLOCK", "POLLIN", "SNDMORE", "has_input", "poll_in", "recv_parts", "send_parts"]
 
 SNDMORE = int(zmq.SNDMORE)
 NOBLOCK = int(zmq.NOBLOCK)

@@ -32,7 +32,7 @@ import collections
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
 
 import msgspec
@@ -56,7 +56,7 @@ from flowrl._transport.frames import (
     to_frames_all,
 )
 from flowrl._transport.lanes import GRANT_IDLE_S
-from flowrl._transport.sockio import NOBLOCK, poll_in, recv_parts, send_parts
+from flowrl._transport.sockio import NOBLOCK, SNDMORE, poll_in, recv_parts, send_parts
 from flowrl.errors import FlowRLError, SchemaError, TransportError, UnknownIndexError
 
 __all__ = ["serve_unit"]
@@ -124,14 +124,16 @@ class UnitServer:
         self.running = True
 
     def serve(self) -> None:
-        socks = [self.sock, self.control]
+        socks = [self.control, self.sock]  # (a verdict first: a request may wait for it)
+        staged = self._staged
         while self.running:
-            ready = poll_in(socks, self._poll_timeout())
-            if self.control in ready:
-                self._control(self.control.recv(copy=False))
-            if self.sock in ready:
-                self._handle(recv_parts(self.sock, copy=False))
-            if self._staged:
+            ready = poll_in(socks, self._poll_timeout() if staged else None)
+            for sock in ready:
+                if sock is self.sock:
+                    self._handle(recv_parts(sock, copy=False))
+                else:
+                    self._control(sock.recv(copy=False))
+            if staged:
                 self._expire_staged()
         for sock in [self.sock, self.control, *self.controllers.values()]:
             sock.close()
@@ -142,11 +144,11 @@ class UnitServer:
     def _control(self, frame: Any) -> None:
         try:
             msg = wire.decode_request(frame.buffer)
-            if isinstance(msg, wire.Evict):
-                self.unit.evict(wire.ints(msg.indices))
-            elif isinstance(msg, wire.Settle):
+            kind = type(msg)
+            if kind is wire.Settle:
                 if self.unit.settle(msg.put_id, msg.committed):
-                    self._serve_waiting()
+                    if self._waiting:
+                        self._serve_waiting()
                 elif msg.committed:
                     log.error(
                         "storage unit %d: put %d was committed after its bytes were "
@@ -155,9 +157,11 @@ class UnitServer:
                         msg.put_id,
                         STAGED_TTL_S,
                     )
-            elif isinstance(msg, wire.Retain):
+            elif kind is wire.Evict:
+                self.unit.evict(wire.ints(msg.indices))
+            elif kind is wire.Retain:
                 self.unit.retain(wire.ints(msg.indices), msg.below)
-            elif isinstance(msg, wire.Shutdown):
+            elif kind is wire.Shutdown:
                 self.running = False
         except wire.Malformed as exc:
             log.warning("storage unit %d dropped a control message: %s", self.unit.unit_id, exc)
@@ -165,9 +169,8 @@ class UnitServer:
             log.exception("storage unit %d failed on a control message", self.unit.unit_id)
 
     # -- staged writes ---------------------------------------------------------------------
-    def _poll_timeout(self) -> int | None:
-        if not self._staged:
-            return None
+    def _poll_timeout(self) -> int:
+        """Until the oldest staged write's verdict is due (milliseconds)."""
         return max(0, int((self._staged[0][0] - time.monotonic()) * 1000) + 1)
 
     def _expire_staged(self) -> None:
@@ -191,8 +194,10 @@ class UnitServer:
 
     def _must_wait(self, frames: list[Any], msg: Any) -> bool:
         """Hold a request naming a sample with a staged write until its verdict."""
+        if not self.unit.has_staged:
+            return False
         indices = getattr(msg, "indices", None)
-        if not self.unit.has_staged or not isinstance(indices, bytes):
+        if not isinstance(indices, bytes):
             return False
         idx = wire.ints(indices)
         if not self.unit.staged(idx):
@@ -218,12 +223,13 @@ class UnitServer:
             msg = wire.decode_request(frames[2].buffer)
             if not checked and self._must_wait(frames, msg):
                 return
-            if isinstance(msg, wire.Write) and msg.put_id:
-                self._stage(ident, rid, msg, frames[3:])
-                return
-            if isinstance(msg, wire.Write) and msg.has_commit:
-                self._write_and_hand_on(ident, rid, msg, frames[3:])
-                return
+            if type(msg) is wire.Write:
+                if msg.put_id:
+                    self._stage(ident, rid, msg, frames[3:])
+                    return
+                if msg.has_commit:
+                    self._write_and_hand_on(ident, rid, msg, frames[3:])
+                    return
             reply = self._dispatch(ident, msg, frames[3:], out)
         except wire.Malformed as exc:  # a broken or hostile client: one line, no traceback
             log.warning("storage unit %d refused a request: %s", self.unit.unit_id, exc)
@@ -233,8 +239,18 @@ class UnitServer:
         except Exception as exc:
             log.exception("storage unit %d failed on a request", self.unit.unit_id)
             reply, out = wire.error_of(exc), []
-        small = sum(memoryview(f).nbytes for f in out) < ZERO_COPY_MIN_BYTES
-        send_parts(self.sock, [ident, rid, wire.encode(reply), *out], copy=small)
+        self._reply(ident, rid, reply, out)
+
+    def _reply(self, ident: bytes, rid: bytes, reply: Any, payload: Sequence[Any] = ()) -> None:
+        """Send ``reply`` (and its payload frames, zero-copy when large) to client ``ident``."""
+        sock = self.sock
+        if not payload:
+            sock.send(ident, SNDMORE)
+            sock.send(rid, SNDMORE)
+            sock.send(wire.encode(reply))
+            return
+        small = sum(memoryview(f).nbytes for f in payload) < ZERO_COPY_MIN_BYTES
+        send_parts(sock, [ident, rid, wire.encode(reply), *payload], copy=small)
 
     # -- commits handed to the controller ----------------------------------------------------
     def _write_and_hand_on(
@@ -267,7 +283,7 @@ class UnitServer:
         if msg.has_commit:
             self._forward(ident, rid, msg)
         else:
-            send_parts(self.sock, [ident, rid, wire.encode(wire.Done())])
+            self._reply(ident, rid, wire.Done())
 
     def _forward(self, ident: bytes, rid: bytes, msg: wire.Write) -> None:
         """The controller answers the producer (``msg.reply_to``, its routing id there) under
@@ -285,7 +301,7 @@ class UnitServer:
             send_parts(self._controller(msg.controller), [rid, handoff], flags=NOBLOCK)
         except zmq.ZMQError as exc:
             err = TransportError(f"storage unit could not reach the controller: {exc}")
-            send_parts(self.sock, [ident, rid, wire.encode(wire.error_of(err))])
+            self._reply(ident, rid, wire.error_of(err))
 
     def _controller(self, address: str) -> zmq.Socket:
         sock = self.controllers.get(address)
@@ -386,12 +402,15 @@ class UnitServer:
                 f"storage unit {self.unit.unit_id} holds no sample of some of indices "
                 f"{indices[:4].tolist()}... (evicted); nothing was written"
             )
-        types = dict(self.columns)
+        types = self.columns  # (replaced, never changed: copied before a column is added)
         for col in wire.columns_of(msg):
-            if types.setdefault(col.name, col) != col:
+            known = types.get(col.name)
+            if known is None:
+                types = {**types, col.name: col}
+            elif known != col:
                 raise SchemaError(
                     f"write declares column {col.name!r} as {col.describe()}, but this "
-                    f"unit holds it as {types[col.name].describe()}"
+                    f"unit holds it as {known.describe()}"
                 )
         # The payload: frames, or the bytes the producer wrote in lent shared memory.
         lent = msg.grant != 0
@@ -411,9 +430,7 @@ class UnitServer:
         # A write large enough to be read in place goes to shared memory whole, so a read
         # of its rows can name its chunks' buffers instead of slicing them (see _dispatch).
         to_shm = (
-            not lent
-            and self.arena is not None
-            and sum(f.buffer.nbytes for f in payload) >= SHM_MIN_BYTES
+            not lent and self.arena is not None and sum(b.nbytes for b in buffers) >= SHM_MIN_BYTES
         )
         tags: dict[str, _InShm] = {}  # (filled as the arrays are built, before they are filed)
 
@@ -429,33 +446,40 @@ class UnitServer:
 
         return indices, build, types, tags
 
+    def _read(self, msg: wire.Read, out: list[Any]) -> wire.Arrays:
+        """Rows of some columns: their buffers as payload frames (``out``), or where they
+        lie in shared memory for a reader on this machine."""
+        indices = wire.ints(msg.indices)
+        columns = tuple(msg.columns)
+        if msg.shm and self.arena is not None:
+            # The usual read: rows one put wrote, in order. Name each column's chunk
+            # (where its buffers lie) and the first row; the reader slices.
+            run = self.unit.read_run(indices, columns)
+            if run:
+                chunks = [cast(_InShm, tag) for tag, _ in run]
+                return wire.Arrays(
+                    arrays=[c.header for c in chunks],
+                    refs=[ref for c in chunks for ref in c.refs],
+                    starts=[start for _, start in run],
+                )
+        arrays = self.unit.read(indices, columns)
+        headers, bufs = to_frames_all((self.columns[name], a) for name, a in arrays.items())
+        if not msg.shm or self.arena is None:
+            out.extend(bufs)
+            return wire.Arrays(arrays=headers)
+        refs = [self._ref(buf) for buf in bufs]
+        out.extend(buf for buf, ref in zip(bufs, refs, strict=True) if ref is None)
+        return wire.Arrays(arrays=headers, refs=refs)
+
     def _dispatch(self, ident: bytes, msg: Any, payload: list[Any], out: list[Any]) -> Any:
-        if isinstance(msg, wire.Write):
+        kind = type(msg)
+        if kind is wire.Read:
+            return self._read(msg, out)
+        if kind is wire.Write:
             self._write(ident, msg, payload)
             return wire.Done()
-        if isinstance(msg, wire.Grant):
+        if kind is wire.Grant:
             return self._grant(ident, msg.size)
-        if isinstance(msg, wire.Read):
-            indices = wire.ints(msg.indices)
-            if msg.shm and self.arena is not None:
-                # The usual read: rows one put wrote, in order. Name each column's chunk
-                # (where its buffers lie) and the first row; the reader slices.
-                run = self.unit.read_run(indices, tuple(msg.columns))
-                if run:
-                    chunks = [cast(_InShm, tag) for tag, _ in run]
-                    return wire.Arrays(
-                        arrays=[c.header for c in chunks],
-                        refs=[ref for c in chunks for ref in c.refs],
-                        starts=[start for _, start in run],
-                    )
-            arrays = self.unit.read(indices, tuple(msg.columns))
-            headers, bufs = to_frames_all((self.columns[name], a) for name, a in arrays.items())
-            if not msg.shm or self.arena is None:
-                out.extend(bufs)
-                return wire.Arrays(arrays=headers)
-            refs = [self._ref(buf) for buf in bufs]
-            out.extend(buf for buf, ref in zip(bufs, refs, strict=True) if ref is None)
-            return wire.Arrays(arrays=headers, refs=refs)
         if isinstance(msg, wire.Append):
             indices = wire.ints(msg.indices)
             if [h.column for h in msg.arrays] != [c.name for c in msg.columns] or any(

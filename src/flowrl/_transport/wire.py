@@ -7,6 +7,7 @@ frames.py). Nothing is pickled. New fields must get defaults (schema evolution).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -44,6 +45,7 @@ from flowrl._protocol.commands import (
     UnregisterTask,
 )
 from flowrl._schema.columns import Column
+from flowrl._schema.small import SMALL
 from flowrl._transport.frames import ArrayHeader
 
 __all__ = [
@@ -73,9 +75,12 @@ class Malformed(errors.TransportError):
 _UNDECODABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
 
 
+_FIFO_SPEC = FifoSpec()
+
+
 def spec_of_sampler(sampler: Sampler) -> SamplerSpec:
     if isinstance(sampler, FifoSampler):
-        return FifoSpec()
+        return _FIFO_SPEC
     if isinstance(sampler, GroupSampler):
         return GroupSpec(group_size=sampler.group_size)
     if isinstance(sampler, StalenessSampler):
@@ -463,68 +468,92 @@ def _check_request(msg: Any) -> str:
     """What the decoder's types cannot say about a request: raw int64 arrays are whole
     numbers of int64s (commands' arrays are checked by their decoder) and agree in
     length. Returns the problem, or "" if none."""
-    n = _int64s(getattr(msg, "indices", None))
-    if n < 0:
+    check = _CHECKS.get(type(msg))
+    return "" if check is None else check(msg)
+
+
+def _check_unit_request(msg: Any) -> str:
+    """A request naming samples on a storage unit, which trusts their indices to be >= 0."""
+    n, rest = divmod(len(msg.indices), 8)
+    if rest:
         return "indices is not a whole number of int64s"
-    if isinstance(msg, _UNIT_REQUESTS) and n and _negative(msg.indices):
-        return "a sample index is negative"  # storage units trust indices to be >= 0
-    if isinstance(msg, Commit):
-        if n == 0:
-            return "a commit names no sample"
-        # (checked in a plain loop: this runs on every put, and a put is often one sample)
-        for what in ("groups", "tokens", "versions"):
-            data = getattr(msg, what)
-            if data is not None and _int64s(data) != n:
-                return f"{what} does not hold one int64 for each of the {n} indices"
-        for name, cell in msg.cells.items():
-            for what, data in (("nbytes", cell.nbytes), ("lengths", cell.lengths)):
-                if data is not None and _int64s(data) != n:
-                    return (
-                        f"cells[{name!r}].{what} does not hold one int64 for each of the "
-                        f"{n} indices"
-                    )
-        for what in ("tokens", "versions"):
-            data = getattr(msg, what)
-            if data is not None and _negative(data):
-                return f"{what} must be >= 0"
-        if msg.versions is not None and msg.version is not None:
-            return "a commit gives one version or one per sample, not both"
-    elif isinstance(msg, Claim) and msg.min_n is not None and msg.min_n > msg.n:
-        return f"min_n={msg.min_n} exceeds n={msg.n}"
-    elif isinstance(msg, Write | Append):
-        if len(msg.arrays) != len({h.column for h in msg.arrays}):
-            return "a column appears twice"
-        if isinstance(msg, Append):
-            return "" if msg.arrays else "an append names no column"
-        if msg.has_commit:
-            # (the rest of the commit is checked where it is decoded: commit_of)
-            if _commit_indices(msg.commit) != msg.indices:
-                return "the commit names other samples than the write"
-            if "://" not in msg.controller or not msg.reply_to:
-                return "a commit needs the controller's zmq address and the producer's id"
+    if n and _negative(msg.indices):
+        return "a sample index is negative"
     return ""
 
 
-#: Requests naming samples on a storage unit, which trusts their indices to be >= 0.
-_UNIT_REQUESTS = (Write, Read, Discard, Evict, Append, ReadPartial, Retain)
+def _check_write(msg: Write) -> str:
+    problem = _check_unit_request(msg)
+    if problem:
+        return problem
+    if len(msg.arrays) > 1 and len(msg.arrays) != len({h.column for h in msg.arrays}):
+        return "a column appears twice"
+    if msg.commit != NO_COMMIT:
+        # (the rest of the commit is checked where it is decoded: commit_of)
+        if _commit_indices(msg.commit) != msg.indices:
+            return "the commit names other samples than the write"
+        if "://" not in msg.controller or not msg.reply_to:
+            return "a commit needs the controller's zmq address and the producer's id"
+    return ""
+
+
+def _check_append(msg: Append) -> str:
+    problem = _check_unit_request(msg)
+    if problem:
+        return problem
+    if len(msg.arrays) != len({h.column for h in msg.arrays}):
+        return "a column appears twice"
+    return "" if msg.arrays else "an append names no column"
+
+
+def _check_commit(msg: Commit) -> str:
+    n = int(msg.indices.size)
+    if n == 0:
+        return "a commit names no sample"
+    # (checked in a plain loop: this runs on every put, and a put is often one sample)
+    for what in ("groups", "tokens", "versions"):
+        data = getattr(msg, what)
+        if data is not None and data.size != n:
+            return f"{what} does not hold one int64 for each of the {n} indices"
+    for name, cell in msg.cells.items():
+        for what, data in (("nbytes", cell.nbytes), ("lengths", cell.lengths)):
+            if data is not None and data.size != n:
+                return f"cells[{name!r}].{what} does not hold one int64 for each of the {n} indices"
+    for what in ("tokens", "versions"):
+        data = getattr(msg, what)
+        if data is not None and _negative(data):
+            return f"{what} must be >= 0"
+    if msg.versions is not None and msg.version is not None:
+        return "a commit gives one version or one per sample, not both"
+    return ""
+
+
+def _check_claim(msg: Claim) -> str:
+    if msg.min_n is not None and msg.min_n > msg.n:
+        return f"min_n={msg.min_n} exceeds n={msg.n}"
+    return ""
+
+
+#: Each request type's own checks (by exact type: a request is one tagged Struct).
+_CHECKS: dict[type, Callable[[Any], str]] = {
+    Write: _check_write,
+    Append: _check_append,
+    Read: _check_unit_request,
+    Discard: _check_unit_request,
+    Evict: _check_unit_request,
+    ReadPartial: _check_unit_request,
+    Retain: _check_unit_request,
+    Commit: _check_commit,
+    Claim: _check_claim,
+}
 
 
 def _negative(data: bytes | np.ndarray) -> bool:
     """Whether int64s (an array, or raw bytes holding a whole number) hold a negative."""
     values = data.data if isinstance(data, np.ndarray) else memoryview(data).cast("q")
-    if len(values) <= 32:  # a few values: cheaper than numpy's call overhead
+    if len(values) <= SMALL:  # a few values: cheaper than numpy's call overhead
         return min(values, default=0) < 0
     return bool(np.frombuffer(values, dtype=np.int64).min() < 0)
-
-
-def _int64s(data: bytes | np.ndarray | None) -> int:
-    """How many int64s ``data`` holds (0 for None), -1 if not a whole number."""
-    if data is None:
-        return 0
-    if isinstance(data, np.ndarray):
-        return int(data.size)
-    count, rest = divmod(len(data), 8)
-    return -1 if rest else count
 
 
 def decode_reply(frame: Any) -> Any:

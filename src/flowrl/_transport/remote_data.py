@@ -126,14 +126,22 @@ class RemoteData(DataPort):
         for _, idx in parts:
             if has_negative(idx):  # a tampered handle: no unit holds such a sample
                 raise UnknownIndexError(f"sample index {int(idx.min())} does not exist")
-        # Send every unit's request first, then collect: units serve in parallel.
+        # One request per storage unit (the parts a unit holds, e.g. several claimed
+        # batches, are read together and split again), every unit's sent before any answer
+        # is awaited: units serve in parallel.
+        by_unit: dict[int, list[int]] = {}
+        for i, (unit, _) in enumerate(parts):
+            by_unit.setdefault(unit, []).append(i)
         session, names = self._session, list(columns)
-        rids = [
-            session.send(unit, wire.Read(indices=idx.tobytes(), columns=names, shm=self._shm[unit]))
-            for unit, idx in parts
-        ]
-        out = []
-        for (unit, idx), rid in zip(parts, rids, strict=True):
+        requests = []
+        for unit, members in by_unit.items():
+            idx = parts[members[0]][1]
+            if len(members) > 1:
+                idx = np.concatenate([parts[i][1] for i in members])
+            read = wire.Read(indices=idx.tobytes(), columns=names, shm=self._shm[unit])
+            requests.append((unit, members, session.send(unit, read)))
+        out: list[dict[str, pa.Array | LazyColumn]] = [{} for _ in parts]
+        for unit, members, rid in requests:
             reply, frames = session.recv(unit, rid, session.reply_wait(unit))
             try:
                 buffers = (
@@ -145,19 +153,25 @@ class RemoteData(DataPort):
                 log.info("storage unit %d's shared memory is not visible here", unit)
                 self._shm[unit] = False
                 return self.read_many(parts, columns)
-            out.append(self._arrays_of(unit, reply, buffers, idx.size))
+            sizes = [parts[i][1].size for i in members]
+            for i, arrays in zip(
+                members, self._arrays_of(unit, reply, buffers, sizes), strict=True
+            ):
+                out[i] = arrays
         return out
 
     def _arrays_of(
-        self, unit: int, reply: wire.Arrays, buffers: list[Any], n: int
-    ) -> dict[str, pa.Array | LazyColumn]:
-        """The ``n`` rows of each column a read answered: numpy views over the received
-        bytes (Arrow arrays built on demand), Arrow arrays for strings, objects and bools."""
-        arrays: dict[str, pa.Array | LazyColumn] = {}
+        self, unit: int, reply: wire.Arrays, buffers: list[Any], sizes: list[int]
+    ) -> list[dict[str, pa.Array | LazyColumn]]:
+        """Each column a read answered, cut in consecutive runs of ``sizes`` rows (one per
+        part read together): numpy views over the received bytes (Arrow arrays built on
+        demand), Arrow arrays for strings, objects and bools."""
+        out: list[dict[str, pa.Array | LazyColumn]] = [{} for _ in sizes]
         reply_of = f"storage unit {unit}'s reply"
         starts = reply.starts  # whole chunks: the rows read start there
         if starts is not None and len(starts) != len(reply.arrays):
             raise TransportError(f"{reply_of} names {len(starts)} starts for its arrays")
+        n = sum(sizes)
         by_name = self.schema.by_name
         for i, (header, bufs) in enumerate(
             zip(reply.arrays, split_frames(reply.arrays, buffers, reply_of), strict=True)
@@ -166,12 +180,16 @@ class RemoteData(DataPort):
             if start + n > header.length or (starts is None and header.length != n):
                 raise TransportError(f"storage unit {unit} returned the wrong row count")
             column = by_name.get(header.column) or self.schema[header.column]
-            rows = window_of(column, header, bufs, start, n)
-            if rows is None:
-                arr = from_frames(column, header, bufs)
-                rows = arr if header.length == n else arr.slice(start, n)
-            arrays[header.column] = rows
-        return arrays
+            whole: pa.Array | None = None
+            for arrays, size in zip(out, sizes, strict=True):
+                rows = window_of(column, header, bufs, start, size)
+                if rows is None:
+                    if whole is None:
+                        whole = from_frames(column, header, bufs)
+                    rows = whole if header.length == size else whole.slice(start, size)
+                arrays[header.column] = rows
+                start += size
+        return out
 
     def append(
         self, unit: int, indices: np.ndarray, values: list[tuple[Column, pa.Array]], version: int

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from flowrl import Column, Loader
+from flowrl import Column, HubConfig, Loader
 from flowrl.errors import ConfigError, EndOfStream, NothingReady
 
 COLS = [Column.scalar("x", "int64"), Column.ragged("ids", "int32")]
@@ -107,3 +107,32 @@ def test_a_loader_that_claims_ahead_delivers_each_sample_once_in_order(make_hub)
     assert seen == list(range(50))
     stats = hub.statistics()
     assert stats.tasks["t"].consumed == 50 and stats.leases == 0
+
+
+@pytest.mark.parametrize("placement", ["zmq"], indirect=True)
+def test_get_batches_reads_each_units_batches_in_one_request(
+    make_hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flowrl._transport import wire
+    from flowrl._transport.session import Session
+
+    hub = make_hub(COLS, tasks={"t": ["x", "ids"]}, config=HubConfig(n_units=2))
+    hub.put(rows(0, 12))
+    metas = hub.claim_batches("t", 2, 6)
+    reads: list[int] = []
+    send = Session.send
+
+    def counted(self: Any, unit: Any, msg: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(msg, wire.Read):
+            reads.append(unit)
+        return send(self, unit, msg, *args, **kwargs)
+
+    monkeypatch.setattr(Session, "send", counted)
+    batches = hub.get_batches(metas)
+    units = {int(u) for m in metas for u in m.units}
+    assert sorted(reads) == sorted(units)  # one read a unit, whatever the batches
+    for meta, batch in zip(metas, batches, strict=True):
+        assert batch.numpy("x").tolist() == meta.indices.tolist()
+        assert [a.tolist() for a in batch["ids"]] == [
+            [x] * (x % 5 + 1) for x in meta.indices.tolist()
+        ]

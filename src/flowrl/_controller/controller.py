@@ -29,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,7 @@ from flowrl._controller.producers import Producers
 from flowrl._controller.reservations import RESERVATION_MIN_S, Reservations
 from flowrl._controller.rounds import Rounds
 from flowrl._controller.samplers import BalancedSampler, CandidateView, FifoSampler, Sampler
-from flowrl._controller.table import SampleTable
+from flowrl._controller.table import SampleTable, all_set, any_set
 from flowrl._controller.tasks import CONSUMED, LEASED, PENDING, READY, TaskState
 from flowrl._controller.wake import Wake
 from flowrl._controller.waking import Waiters
@@ -72,6 +73,8 @@ from flowrl.events import (
 )
 
 __all__ = ["Controller"]
+
+_CONSUMED_BYTE = bytes([CONSUMED])
 
 
 class Controller:
@@ -290,7 +293,7 @@ class Controller:
 
     def _check_writable(self, slots: np.ndarray, columns: Iterable[str]) -> None:
         """A put to existing samples names each once and no column end_stream() closed."""
-        if np.unique(slots).size != slots.size:
+        if not _distinct(slots):
             raise SchemaError("put() to existing samples names an index twice")
         for name in columns:
             if name in self.closed_columns:
@@ -321,7 +324,7 @@ class Controller:
         slots = t.slots_of(indices, committed=not new)
         if not new:  # (a remote client writes to a claim's samples without check_update)
             self._check_writable(slots, cells)
-        if new and t.committed[slots].any():
+        if new and any_set(t.committed[slots]):
             raise SchemaError(
                 f"sample {int(indices[np.argmax(t.committed[slots])])} is already committed; a "
                 "new put commits reserved indices once (put columns to existing samples "
@@ -361,9 +364,10 @@ class Controller:
                 # a new put's slots come in index order (and are all done: they are its
                 # indices, checked by slots_of); an update's may not (ring wrap)
                 state.queue.push_back(owners if new else np.sort(t.owner[done]))
+        listed = tuple(indices.tolist())
         self._emit(
             Put,
-            indices=tuple(indices.tolist()),
+            indices=listed,
             columns=tuple(cells),
             new=new,
             partition=cmd.partition,
@@ -373,9 +377,7 @@ class Controller:
             unit=int(t.unit[slots[0]]),
             producer=cmd.producer,
             groups=() if groups is None else tuple(t.group[slots].tolist()),
-            nbytes=tuple(np.concatenate([c.nbytes for c in cells.values()]).tolist())
-            if cells
-            else (),
+            nbytes=tuple(chain.from_iterable(c.nbytes.tolist() for c in cells.values())),
             producer_seq=-1 if cmd.seq is None else cmd.seq,
         )
         if cmd.seq is not None:
@@ -383,7 +385,10 @@ class Controller:
         if lease is not None:
             # (ackable: distinct indices of the lease; as many as it holds: all of them)
             whole = indices.size == lease.indices.size
-            self._consume(self.tasks[lease.task], lease, indices, drop=False, whole=whole)
+            state = self.tasks[lease.task]
+            self._consume(
+                state, lease, indices, drop=False, whole=whole, slots=slots, listed=listed
+            )
         self.waiters.notify(self.ended)
 
     def _partition_id(self, name: str) -> int:
@@ -466,7 +471,7 @@ class Controller:
         """The lease's handle (``slots``: its indices' slots, if known)."""
         t = self.table
         if slots is None:
-            slots = lease.indices % t.capacity
+            slots = lease.indices % t.capacity if lease.slots is None else lease.slots
         # (a Python sum of a micro-batch's few values costs less than numpy's .sum())
         nbytes = sum(sum(t.nbytes[c][slots].tolist()) for c in columns)
         return BatchMeta(
@@ -512,25 +517,36 @@ class Controller:
         self.expire()
         lease = self.leases.get(task, lease_id, "ack")
         if indices is None:
-            done = lease.indices
-        else:
-            done = np.asarray(indices, dtype=np.int64)
-            check_ackable(lease, done)
-        return self._consume(state, lease, done, drop, whole=indices is None)
+            return self._consume(state, lease, lease.indices, drop, whole=True, slots=lease.slots)
+        done = np.asarray(indices, dtype=np.int64)
+        check_ackable(lease, done)
+        return self._consume(state, lease, done, drop)
 
     def _consume(
-        self, state: TaskState, lease: Lease, done: np.ndarray, drop: bool, whole: bool = False
+        self,
+        state: TaskState,
+        lease: Lease,
+        done: np.ndarray,
+        drop: bool,
+        whole: bool = False,
+        *,
+        slots: np.ndarray | None = None,
+        listed: tuple[int, ...] | None = None,
     ) -> np.ndarray:
         """Ack ``done`` (samples of ``lease``; ``whole``: all of them); returns the indices
-        evicted as a result."""
+        evicted as a result. ``slots`` and ``listed``: ``done``'s slots and its indices as
+        a tuple, where the caller has them."""
         if done.size == 0:
             return done  # acking nothing changes nothing (and logs nothing)
         task, lease_id = lease.task, lease.id
-        slots = done % self.table.capacity
+        if slots is None:
+            slots = done % self.table.capacity
         state.status[slots] = CONSUMED
         state.consumed_total += int(done.size)
         self.leases.consume(lease, done, whole)
-        self._emit(Acked, task=task, lease=lease_id, indices=tuple(done.tolist()), dropped=drop)
+        if listed is None:
+            listed = tuple(done.tolist())
+        self._emit(Acked, task=task, lease=lease_id, indices=listed, dropped=drop)
         if drop:
             for name, other in self.tasks.items():
                 if name != task:
@@ -586,12 +602,8 @@ class Controller:
         return lease
 
     def _evict_if_done(self, slots: np.ndarray) -> np.ndarray:
-        states = iter(self.tasks.values())
-        first = next(states, None)  # its mask to start from: no all-True array to build
-        done = np.ones(slots.size, dtype=bool) if first is None else first.status[slots] == CONSUMED
-        for state in states:
-            done &= state.status[slots] == CONSUMED
-        gone = slots[done]
+        """Evict those of ``slots`` every task consumed; returns their indices."""
+        gone = _consumed_by_all(slots, self.tasks.values())
         if gone.size == 0:
             return np.empty(0, dtype=np.int64)
         indices = self.table.owner[gone]  # (fancy indexing copies)
@@ -745,6 +757,29 @@ def _checked_positions(sampler: Sampler, selected: Any, most: int, candidates: i
             f"{candidates} candidates, at most n)"
         )
     return positions
+
+
+def _consumed_by_all(slots: np.ndarray, states: Iterable[TaskState]) -> np.ndarray:
+    """Those of ``slots`` that every one of ``states`` consumed (no state: all of them)."""
+    # (status is one byte a slot: comparing bytes finds the usual all-or-none answers
+    # without building a mask per task)
+    every = _CONSUMED_BYTE * slots.size
+    done: np.ndarray | None = None
+    for state in states:
+        status = state.status[slots]
+        raw = status.tobytes()
+        if raw == every:
+            continue
+        if _CONSUMED_BYTE not in raw:
+            return slots[:0]
+        mine = status == CONSUMED
+        done = mine if done is None else done & mine
+    return slots if done is None else slots[done]
+
+
+def _distinct(slots: np.ndarray) -> bool:
+    """Whether no slot repeats (increasing ones, the usual case, need no sorting)."""
+    return slots.size < 2 or all_set(slots[1:] > slots[:-1]) or np.unique(slots).size == slots.size
 
 
 def _scope(partition: str | None) -> str:

@@ -16,7 +16,19 @@ import numpy as np
 
 from flowrl.errors import HubFull, UnknownIndexError
 
-__all__ = ["SampleTable"]
+__all__ = ["SampleTable", "all_set", "any_set"]
+
+
+# A put, claim or ack touches a few samples: searching a mask's bytes costs a fraction of
+# numpy's ``.all()`` / ``.any()`` reductions (a bool array holds one byte 0 or 1 each).
+def all_set(mask: np.ndarray) -> bool:
+    """Whether every entry of the bool array ``mask`` is True."""
+    return b"\x00" not in mask.tobytes()
+
+
+def any_set(mask: np.ndarray) -> bool:
+    """Whether some entry of the bool array ``mask`` is True."""
+    return b"\x01" in mask.tobytes()
 
 
 class SampleTable:
@@ -97,10 +109,13 @@ class SampleTable:
             )
         idx = idx.astype(np.int64, copy=False)
         slots = idx % self.capacity
-        ok = (idx >= 0) & (self.owner[slots] == idx)
-        if committed:
-            ok &= self.committed[slots]
-        if not ok.all():
+        # (an index of -1 names a free slot's owner: never committed, but checked if not)
+        if self.owner[slots].tobytes() != idx.tobytes() or not (
+            all_set(self.committed[slots]) if committed else idx.min(initial=0) >= 0
+        ):
+            ok = (idx >= 0) & (self.owner[slots] == idx)
+            if committed:
+                ok &= self.committed[slots]
             bad = int(idx[np.flatnonzero(~ok)[0]])
             raise UnknownIndexError(
                 f"sample index {bad} does not exist (never allocated, not yet put, or evicted)"

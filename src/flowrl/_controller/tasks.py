@@ -124,9 +124,10 @@ class TaskState:
         mine = [fresh[c] for c in self.columns if c in fresh]
         if not mine:
             return slots[:0]
-        if new:  # every cell of a new sample is fresh: one subtraction, no per-slot test
-            self.missing[slots] -= len(mine)
-            return slots if len(mine) == len(self.columns) else slots[:0]
+        if new:  # every cell of a new sample is fresh, and all its columns were missing
+            left = len(self.columns) - len(mine)
+            self.missing[slots] = left
+            return slots if left == 0 else slots[:0]
         for part in mine:
             self.missing[part] -= 1
         touched = np.unique(np.concatenate(mine)) if len(mine) > 1 else mine[0]

@@ -235,10 +235,11 @@ class Controller:
         self._next_unit += 1 + ahead
         span = self.n_units if allowed is None else allowed.size
         unit = turn % span if allowed is None else int(allowed[turn % span])
-        self._init_slots(indices[:n] if ahead else indices, unit)
+        run = self.table.run_slots  # (allocations are increasing)
+        self._init_slots(run(indices[:n] if ahead else indices), unit)
         if ahead:  # each index reserved ahead goes where its put's turn would have gone
             turns = (turn + 1 + np.arange(ahead)) % span
-            self._init_slots(indices[n:], turns if allowed is None else allowed[turns])
+            self._init_slots(run(indices[n:]), turns if allowed is None else allowed[turns])
         if self.table.next_index > self.watermark:
             self.watermark = self.table.next_index + self.table.capacity
             self._emit(IndexWatermark, next=self.watermark)
@@ -251,11 +252,11 @@ class Controller:
         """Occupy the slots of given fresh indices on ``unit``, as reserve() would have
         (a journal's replay)."""
         self.table.place(indices)
-        self._init_slots(indices, unit)
+        self._init_slots(indices % self.table.capacity, unit)
         self.reservations.placed(int(indices.size))
 
-    def _init_slots(self, indices: np.ndarray, unit: int | np.ndarray) -> None:
-        slots = indices % self.table.capacity
+    def _init_slots(self, slots: slice | np.ndarray, unit: int | np.ndarray) -> None:
+        """Make the slots of fresh indices pending for every task, on ``unit``."""
         self.table.unit[slots] = unit
         for state in self.tasks.values():
             state.missing[slots] = len(state.columns)
@@ -517,7 +518,8 @@ class Controller:
         self.expire()
         lease = self.leases.get(task, lease_id, "ack")
         if indices is None:
-            return self._consume(state, lease, lease.indices, drop, whole=True, slots=lease.slots)
+            held, slots, listed = lease.indices, lease.slots, lease.listed
+            return self._consume(state, lease, held, drop, whole=True, slots=slots, listed=listed)
         done = np.asarray(indices, dtype=np.int64)
         check_ackable(lease, done)
         return self._consume(state, lease, done, drop)
@@ -551,7 +553,7 @@ class Controller:
             for name, other in self.tasks.items():
                 if name != task:
                     other.discard(slots)
-        evicted = self._evict_if_done(slots)
+        evicted = self._evict_if_done(slots, listed)
         self.waiters.notify(self.ended)
         return evicted
 
@@ -601,15 +603,20 @@ class Controller:
         check_ackable(lease, indices)
         return lease
 
-    def _evict_if_done(self, slots: np.ndarray) -> np.ndarray:
-        """Evict those of ``slots`` every task consumed; returns their indices."""
+    def _evict_if_done(
+        self, slots: np.ndarray, listed: tuple[int, ...] | None = None
+    ) -> np.ndarray:
+        """Evict those of ``slots`` every task consumed; returns their indices
+        (``listed``: the indices in ``slots`` as a tuple, where the caller has it)."""
         gone = _consumed_by_all(slots, self.tasks.values())
         if gone.size == 0:
             return np.empty(0, dtype=np.int64)
         indices = self.table.owner[gone]  # (fancy indexing copies)
         units = self.table.unit[gone]
         self.table.free(gone)
-        self._emit(Evicted, indices=tuple(indices.tolist()))
+        if listed is None or gone is not slots:
+            listed = tuple(indices.tolist())
+        self._emit(Evicted, indices=listed)
         if self.on_evict is not None:
             self.on_evict(indices, units)
         return indices

@@ -34,7 +34,17 @@ Emit = Callable[..., None]
 class Lease:
     """Samples of one task held by one claim until ``deadline`` (wall-clock seconds)."""
 
-    __slots__ = ("consumer", "deadline", "dp_rank", "id", "indices", "slots", "taken", "task")
+    __slots__ = (
+        "consumer",
+        "deadline",
+        "dp_rank",
+        "id",
+        "indices",
+        "listed",
+        "slots",
+        "taken",
+        "task",
+    )
 
     def __init__(
         self, lid: int, task: str, indices: np.ndarray, deadline: float, consumer: str = ""
@@ -46,7 +56,9 @@ class Lease:
         self.consumer = consumer
         self.dp_rank = 0
         self.taken = True  # False while a balanced part waits for its rank
-        self.slots: np.ndarray | None = None  # the slots of ``indices``, where known
+        # ``indices``' slots and the tuple of them its events carry, where known
+        self.slots: np.ndarray | None = None
+        self.listed: tuple[int, ...] | None = None
 
 
 def check_ackable(lease: Lease, indices: np.ndarray) -> None:
@@ -102,6 +114,7 @@ class Leases:
         self.next_id += 1
         lease = Lease(lid, state.name, indices, deadline, consumer)
         lease.slots = slots
+        lease.listed = listed = tuple(indices.tolist())
         lease.dp_rank = dp_rank
         lease.taken = not reserved
         self.add(lease)
@@ -109,7 +122,7 @@ class Leases:
             Claimed,
             task=state.name,
             lease=lid,
-            indices=tuple(indices.tolist()),
+            indices=listed,
             consumer=consumer,
             deadline=deadline,
             dp_rank=dp_rank,
@@ -149,7 +162,7 @@ class Leases:
         ends with its last sample."""
         if not whole:
             lease.indices = lease.indices[~np.isin(lease.indices, done)]
-            lease.slots = None
+            lease.slots = lease.listed = None
         if whole or lease.indices.size == 0:
             del self.live[lease.id]
 

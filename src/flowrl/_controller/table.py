@@ -31,6 +31,9 @@ def any_set(mask: np.ndarray) -> bool:
     return b"\x01" in mask.tobytes()
 
 
+_FREE = np.int64(-1).tobytes()  # a free slot's owner
+
+
 class SampleTable:
     """Per-slot sample metadata and per-column readiness/size cells."""
 
@@ -68,7 +71,7 @@ class SampleTable:
         cap = self.capacity
         start = self.next_index
         s0 = start % cap
-        if s0 + n <= cap and (self.owner[s0 : s0 + n] == -1).all():
+        if s0 + n <= cap and self.owner[s0 : s0 + n].tobytes() == _FREE * n:
             # Fastest path (the usual case: FIFO eviction): the next n slots, unwrapped.
             indices = np.arange(start, start + n, dtype=np.int64)
             self._place(indices, slice(s0, s0 + n), start + n)
@@ -99,6 +102,15 @@ class SampleTable:
         self.created[slots] = time.time()
         self.live += int(indices.size)
         self.next_index = max(self.next_index, end)
+
+    def run_slots(self, indices: np.ndarray) -> slice | np.ndarray:
+        """Slots of increasing ``indices`` (an allocation's): a slice when they are
+        consecutive and do not wrap around the ring (writing a slice costs less)."""
+        n = indices.size
+        s0 = int(indices[0]) % self.capacity if n else 0
+        if n and s0 + n <= self.capacity and int(indices[-1]) - int(indices[0]) == n - 1:
+            return slice(s0, s0 + n)
+        return indices % self.capacity
 
     def slots_of(self, indices: np.ndarray, *, committed: bool = True) -> np.ndarray:
         """Slots of live indices; raises UnknownIndexError naming the first bad index."""

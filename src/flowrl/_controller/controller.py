@@ -346,8 +346,9 @@ class Controller:
             t.group[slots] = groups
         fresh: dict[str, np.ndarray] = {}
         for name, cell in cells.items():
-            fresh[name] = slots if new else slots[~t.ready[name][slots]]
-            t.ready[name][slots] = True
+            ready = t.ready[name]
+            fresh[name] = slots if new or not any_set(ready[slots]) else slots[~ready[slots]]
+            ready[slots] = True
             t.nbytes[name][slots] = cell.nbytes
             if cell.lengths is not None and tokens is None:
                 t.tokens[slots] = np.maximum(t.tokens[slots], cell.lengths)
@@ -364,7 +365,8 @@ class Controller:
                 state.status[done] = READY
                 # a new put's slots come in index order (and are all done: they are its
                 # indices, checked by slots_of); an update's may not (ring wrap)
-                state.queue.push_back(owners if new else np.sort(t.owner[done]))
+                queued = owners if new else t.owner[done]
+                state.queue.push_back(queued if new or done.size == 1 else np.sort(queued))
         listed = tuple(indices.tolist())
         self._emit(
             Put,

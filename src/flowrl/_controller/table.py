@@ -16,7 +16,7 @@ import numpy as np
 
 from flowrl.errors import HubFull, UnknownIndexError
 
-__all__ = ["SampleTable", "all_set", "any_set"]
+__all__ = ["SampleTable", "all_set", "all_zero", "any_set"]
 
 
 # A put, claim or ack touches a few samples: searching a mask's bytes costs a fraction of
@@ -29,6 +29,12 @@ def all_set(mask: np.ndarray) -> bool:
 def any_set(mask: np.ndarray) -> bool:
     """Whether some entry of the bool array ``mask`` is True."""
     return b"\x01" in mask.tobytes()
+
+
+def all_zero(values: np.ndarray) -> bool:
+    """Whether every entry of ``values`` is zero (all its bytes are)."""
+    raw = values.tobytes()
+    return raw.count(0) == len(raw)
 
 
 _FREE = np.int64(-1).tobytes()  # a free slot's owner

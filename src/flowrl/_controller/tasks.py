@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from flowrl._controller.table import all_zero
+
 __all__ = ["CONSUMED", "LEASED", "PENDING", "READY", "ReadyQueue", "TaskState"]
 
 PENDING, READY, LEASED, CONSUMED = 0, 1, 2, 3
@@ -131,8 +133,12 @@ class TaskState:
         for part in mine:
             self.missing[part] -= 1
         touched = np.unique(np.concatenate(mine)) if len(mine) > 1 else mine[0]
-        done = touched[self.missing[touched] == 0]
-        return done[self.status[done] == PENDING]
+        # (the usual answers, all of them done and pending, read off the bytes: PENDING
+        # and no column missing are zeros)
+        left = self.missing[touched]
+        done = touched if all_zero(left) else touched[left == 0]
+        status = self.status[done]
+        return done if all_zero(status) else done[status == PENDING]
 
     def discard(self, slots: np.ndarray) -> None:
         """Consume, without delivering them, those of ``slots`` not leased or consumed

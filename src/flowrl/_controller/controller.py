@@ -75,6 +75,7 @@ from flowrl.events import (
 __all__ = ["Controller"]
 
 _CONSUMED_BYTE = bytes([CONSUMED])
+_NO_POSITIONS = np.empty(0, dtype=np.int64)
 
 
 class Controller:
@@ -447,15 +448,20 @@ class Controller:
         need = min(want, sampler.quota(n)) * fanout
         if len(view) < need and not final:
             return None
-        positions = sampler.select(view, n)
-        if type(sampler) is not FifoSampler:  # FIFO's arange needs no sorting or checks
-            positions = _checked_positions(sampler, positions, n * fanout, len(view))
-        if positions.size == 0 or (positions.size < need and not final):
+        fifo = type(sampler) is FifoSampler  # the queue's head: no positions to build or check
+        positions = (
+            _NO_POSITIONS
+            if fifo
+            else _checked_positions(sampler, sampler.select(view, n), n * fanout, len(view))
+        )
+        count = min(n, len(view)) if fifo else positions.size
+        if count == 0 or (count < need and not final):
             if final and not self.leases.held_by_others(task, consumer):
                 raise EndOfStream(_end_message(task, len(view)))
             return None
         if not isinstance(sampler, BalancedSampler):
-            chosen = state.queue.take(positions)
+            queue = state.queue
+            chosen = queue.take_front(count) if fifo else queue.take(positions)
             slots = chosen % self.table.capacity
             lease = self.leases.open(state, chosen, time.time() + ttl, consumer, slots=slots)
             return self._meta(lease, cols, slots)

@@ -56,12 +56,17 @@ class ReadyQueue:
     def drop_front(self, n: int) -> None:
         self._head += n
 
+    def take_front(self, k: int) -> np.ndarray:
+        """Remove the first ``k`` entries; returns them."""
+        indices = self.view(k).copy()
+        self.drop_front(k)
+        return indices
+
     def take(self, positions: np.ndarray) -> np.ndarray:
         """Remove the entries at sorted distinct ``positions``; returns them."""
         k = positions.size
         if positions[-1] == k - 1:  # sorted distinct positions ending at k-1: the head
-            indices = self.view(k).copy()
-            self.drop_front(k)
+            indices = self.take_front(k)
         else:
             full = self.view()
             indices = full[positions]

@@ -10,7 +10,7 @@ import pytest
 
 from flowrl._controller.controller import Controller
 from flowrl._controller.samplers import FifoSampler
-from flowrl._controller.table import SampleTable, all_set, all_zero, any_set
+from flowrl._controller.table import SampleTable, _no_negative, all_set, all_zero, any_set
 from flowrl._protocol.commands import Cell, Claim, Commit, LeaseRef
 from flowrl._schema.columns import Column
 from flowrl.errors import LeaseError, SchemaError, UnknownIndexError
@@ -152,3 +152,9 @@ def test_an_update_makes_ready_only_the_samples_it_completes() -> None:
         ctl.commit(Commit(indices=indices[[0, 1, 2]], cells=_cells(3, "b"), new=False))
         second = ctl.try_claim(Claim(task="both", n=4, min_n=1), FIFO)
     assert second is not None and second.indices.tolist() == [0, 2]
+
+
+def test_the_sign_check_agrees_with_numpy() -> None:
+    for values in ([], [0], [5, -1], [-(2**63)], [2**63 - 1, 3], [256, -256, 7]):
+        arr = np.array(values, dtype=np.int64)
+        assert _no_negative(arr) == bool((arr >= 0).all())

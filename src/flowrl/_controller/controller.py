@@ -482,7 +482,9 @@ class Controller:
         if slots is None:
             slots = lease.indices % t.capacity if lease.slots is None else lease.slots
         # (a Python sum of a micro-batch's few values costs less than numpy's .sum())
-        nbytes = sum(sum(t.nbytes[c][slots].tolist()) for c in columns)
+        nbytes, cells = 0, t.nbytes
+        for c in columns:
+            nbytes += sum(cells[c][slots].tolist())
         return BatchMeta(
             task=lease.task,
             lease=lease.id,

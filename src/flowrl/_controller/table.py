@@ -10,6 +10,7 @@ Invariants (asserted by tests/unit/test_table_properties.py):
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -38,6 +39,13 @@ def all_zero(values: np.ndarray) -> bool:
 
 
 _FREE = np.int64(-1).tobytes()  # a free slot's owner
+_SIGN = 7 if sys.byteorder == "little" else 0  # the byte of an int64 holding its sign bit
+
+
+def _no_negative(values: np.ndarray) -> bool:
+    """Whether no entry of the int64 array ``values`` is negative (its sign bytes are all
+    below 0x80: a few bytes to scan instead of numpy's ``.min()`` reduction)."""
+    return max(values.tobytes()[_SIGN::8], default=0) < 0x80
 
 
 class SampleTable:
@@ -129,7 +137,7 @@ class SampleTable:
         slots = idx % self.capacity
         # (an index of -1 names a free slot's owner: never committed, but checked if not)
         if self.owner[slots].tobytes() != idx.tobytes() or not (
-            all_set(self.committed[slots]) if committed else idx.min(initial=0) >= 0
+            all_set(self.committed[slots]) if committed else _no_negative(idx)
         ):
             ok = (idx >= 0) & (self.owner[slots] == idx)
             if committed:

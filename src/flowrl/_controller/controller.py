@@ -433,12 +433,14 @@ class Controller:
                     f"task {task!r} was registered with columns {list(state.columns)}; "
                     f"it cannot claim column {c!r}"
                 )
-        fanout = sampler.dp_size if isinstance(sampler, BalancedSampler) else 1
+        # (the sampler classes are final: a type check costs less than an ABC's isinstance)
+        balanced = sampler if type(sampler) is BalancedSampler else None
+        fanout = 1 if balanced is None else balanced.dp_size
         _check_claim_size(cmd, sampler, fanout, self.table.capacity)
         want = n if min_n is None else min_n
         ttl = self.lease_timeout if lease_timeout is None else lease_timeout
         self.expire()
-        if isinstance(sampler, BalancedSampler):
+        if balanced is not None:
             lease = self.rounds.take(task, dp_rank, ttl)
             if lease is not None:
                 return self._meta(lease, cols)
@@ -459,7 +461,7 @@ class Controller:
             if final and not self.leases.held_by_others(task, consumer):
                 raise EndOfStream(_end_message(task, len(view)))
             return None
-        if not isinstance(sampler, BalancedSampler):
+        if balanced is None:
             queue = state.queue
             chosen = queue.take_front(count) if fifo else queue.take(positions)
             slots = chosen % self.table.capacity
@@ -468,7 +470,7 @@ class Controller:
         tokens = view.tokens[positions]  # the split balances them across the ranks
         groups = view.group[positions]
         chosen = state.queue.take(positions)
-        parts = sampler.split(tokens, groups)
+        parts = balanced.split(tokens, groups)
         mine = self.rounds.deal(state, chosen, parts, time.time() + ttl, consumer, dp_rank, fanout)
         if mine is None:
             raise EndOfStream(_end_message(task, 0))

@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 
-class _EventBase(msgspec.Struct, frozen=True, tag_field="kind", kw_only=True):
+class _EventBase(msgspec.Struct, frozen=True, tag_field="kind", kw_only=True, gc=False):
     seq: int
     t: float
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,7 @@ from flowrl._controller.producers import Producers
 from flowrl._controller.reservations import RESERVATION_MIN_S, Reservations
 from flowrl._controller.rounds import Rounds
 from flowrl._controller.samplers import BalancedSampler, CandidateView, FifoSampler, Sampler
-from flowrl._controller.table import SampleTable
+from flowrl._controller.table import SampleTable, all_set, any_set
 from flowrl._controller.tasks import CONSUMED, LEASED, PENDING, READY, TaskState
 from flowrl._controller.wake import Wake
 from flowrl._controller.waking import Waiters
@@ -72,6 +73,9 @@ from flowrl.events import (
 )
 
 __all__ = ["Controller"]
+
+_CONSUMED_BYTE = bytes([CONSUMED])
+_NO_POSITIONS = np.empty(0, dtype=np.int64)
 
 
 class Controller:
@@ -243,10 +247,11 @@ class Controller:
         self._next_unit += 1 + ahead
         span = self.n_units if allowed is None else allowed.size
         unit = turn % span if allowed is None else int(allowed[turn % span])
-        self._init_slots(indices[:n] if ahead else indices, unit)
+        run = self.table.run_slots  # (allocations are increasing)
+        self._init_slots(run(indices[:n] if ahead else indices), unit)
         if ahead:  # each index reserved ahead goes where its put's turn would have gone
             turns = (turn + 1 + np.arange(ahead)) % span
-            self._init_slots(indices[n:], turns if allowed is None else allowed[turns])
+            self._init_slots(run(indices[n:]), turns if allowed is None else allowed[turns])
         if self.table.next_index > self.watermark:
             self.watermark = self.table.next_index + self.table.capacity
             self._emit(IndexWatermark, next=self.watermark)
@@ -259,11 +264,11 @@ class Controller:
         """Occupy the slots of given fresh indices on ``unit``, as reserve() would have
         (a journal's replay)."""
         self.table.place(indices)
-        self._init_slots(indices, unit)
+        self._init_slots(indices % self.table.capacity, unit)
         self.reservations.placed(int(indices.size))
 
-    def _init_slots(self, indices: np.ndarray, unit: int | np.ndarray) -> None:
-        slots = indices % self.table.capacity
+    def _init_slots(self, slots: slice | np.ndarray, unit: int | np.ndarray) -> None:
+        """Make the slots of fresh indices pending for every task, on ``unit``."""
         self.table.unit[slots] = unit
         for state in self.tasks.values():
             state.missing[slots] = len(state.columns)
@@ -301,7 +306,7 @@ class Controller:
 
     def _check_writable(self, slots: np.ndarray, columns: Iterable[str]) -> None:
         """A put to existing samples names each once and no column end_stream() closed."""
-        if np.unique(slots).size != slots.size:
+        if not _distinct(slots):
             raise SchemaError("put() to existing samples names an index twice")
         for name in columns:
             if name in self.closed_columns:
@@ -332,7 +337,7 @@ class Controller:
         slots = t.slots_of(indices, committed=not new)
         if not new:  # (a remote client writes to a claim's samples without check_update)
             self._check_writable(slots, cells)
-        if new and t.committed[slots].any():
+        if new and any_set(t.committed[slots]):
             raise SchemaError(
                 f"sample {int(indices[np.argmax(t.committed[slots])])} is already committed; a "
                 "new put commits reserved indices once (put columns to existing samples "
@@ -353,8 +358,9 @@ class Controller:
             t.group[slots] = groups
         fresh: dict[str, np.ndarray] = {}
         for name, cell in cells.items():
-            fresh[name] = slots if new else slots[~t.ready[name][slots]]
-            t.ready[name][slots] = True
+            ready = t.ready[name]
+            fresh[name] = slots if new or not any_set(ready[slots]) else slots[~ready[slots]]
+            ready[slots] = True
             t.nbytes[name][slots] = cell.nbytes
             if cell.lengths is not None and tokens is None:
                 t.tokens[slots] = np.maximum(t.tokens[slots], cell.lengths)
@@ -371,30 +377,36 @@ class Controller:
                 state.status[done] = READY
                 # a new put's slots come in index order (and are all done: they are its
                 # indices, checked by slots_of); an update's may not (ring wrap)
-                state.queue.push_back(owners if new else np.sort(t.owner[done]))
-        self._emit(
-            Put,
-            indices=tuple(indices.tolist()),
-            columns=tuple(cells),
-            new=new,
-            partition=cmd.partition,
-            version=_put_version(self.version, version, t.version, slots, new),
-            versions=tuple(version.tolist()) if isinstance(version, np.ndarray) else (),
-            tokens=tuple(t.tokens[slots].tolist()),
-            unit=int(t.unit[slots[0]]),
-            producer=cmd.producer,
-            groups=() if groups is None else tuple(t.group[slots].tolist()),
-            nbytes=tuple(np.concatenate([c.nbytes for c in cells.values()]).tolist())
-            if cells
-            else (),
-            producer_seq=-1 if cmd.seq is None else cmd.seq,
+                queued = owners if new else t.owner[done]
+                state.queue.push_back(queued if new or done.size == 1 else np.sort(queued))
+        listed = tuple(indices.tolist())
+        self._append(
+            Put(
+                seq=self.log.seq + 1,
+                t=time.time(),
+                indices=listed,
+                columns=tuple(cells),
+                new=new,
+                partition=cmd.partition,
+                version=_put_version(self.version, version, t.version, slots, new),
+                versions=tuple(version.tolist()) if isinstance(version, np.ndarray) else (),
+                tokens=tuple(t.tokens[slots].tolist()),
+                unit=int(t.unit[slots[0]]),
+                producer=cmd.producer,
+                groups=() if groups is None else tuple(t.group[slots].tolist()),
+                nbytes=tuple(chain.from_iterable(c.nbytes.tolist() for c in cells.values())),
+                producer_seq=-1 if cmd.seq is None else cmd.seq,
+            )
         )
         if cmd.seq is not None:
             self.producers.record(cmd.producer, cmd.seq, indices)
         if lease is not None:
             # (ackable: distinct indices of the lease; as many as it holds: all of them)
             whole = indices.size == lease.indices.size
-            self._consume(self.tasks[lease.task], lease, indices, drop=False, whole=whole)
+            state = self.tasks[lease.task]
+            self._consume(
+                state, lease, indices, drop=False, whole=whole, slots=slots, listed=listed
+            )
         self.waiters.notify(self.ended)
 
     def _partition_id(self, name: str) -> int:
@@ -452,12 +464,14 @@ class Controller:
                     f"task {task!r} was registered with columns {list(state.columns)}; "
                     f"it cannot claim column {c!r}"
                 )
-        fanout = sampler.dp_size if isinstance(sampler, BalancedSampler) else 1
+        # (the sampler classes are final: a type check costs less than an ABC's isinstance)
+        balanced = sampler if type(sampler) is BalancedSampler else None
+        fanout = 1 if balanced is None else balanced.dp_size
         _check_claim_size(cmd, sampler, fanout, self.table.capacity)
         want = n if min_n is None else min_n
         ttl = self.lease_timeout if lease_timeout is None else lease_timeout
         self.expire()
-        if isinstance(sampler, BalancedSampler):
+        if balanced is not None:
             lease = self.rounds.take(task, dp_rank, ttl)
             if lease is not None:
                 return self._meta(lease, cols)
@@ -467,22 +481,27 @@ class Controller:
         need = min(want, sampler.quota(n)) * fanout
         if len(view) < need and not final:
             return None
-        positions = sampler.select(view, n)
-        if type(sampler) is not FifoSampler:  # FIFO's arange needs no sorting or checks
-            positions = _checked_positions(sampler, positions, n * fanout, len(view))
-        if positions.size == 0 or (positions.size < need and not final):
+        fifo = type(sampler) is FifoSampler  # the queue's head: no positions to build or check
+        positions = (
+            _NO_POSITIONS
+            if fifo
+            else _checked_positions(sampler, sampler.select(view, n), n * fanout, len(view))
+        )
+        count = min(n, len(view)) if fifo else positions.size
+        if count == 0 or (count < need and not final):
             if final and not self.leases.held_by_others(task, consumer):
                 raise EndOfStream(_end_message(task, len(view)))
             return None
-        if not isinstance(sampler, BalancedSampler):
-            chosen = state.queue.take(positions)
+        if balanced is None:
+            queue = state.queue
+            chosen = queue.take_front(count) if fifo else queue.take(positions)
             slots = chosen % self.table.capacity
             lease = self.leases.open(state, chosen, time.time() + ttl, consumer, slots=slots)
             return self._meta(lease, cols, slots)
         tokens = view.tokens[positions]  # the split balances them across the ranks
         groups = view.group[positions]
         chosen = state.queue.take(positions)
-        parts = sampler.split(tokens, groups)
+        parts = balanced.split(tokens, groups)
         mine = self.rounds.deal(state, chosen, parts, time.time() + ttl, consumer, dp_rank, fanout)
         if mine is None:
             raise EndOfStream(_end_message(task, 0))
@@ -494,9 +513,11 @@ class Controller:
         """The lease's handle (``slots``: its indices' slots, if known)."""
         t = self.table
         if slots is None:
-            slots = lease.indices % t.capacity
+            slots = lease.indices % t.capacity if lease.slots is None else lease.slots
         # (a Python sum of a micro-batch's few values costs less than numpy's .sum())
-        nbytes = sum(sum(t.nbytes[c][slots].tolist()) for c in columns)
+        nbytes, cells = 0, t.nbytes
+        for c in columns:
+            nbytes += sum(cells[c][slots].tolist())
         return BatchMeta(
             task=lease.task,
             lease=lease.id,
@@ -540,30 +561,43 @@ class Controller:
         self.expire()
         lease = self.leases.get(task, lease_id, "ack")
         if indices is None:
-            done = lease.indices
-        else:
-            done = np.asarray(indices, dtype=np.int64)
-            check_ackable(lease, done)
-        return self._consume(state, lease, done, drop, whole=indices is None)
+            held, slots, listed = lease.indices, lease.slots, lease.listed
+            return self._consume(state, lease, held, drop, whole=True, slots=slots, listed=listed)
+        done = np.asarray(indices, dtype=np.int64)
+        check_ackable(lease, done)
+        return self._consume(state, lease, done, drop)
 
     def _consume(
-        self, state: TaskState, lease: Lease, done: np.ndarray, drop: bool, whole: bool = False
+        self,
+        state: TaskState,
+        lease: Lease,
+        done: np.ndarray,
+        drop: bool,
+        whole: bool = False,
+        *,
+        slots: np.ndarray | None = None,
+        listed: tuple[int, ...] | None = None,
     ) -> np.ndarray:
         """Ack ``done`` (samples of ``lease``; ``whole``: all of them); returns the indices
-        evicted as a result."""
+        evicted as a result. ``slots`` and ``listed``: ``done``'s slots and its indices as
+        a tuple, where the caller has them."""
         if done.size == 0:
             return done  # acking nothing changes nothing (and logs nothing)
         task, lease_id = lease.task, lease.id
-        slots = done % self.table.capacity
+        if slots is None:
+            slots = done % self.table.capacity
         state.status[slots] = CONSUMED
         state.consumed_total += int(done.size)
         self.leases.consume(lease, done, whole)
-        self._emit(Acked, task=task, lease=lease_id, indices=tuple(done.tolist()), dropped=drop)
+        if listed is None:
+            listed = tuple(done.tolist())
+        seq, now = self.log.seq + 1, time.time()
+        self._append(Acked(seq=seq, t=now, task=task, lease=lease_id, indices=listed, dropped=drop))
         if drop:
             for name, other in self.tasks.items():
                 if name != task:
                     other.discard(slots)
-        evicted = self._evict_if_done(slots)
+        evicted = self._evict_if_done(slots, listed)
         self.waiters.notify(self.ended)
         return evicted
 
@@ -613,19 +647,20 @@ class Controller:
         check_ackable(lease, indices)
         return lease
 
-    def _evict_if_done(self, slots: np.ndarray) -> np.ndarray:
-        states = iter(self.tasks.values())
-        first = next(states, None)  # its mask to start from: no all-True array to build
-        done = np.ones(slots.size, dtype=bool) if first is None else first.status[slots] == CONSUMED
-        for state in states:
-            done &= state.status[slots] == CONSUMED
-        gone = slots[done]
+    def _evict_if_done(
+        self, slots: np.ndarray, listed: tuple[int, ...] | None = None
+    ) -> np.ndarray:
+        """Evict those of ``slots`` every task consumed; returns their indices
+        (``listed``: the indices in ``slots`` as a tuple, where the caller has it)."""
+        gone = _consumed_by_all(slots, self.tasks.values())
         if gone.size == 0:
             return np.empty(0, dtype=np.int64)
         indices = self.table.owner[gone]  # (fancy indexing copies)
         units = self.table.unit[gone]
         self.table.free(gone)
-        self._emit(Evicted, indices=tuple(indices.tolist()))
+        if listed is None or gone is not slots:
+            listed = tuple(indices.tolist())
+        self._append(Evicted(seq=self.log.seq + 1, t=time.time(), indices=listed))
         if self.on_evict is not None:
             self.on_evict(indices, units)
         return indices
@@ -735,6 +770,13 @@ class Controller:
         if not self.replaying:
             self.log.append(cls(seq=self.log.next_seq(), t=time.time(), **fields))
 
+    def _append(self, event: Event) -> None:
+        """Append ``event``, built with ``seq=self.log.seq + 1``: the hot paths build theirs
+        with keywords, which a struct takes faster than :meth:`_emit`'s ``**fields``
+        dict. (A journal's replay appends nothing.)"""
+        if not self.replaying:
+            self.log.append(event)
+
 
 def _check_claim_size(cmd: Claim, sampler: Sampler, fanout: int, capacity: int) -> None:
     """Refuse a claim no state of the hub can serve (it would wait its whole timeout)."""
@@ -773,6 +815,29 @@ def _checked_positions(sampler: Sampler, selected: Any, most: int, candidates: i
             f"{candidates} candidates, at most n)"
         )
     return positions
+
+
+def _consumed_by_all(slots: np.ndarray, states: Iterable[TaskState]) -> np.ndarray:
+    """Those of ``slots`` that every one of ``states`` consumed (no state: all of them)."""
+    # (status is one byte a slot: comparing bytes finds the usual all-or-none answers
+    # without building a mask per task)
+    every = _CONSUMED_BYTE * slots.size
+    done: np.ndarray | None = None
+    for state in states:
+        status = state.status[slots]
+        raw = status.tobytes()
+        if raw == every:
+            continue
+        if _CONSUMED_BYTE not in raw:
+            return slots[:0]
+        mine = status == CONSUMED
+        done = mine if done is None else done & mine
+    return slots if done is None else slots[done]
+
+
+def _distinct(slots: np.ndarray) -> bool:
+    """Whether no slot repeats (increasing ones, the usual case, need no sorting)."""
+    return slots.size < 2 or all_set(slots[1:] > slots[:-1]) or np.unique(slots).size == slots.size
 
 
 def _scope(partition: str | None) -> str:

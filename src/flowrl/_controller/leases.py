@@ -34,7 +34,17 @@ Emit = Callable[..., None]
 class Lease:
     """Samples of one task held by one claim until ``deadline`` (wall-clock seconds)."""
 
-    __slots__ = ("consumer", "deadline", "dp_rank", "id", "indices", "taken", "task")
+    __slots__ = (
+        "consumer",
+        "deadline",
+        "dp_rank",
+        "id",
+        "indices",
+        "listed",
+        "slots",
+        "taken",
+        "task",
+    )
 
     def __init__(
         self, lid: int, task: str, indices: np.ndarray, deadline: float, consumer: str = ""
@@ -46,12 +56,16 @@ class Lease:
         self.consumer = consumer
         self.dp_rank = 0
         self.taken = True  # False while a balanced part waits for its rank
+        # ``indices``' slots and the tuple of them its events carry, where known
+        self.slots: np.ndarray | None = None
+        self.listed: tuple[int, ...] | None = None
 
 
 def check_ackable(lease: Lease, indices: np.ndarray) -> None:
     """LeaseError unless ``indices`` are distinct samples of ``lease``."""
-    if indices is lease.indices or (  # the whole claim, the usual case (its indices differ)
-        indices.size == lease.indices.size and np.array_equal(indices, lease.indices)
+    held = lease.indices
+    if indices is held or (  # the whole claim, the usual case (bytes compare: a memcmp)
+        indices.dtype == held.dtype and indices.tobytes() == held.tobytes()
     ):
         return
     if not np.isin(indices, lease.indices).all() or np.unique(indices).size != indices.size:
@@ -93,10 +107,14 @@ class Leases:
     ) -> Lease:
         """Lease ``indices`` (taken off the task's queue already) to a claim of its task;
         ``reserved``: a balanced part that waits for rank ``dp_rank``."""
-        state.status[indices % self._capacity if slots is None else slots] = LEASED
+        if slots is None:
+            slots = indices % self._capacity
+        state.status[slots] = LEASED
         lid = self.next_id
         self.next_id += 1
         lease = Lease(lid, state.name, indices, deadline, consumer)
+        lease.slots = slots
+        lease.listed = listed = tuple(indices.tolist())
         lease.dp_rank = dp_rank
         lease.taken = not reserved
         self.add(lease)
@@ -104,7 +122,7 @@ class Leases:
             Claimed,
             task=state.name,
             lease=lid,
-            indices=tuple(indices.tolist()),
+            indices=listed,
             consumer=consumer,
             deadline=deadline,
             dp_rank=dp_rank,
@@ -144,6 +162,7 @@ class Leases:
         ends with its last sample."""
         if not whole:
             lease.indices = lease.indices[~np.isin(lease.indices, done)]
+            lease.slots = lease.listed = None
         if whole or lease.indices.size == 0:
             del self.live[lease.id]
 

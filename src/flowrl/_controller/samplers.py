@@ -38,17 +38,23 @@ __all__ = [
 class CandidateView:
     """Ready samples for one claim, oldest first; metadata columns gathered on demand."""
 
-    __slots__ = ("_cache", "_table", "current_version", "indices", "slots")
+    __slots__ = ("_cache", "_slots", "_table", "current_version", "indices")
 
     def __init__(self, indices: np.ndarray, table: object, current_version: int) -> None:
         self.indices = indices
-        self.slots = indices % table.capacity  # type: ignore[attr-defined]
+        self._slots: np.ndarray | None = None  # (a FIFO claim never needs them)
         self._table = table
         self.current_version = current_version
         self._cache: dict[str, np.ndarray] = {}
 
     def __len__(self) -> int:
         return int(self.indices.size)
+
+    @property
+    def slots(self) -> np.ndarray:
+        if self._slots is None:
+            self._slots = self.indices % self._table.capacity  # type: ignore[attr-defined]
+        return self._slots
 
     def _field(self, name: str) -> np.ndarray:
         arr = self._cache.get(name)

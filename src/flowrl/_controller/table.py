@@ -10,13 +10,42 @@ Invariants (asserted by tests/unit/test_table_properties.py):
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
 
 from flowrl.errors import HubFull, UnknownIndexError
 
-__all__ = ["SampleTable"]
+__all__ = ["SampleTable", "all_set", "all_zero", "any_set"]
+
+
+# A put, claim or ack touches a few samples: searching a mask's bytes costs a fraction of
+# numpy's ``.all()`` / ``.any()`` reductions (a bool array holds one byte 0 or 1 each).
+def all_set(mask: np.ndarray) -> bool:
+    """Whether every entry of the bool array ``mask`` is True."""
+    return b"\x00" not in mask.tobytes()
+
+
+def any_set(mask: np.ndarray) -> bool:
+    """Whether some entry of the bool array ``mask`` is True."""
+    return b"\x01" in mask.tobytes()
+
+
+def all_zero(values: np.ndarray) -> bool:
+    """Whether every entry of ``values`` is zero (all its bytes are)."""
+    raw = values.tobytes()
+    return raw.count(0) == len(raw)
+
+
+_FREE = np.int64(-1).tobytes()  # a free slot's owner
+_SIGN = 7 if sys.byteorder == "little" else 0  # the byte of an int64 holding its sign bit
+
+
+def _no_negative(values: np.ndarray) -> bool:
+    """Whether no entry of the int64 array ``values`` is negative (its sign bytes are all
+    below 0x80: a few bytes to scan instead of numpy's ``.min()`` reduction)."""
+    return max(values.tobytes()[_SIGN::8], default=0) < 0x80
 
 
 class SampleTable:
@@ -56,7 +85,7 @@ class SampleTable:
         cap = self.capacity
         start = self.next_index
         s0 = start % cap
-        if s0 + n <= cap and (self.owner[s0 : s0 + n] == -1).all():
+        if s0 + n <= cap and self.owner[s0 : s0 + n].tobytes() == _FREE * n:
             # Fastest path (the usual case: FIFO eviction): the next n slots, unwrapped.
             indices = np.arange(start, start + n, dtype=np.int64)
             self._place(indices, slice(s0, s0 + n), start + n)
@@ -88,6 +117,15 @@ class SampleTable:
         self.live += int(indices.size)
         self.next_index = max(self.next_index, end)
 
+    def run_slots(self, indices: np.ndarray) -> slice | np.ndarray:
+        """Slots of increasing ``indices`` (an allocation's): a slice when they are
+        consecutive and do not wrap around the ring (writing a slice costs less)."""
+        n = indices.size
+        s0 = int(indices[0]) % self.capacity if n else 0
+        if n and s0 + n <= self.capacity and int(indices[-1]) - int(indices[0]) == n - 1:
+            return slice(s0, s0 + n)
+        return indices % self.capacity
+
     def slots_of(self, indices: np.ndarray, *, committed: bool = True) -> np.ndarray:
         """Slots of live indices; raises UnknownIndexError naming the first bad index."""
         idx = np.asarray(indices)
@@ -97,10 +135,13 @@ class SampleTable:
             )
         idx = idx.astype(np.int64, copy=False)
         slots = idx % self.capacity
-        ok = (idx >= 0) & (self.owner[slots] == idx)
-        if committed:
-            ok &= self.committed[slots]
-        if not ok.all():
+        # (an index of -1 names a free slot's owner: never committed, but checked if not)
+        if self.owner[slots].tobytes() != idx.tobytes() or not (
+            all_set(self.committed[slots]) if committed else _no_negative(idx)
+        ):
+            ok = (idx >= 0) & (self.owner[slots] == idx)
+            if committed:
+                ok &= self.committed[slots]
             bad = int(idx[np.flatnonzero(~ok)[0]])
             raise UnknownIndexError(
                 f"sample index {bad} does not exist (never allocated, not yet put, or evicted)"

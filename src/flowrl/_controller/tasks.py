@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from flowrl._controller.table import all_zero
+
 __all__ = ["CONSUMED", "LEASED", "PENDING", "READY", "ReadyQueue", "TaskState"]
 
 PENDING, READY, LEASED, CONSUMED = 0, 1, 2, 3
@@ -54,12 +56,17 @@ class ReadyQueue:
     def drop_front(self, n: int) -> None:
         self._head += n
 
+    def take_front(self, k: int) -> np.ndarray:
+        """Remove the first ``k`` entries; returns them."""
+        indices = self.view(k).copy()
+        self.drop_front(k)
+        return indices
+
     def take(self, positions: np.ndarray) -> np.ndarray:
         """Remove the entries at sorted distinct ``positions``; returns them."""
         k = positions.size
         if positions[-1] == k - 1:  # sorted distinct positions ending at k-1: the head
-            indices = self.view(k).copy()
-            self.drop_front(k)
+            indices = self.take_front(k)
         else:
             full = self.view()
             indices = full[positions]
@@ -124,14 +131,19 @@ class TaskState:
         mine = [fresh[c] for c in self.columns if c in fresh]
         if not mine:
             return slots[:0]
-        if new:  # every cell of a new sample is fresh: one subtraction, no per-slot test
-            self.missing[slots] -= len(mine)
-            return slots if len(mine) == len(self.columns) else slots[:0]
+        if new:  # every cell of a new sample is fresh, and all its columns were missing
+            left = len(self.columns) - len(mine)
+            self.missing[slots] = left
+            return slots if left == 0 else slots[:0]
         for part in mine:
             self.missing[part] -= 1
         touched = np.unique(np.concatenate(mine)) if len(mine) > 1 else mine[0]
-        done = touched[self.missing[touched] == 0]
-        return done[self.status[done] == PENDING]
+        # (the usual answers, all of them done and pending, read off the bytes: PENDING
+        # and no column missing are zeros)
+        left = self.missing[touched]
+        done = touched if all_zero(left) else touched[left == 0]
+        status = self.status[done]
+        return done if all_zero(status) else done[status == PENDING]
 
     def discard(self, slots: np.ndarray) -> None:
         """Consume, without delivering them, those of ``slots`` not leased or consumed

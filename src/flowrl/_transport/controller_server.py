@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -23,6 +24,7 @@ from flowrl._client.base import _split_by_unit
 from flowrl._config import HubConfig
 from flowrl._controller.controller import Controller
 from flowrl._controller.journal import attach_journal
+from flowrl._controller.samplers import Sampler
 from flowrl._controller.wake import NOBODY, Wake
 from flowrl._protocol import commands as cmd
 from flowrl._schema.columns import Column
@@ -45,6 +47,9 @@ log = logging.getLogger("flowrl.controller")
 # only what it still holds under that index.
 EVICT_DELAY_S = 0.005
 EVICT_BATCH = 4096
+# Samplers are stateless: one per distinct spec serves every claim naming it. A client
+# could name many specs (group sizes): the cache starts over past this many.
+SAMPLERS_MAX = 64
 
 
 class _Parked:
@@ -117,6 +122,7 @@ class ControllerServer:
         self.ahead_cap = ahead_cap(config.capacity)
         self.next_cap = next_cap(config.capacity)
         self.parked: list[_Parked] = []
+        self._samplers: dict[cmd.SamplerSpec, Sampler] = {}
         self._evictions: list[list[np.ndarray]] = [[] for _ in unit_control_addresses]
         self._evictions_size = 0
         self._evictions_due = math.inf  # when the oldest queued eviction must leave
@@ -133,11 +139,14 @@ class ControllerServer:
         while self.running:
             if poll_in(socks, self._poll_timeout()):
                 # Drain everything queued (control messages are small: copied, not
-                # zero-copy), then flush evictions and retry parked requests once.
-                while self.running and has_input(self.sock):
+                # zero-copy), then flush evictions and retry parked requests once. (The
+                # poll said a message is there: asking the socket again costs as much.)
+                while True:
                     self._handle(recv_parts(self.sock))
                     if self.journal is not None and self.journal.compaction_due:
                         self.journal.compact(self.ctl)  # (between two requests)
+                    if not (self.running and has_input(self.sock)):
+                        break
             self._flush_evictions()
             self._retry_parked(self._changes())
         self._shutdown()
@@ -312,10 +321,18 @@ class ControllerServer:
             return wire.Reserved(indices=indices.tobytes(), unit=unit, units=units)
         if msg.columns is not None:
             self.schema.check_names(msg.columns, "claim")
-        metas = ctl.try_claim_batches(msg, wire.sampler_from_spec(msg.sampler))
+        metas = ctl.try_claim_batches(msg, self._sampler(msg.sampler))
         if metas is None:
             return None
         return wire.MetaReply(meta=metas[0].to_wire(), more=[m.to_wire() for m in metas[1:]])
+
+    def _sampler(self, spec: cmd.SamplerSpec) -> Sampler:
+        sampler = self._samplers.get(spec)
+        if sampler is None:
+            if len(self._samplers) >= SAMPLERS_MAX:
+                self._samplers.clear()
+            sampler = self._samplers[spec] = wire.sampler_from_spec(spec)
+        return sampler
 
     def _changes(self) -> Wake:
         """Which parked requests the state changes since they were last tried (expired
@@ -349,11 +366,10 @@ class ControllerServer:
     def _settle(self, commit: cmd.Commit, committed: bool) -> None:
         """Tell the units holding a put's staged bytes whether to file or forget them."""
         settle = wire.encode(wire.Settle(put_id=commit.put_id, committed=committed))
-        if committed:
+        units: Iterable[int] = range(len(self.unit_push))
+        if committed:  # (a refused commit may name samples the table no longer places)
             slots = commit.indices % self.ctl.table.capacity
-            units = np.unique(self.ctl.table.unit[slots]).tolist()
-        else:  # (a refused commit may name samples the table no longer places)
-            units = range(len(self.unit_push))
+            units = set(self.ctl.table.unit[slots].tolist())  # (a put is often one sample)
         for unit in units:
             self.unit_push[unit].send(settle)
 

@@ -74,9 +74,16 @@ def test_admission_follows_events_and_reads_the_hub_only_while_blocked(
         for _ in range(2):
             adm.admit(1)
         assert deaf.reads == 1  # (when it was made): an admission asks the hub nothing
-        hub.publish_version(1)  # its event is lost: the blocked producer asks the hub
-        adm.admit(2, timeout=30)
-        assert adm.statistics().version == 1 and deaf.reads >= 2
+        hub.publish_version(1)  # its event is lost: at the bound, the producer asks the hub
+        adm.admit_nowait(2)
+        assert adm.statistics().version == 1 and deaf.reads == 2
+        later = threading.Timer(0.3, hub.publish_version, args=(2,))
+        later.start()  # (this event is lost too: a blocked producer asks again and again)
+        try:
+            adm.admit(2, timeout=30)
+        finally:
+            later.join()
+        assert adm.statistics().version == 2 and deaf.reads >= 4
     hub.close()
 
 

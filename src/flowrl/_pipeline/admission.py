@@ -13,8 +13,9 @@ overtake a straggler and train it one version later (see docs/staleness.md):
 
 The count is local to this controller (one per process: all source workers of a threads
 executor share it). It follows the hub's version through its ``VersionPublished`` events
-(an admission costs no round trip to the hub), and asks the hub itself while a producer
-has been blocked for ``REFRESH_S`` (an event the subscription lost cannot block it). A
+(an admission within the bound costs no round trip to the hub); at the bound it asks the
+hub once (a version published a moment ago may not have arrived as an event yet), and
+again every ``REFRESH_S`` while blocked (an event the subscription lost cannot block it). A
 sample's version is the hub's version when it is put, or the ``version=`` its producer
 passes, which is never older than its admission.
 """
@@ -133,9 +134,13 @@ class AdmissionController:
             )
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            blocked = False
+            blocked = asked = False
             try:
                 while self._admitted + n > self._allowed():
+                    if not asked:  # at the bound: the hub may be ahead of its events
+                        asked = True
+                        self._refresh()
+                        continue
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         if timeout == 0:

@@ -67,9 +67,10 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
   ``stage_rounds_pipelined_per_s`` / ``stage_round_pipelined_vs_echo``: the same rounds
   pipelined as a stage worker over processes runs them (the next input claimed and read
   by a thread, each output put with ``put_async`` and answered during the next round):
-  no longer bound by 3.5 echoes a round. ``stage_rounds_prefetch8_per_s`` /
-  ``stage_round_prefetch8_vs_echo``: as a stage declared with ``prefetch=8`` runs them
-  (up to 8 inputs claimed in one request and read ahead, up to 8 outputs in flight).
+  no longer bound by 3.5 echoes a round. ``stage_rounds_prefetch<k>_per_s`` /
+  ``stage_round_prefetch<k>_vs_echo`` (k = 8, 32): as a stage declared with
+  ``prefetch=k`` runs them (up to k inputs claimed in one request and read in one, up to
+  k outputs in flight).
 * ``--peer``: runs the TransferQueue package on the same payload in a subprocess and
   reports ``peer`` figures and ``put_get_speedup_vs_transferqueue``: samples / (put time +
   consumer-loop time) for flowrl over the same for TransferQueue (its put, get_meta and
@@ -491,8 +492,10 @@ def zmq_latencies(seq_len: int) -> dict:
 
 #: Network legs of a stage round: claim 2, get 2, put with ack 3 (unit hands the commit on).
 STAGE_ROUND_LEGS = 7
-#: The ``prefetch`` of the deeper pipelined stage rounds (``stage_rounds_prefetch8_*``).
-STAGE_PREFETCH = 8
+#: The ``prefetch`` of the deeper pipelined stage rounds (``stage_rounds_prefetch<k>_*``).
+STAGE_PREFETCH = (8, 32)
+#: Each key of the pipelined stage rounds and its depth.
+PIPELINED = {"pipelined": 1} | {f"prefetch{k}": k for k in STAGE_PREFETCH}
 
 
 def stage_rounds(rounds: int = 2000) -> dict:
@@ -500,10 +503,10 @@ def stage_rounds(rounds: int = 2000) -> dict:
     hub = flowrl.launch_hub(
         [Column.scalar("x", "int64"), Column.scalar("y", "float32")],
         tasks={"stage": ["x"], "sink": ["y"]},
-        config=HubConfig(capacity=3 * rounds + 1024, lease_timeout=600.0),
+        config=HubConfig(capacity=(2 + len(PIPELINED)) * rounds + 1024, lease_timeout=600.0),
     )
     try:
-        hub.put({"x": np.arange(3 * rounds + 201, dtype=np.int64)})
+        hub.put({"x": np.arange((1 + len(PIPELINED)) * rounds + 201, dtype=np.int64)})
         out = np.ones(1, dtype=np.float32)
 
         def one_round() -> None:
@@ -526,7 +529,7 @@ def stage_rounds(rounds: int = 2000) -> dict:
             "stage_round_p50_ms": float(np.median(times) * 1e3),
             "stage_round_cpu_ms": cpu / rounds * 1e3,
         }
-        for depth, key in ((1, "pipelined"), (STAGE_PREFETCH, f"prefetch{STAGE_PREFETCH}")):
+        for key, depth in PIPELINED.items():
             result[f"stage_rounds_{key}_per_s"] = rounds / _pipelined_rounds(hub, rounds, depth)
         return result
     finally:
@@ -820,7 +823,7 @@ def main() -> None:
         result["stage_round_legs_vs_echo"] = ratio * STAGE_ROUND_LEGS / 2
         if args.auth_rounds:
             result.update(auth_rounds(args.samples, args.seq_len, args.batch, args.auth_rounds))
-        for key in ("pipelined", f"prefetch{STAGE_PREFETCH}"):
+        for key in PIPELINED:
             result[f"stage_round_{key}_vs_echo"] = (
                 result[f"stage_rounds_{key}_per_s"] / result["zmq_echo_round_trips_per_s"]
             )

@@ -68,6 +68,9 @@ def test_hub_throughput_benchmark_reports_the_issue_figures(transport: str) -> N
             "stage_round_vs_echo",
             "stage_round_cpu_ms",
             "stage_round_legs_vs_echo",
+            "stage_round_pipelined_vs_echo",
+            "stage_round_prefetch8_vs_echo",
+            "stage_round_prefetch32_vs_echo",
             "auth_get_ratio",  # the hub key's cost (issue 26, item 4)
             "auth_put_ratio",
             "auth_metadata_round_trips_ratio",

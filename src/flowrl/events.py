@@ -13,11 +13,14 @@ msgpack-encodable).
 
 from __future__ import annotations
 
+import typing
+
 import msgspec
 
 from flowrl._schema.columns import Column
 
 __all__ = [
+    "EVENT_TYPES",
     "Acked",
     "Claimed",
     "ColumnsDeclared",
@@ -184,6 +187,9 @@ Event = (
     | ColumnsDeclared
     | IndexWatermark
 )
+
+#: Every event class (what ``Event`` is the union of).
+EVENT_TYPES: tuple[type[msgspec.Struct], ...] = typing.get_args(Event)
 
 event_encoder = msgspec.msgpack.Encoder()
 event_decoder: msgspec.msgpack.Decoder[Event] = msgspec.msgpack.Decoder(Event)

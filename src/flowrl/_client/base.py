@@ -9,7 +9,6 @@ leaves no half-written sample behind.
 from __future__ import annotations
 
 import random
-import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, final
 
@@ -53,7 +52,7 @@ from flowrl.errors import (
     TransportError,
     UnknownIndexError,
 )
-from flowrl.events import Event
+from flowrl.events import EVENT_TYPES, Event
 from flowrl.hooks import Observer
 
 __all__ = ["HubClient", "Partial"]
@@ -503,9 +502,9 @@ class HubClient:
     def get_batches(
         self, metas: Sequence[BatchMeta], columns: Sequence[str] | None = None
     ) -> list[Batch]:
-        """:meth:`get` of several batches (those of :meth:`claim_batches`, say): every
-        storage unit's request is sent before any answer is awaited, so they cost one wait
-        rather than one each."""
+        """:meth:`get` of several batches (those of :meth:`claim_batches`, say): the batches
+        a storage unit holds are read in one request, and every unit's request is sent
+        before any answer is awaited."""
         if isinstance(metas, BatchMeta) or not isinstance(metas, Sequence):
             raise ConfigError(f"get_batches() expects a list of BatchMeta, got {metas!r}")
         return self._get(metas, columns, "get_batches()")
@@ -833,14 +832,13 @@ def _per_sample(value: Any, n: int, name: str, where: str) -> np.ndarray | None:
 
 def _event_kinds(events: Any) -> frozenset[type]:
     """The event classes of ``subscribe(events=...)``, checked."""
-    known = typing.get_args(Event)
     if isinstance(events, str | type) or not isinstance(events, Sequence) or not events:
         raise ConfigError(
             f"subscribe() events must be a non-empty list of event classes, got {events!r}"
         )
     for kind in events:
-        if kind not in known:
-            names = ", ".join(cls.__name__ for cls in known)
+        if kind not in EVENT_TYPES:
+            names = ", ".join(cls.__name__ for cls in EVENT_TYPES)
             raise ConfigError(f"subscribe() events: {kind!r} is not an event class ({names})")
     return frozenset(events)
 

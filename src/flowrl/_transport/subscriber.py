@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-import typing
 
 import zmq
 
@@ -21,13 +20,13 @@ from flowrl._transport.auth import client_options
 from flowrl._transport.session import Session
 from flowrl._transport.sockio import poll_in, recv_parts
 from flowrl.errors import TransportError
-from flowrl.events import Event, event_decoder
+from flowrl.events import EVENT_TYPES, event_decoder
 
 __all__ = ["EVENT_TOPICS", "EventRelay"]
 
 #: The PUB topic of each kind of event: ``e`` and its tag.
 EVENT_TOPICS: dict[type, bytes] = {
-    cls: b"e" + cls.__struct_config__.tag.encode() for cls in typing.get_args(Event)
+    cls: f"e{cls.__struct_config__.tag}".encode() for cls in EVENT_TYPES
 }
 _KIND_OF_TOPIC = {topic: cls for cls, topic in EVENT_TOPICS.items()}
 

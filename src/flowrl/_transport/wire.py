@@ -482,11 +482,15 @@ def _check_unit_request(msg: Any) -> str:
     return ""
 
 
+def _repeats_a_column(arrays: list[ArrayHeader]) -> bool:
+    return len(arrays) > 1 and len(arrays) != len({h.column for h in arrays})
+
+
 def _check_write(msg: Write) -> str:
     problem = _check_unit_request(msg)
     if problem:
         return problem
-    if len(msg.arrays) > 1 and len(msg.arrays) != len({h.column for h in msg.arrays}):
+    if _repeats_a_column(msg.arrays):
         return "a column appears twice"
     if msg.commit != NO_COMMIT:
         # (the rest of the commit is checked where it is decoded: commit_of)
@@ -501,7 +505,7 @@ def _check_append(msg: Append) -> str:
     problem = _check_unit_request(msg)
     if problem:
         return problem
-    if len(msg.arrays) != len({h.column for h in msg.arrays}):
+    if _repeats_a_column(msg.arrays):
         return "a column appears twice"
     return "" if msg.arrays else "an append names no column"
 

@@ -168,3 +168,43 @@ def test_a_full_hub_takes_back_indices_reserved_ahead_before_refusing_a_put() ->
     finally:
         idle.close()
         hub.close()
+
+
+def test_a_pooled_put_async_made_again_after_a_restart_puts_the_bytes_it_was_given(
+    tmp_path: Path,
+) -> None:
+    """A put_async through lent memory keeps no private copy of the caller's arrays: if
+    its pooled indices are gone (the controller restarted from its journal) it is made
+    again from the bytes it lent, not from the arrays, which the caller has changed."""
+    width = 4096  # 32 KiB a sample: lent memory
+    cols = [Column.tensor("big", "int64", (width,))]
+    config = HubConfig(capacity=4096, journal=JournalConfig(path=str(tmp_path)))
+    hub = flowrl.launch_hub(cols, tasks={"train": ["big"]}, config=config)
+    hub.rpc_timeout = 5.0
+    try:
+        data = {"big": np.full((4, width), 7, dtype=np.int64)}
+        hub.put_async(data).result(HANG_S)  # reserves the next puts' indices with its own
+        assert hub._control._local.pool.left() >= 4
+        os.kill(controller_pid(hub), signal.SIGKILL)
+        deadline = time.monotonic() + HANG_S
+        while hub.servers.restarts < 1:
+            assert time.monotonic() < deadline, "the supervisor did not restart the controller"
+            time.sleep(0.05)
+        while True:  # the restarted controller answers
+            try:
+                hub.statistics()
+                break
+            except TransportError:
+                assert time.monotonic() < deadline
+        data = {"big": np.full((4, width), 8, dtype=np.int64)}
+        fut = hub.put_async(data)  # to pooled indices the new controller never reserved
+        pooled = fut.indices.copy()
+        data["big"][:] = -1
+        indices = fut.result(HANG_S)
+        assert not np.array_equal(indices, pooled)  # made again, under new indices
+        meta = hub.claim("train", 8, timeout=5)
+        got = hub.get(meta)["big"]
+        assert sorted(int(row[0]) for row in got) == [7] * 4 + [8] * 4
+        assert all((row == row[0]).all() for row in got)
+    finally:
+        hub.close()

@@ -236,7 +236,7 @@ class HubClient:
         target = _as_indices(indices, where) if indices is not None else None
         acked = None if ack is None else _ackable(ack, target, where)
         n_expected = None if target is None else int(target.size)
-        owned = not (wait and self._data.copies_puts)  # put_async: the caller may reuse its arrays
+        owned = not self._data.copies_puts  # (a port that copies copies a put_async's too)
         encoded, new_columns, n = self.schema.encode_all(data, n_expected, where, owned)
         groups_arr = None if groups is None else _per_sample(groups, n, "groups", where)
         tokens_arr = None if tokens is None else _per_sample(tokens, n, "tokens", where)
@@ -359,11 +359,9 @@ class HubClient:
         if reservation.pooled and not wait:
             # Pooled indices may be gone when the put arrives (the stream ended, or the
             # controller restarted): then it is made again, as put() does.
-            def again() -> np.ndarray:
+            def again(data: dict[str, Encoded]) -> np.ndarray:
                 try:
-                    return self._put_new(
-                        idx.size, encoded, types, (), commit, timeout, True
-                    ).indices
+                    return self._put_new(idx.size, data, types, (), commit, timeout, True).indices
                 except DuplicatePut as dup:  # the first try landed after all
                     return np.array(dup.indices, dtype=np.int64)
 
@@ -389,7 +387,7 @@ class HubClient:
         new_columns: Sequence[Column],
         commit: Commit,
         wait: bool,
-        again: Callable[[], np.ndarray] | None = None,
+        again: Callable[[dict[str, Encoded]], np.ndarray] | None = None,
     ) -> PutFuture | None:
         """Store the bytes on one unit, then commit them (None: done; or the future of a
         put that is not waited for). Inferred columns are declared in between: only once the

@@ -252,7 +252,7 @@ class LocalData(DataPort):
         types: Mapping[str, Column],
         commit: Commit,
         wait: bool,
-        again: Callable[[], np.ndarray] | None,
+        again: Callable[[dict[str, Encoded]], np.ndarray] | None,
     ) -> PutFuture | None:
         self.write(unit, indices, encoded, types, commit.put_id)
         self._commit(commit)

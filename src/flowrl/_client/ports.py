@@ -131,9 +131,9 @@ class DataPort(abc.ABC):
     """Payload bytes to and from the storage units (``n_units`` of them)."""
 
     n_units: int
-    #: A put that waits for its answer has copied its buffers out by the time it returns
-    #: (to another process): it may write the caller's arrays as they are, without first
-    #: copying them. An in-process hub keeps the arrays it is given.
+    #: The port copies a put's buffers out of the caller's arrays itself (to another
+    #: process; a put_async's before it returns): a put may hand it the caller's arrays as
+    #: they are. An in-process hub keeps the arrays it is given.
     copies_puts = False
 
     @abc.abstractmethod
@@ -157,11 +157,12 @@ class DataPort(abc.ABC):
         types: Mapping[str, Column],
         commit: Commit,
         wait: bool,
-        again: Callable[[], np.ndarray] | None,
+        again: Callable[[dict[str, Encoded]], np.ndarray] | None,
     ) -> PutFuture | None:
         """Store and commit; may do both in one round trip, and may return before the
-        answer (``wait=False``) with a future of it (None: done). ``again`` makes the put
-        again, should the controller have let its pooled indices go."""
+        answer (``wait=False``) with a future of it (None: done). ``again(data)`` makes the
+        put again from ``data`` (the port's copy of ``encoded``), should the controller
+        have let its pooled indices go."""
 
     def forget_staged(self, put_id: int, units: Iterable[int]) -> None:  # noqa: B027
         """A put to existing samples failed before its commit was settled: drop what it

@@ -117,6 +117,7 @@ class PutsInFlight:
         """An answered put: done, or refused (its bytes and indices are freed at the next
         safe point, ``_clean_failed``: not here, inside another request's wait)."""
         if error is None:
+            sent.again = None  # (its copy of the put's bytes: the future outlives it)
             sent.future._succeed()
         else:
             sent.future._fail(error)

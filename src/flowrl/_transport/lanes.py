@@ -31,13 +31,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from flowrl._store.shm import SHM_MIN_BYTES, SegmentGone, ShmUnavailable, lock_lent, map_apart
 from flowrl._transport import wire
 from flowrl._transport.session import Session
 
-__all__ = ["GRANT_BYTES", "GRANT_IDLE_S", "Lanes"]
+__all__ = ["GRANT_BYTES", "GRANT_IDLE_S", "Lanes", "Lent"]
 
 #: Shared memory a unit lends a client thread at a time (more for a larger put).
 GRANT_BYTES = 16 << 20
@@ -64,6 +64,16 @@ class _Lane:
         self.end = grant.offset + grant.size
         self.used = time.monotonic()
         weakref.finalize(self, os.close, lock)
+
+
+class Lent(NamedTuple):
+    """A put's buffers copied into lent memory: the Write fields that name them
+    (``grant``, ``refs``), the copies (views of the segment), and the lane whose lock keeps
+    the unit from reusing the segment: the copies stay the put's bytes while it is held."""
+
+    fields: dict[str, Any]
+    copies: list[memoryview]
+    lane: _Lane
 
 
 class _WriteMaps:
@@ -120,10 +130,10 @@ class Lanes:
         self._local = threading.local()
         self._maps = _WriteMaps()
 
-    def lend(self, unit: int, buffers: Sequence[Any]) -> dict[str, Any] | None:
-        """Copy ``buffers`` into memory ``unit`` lent this thread; the Write fields that
-        name them (``grant``, ``refs``), or None: send them as frames (small, or the unit
-        lends nothing)."""
+    def lend(self, unit: int, buffers: Sequence[Any]) -> Lent | None:
+        """Copy ``buffers`` into memory ``unit`` lent this thread: the Write fields that
+        name them and the copies; or None: send them as frames (small, or the unit lends
+        nothing)."""
         if not self._usable[unit]:
             return None
         views = [_bytes_of(buf) for buf in buffers]
@@ -133,15 +143,17 @@ class Lanes:
         lane = self._lane(unit, total)
         if lane is None:
             return None
-        refs = []
+        refs, copies = [], []
         at, base, dest = lane.next, lane.next, lane.view
         for view in views:
             size = view.nbytes
-            dest[at : at + size] = view
+            copy = dest[at : at + size]
+            copy[:] = view
+            copies.append(copy)
             refs.append(wire.ShmRef(lane.path, at, size))
             at += -(-size // _ALIGN) * _ALIGN
         lane.next = base + total
-        return {"grant": lane.grant, "refs": refs}
+        return Lent({"grant": lane.grant, "refs": refs}, copies, lane)
 
     def close(self) -> None:
         """Unmap every thread's lanes (the client closes: the segments can go)."""

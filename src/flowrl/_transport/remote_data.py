@@ -8,6 +8,7 @@ are written there (``lanes``), and reads map it instead of copying.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any, final
@@ -36,7 +37,7 @@ from flowrl._transport.frames import (
     window_of,
 )
 from flowrl._transport.inflight import PutsInFlight
-from flowrl._transport.lanes import Lanes
+from flowrl._transport.lanes import Lanes, Lent
 from flowrl._transport.remote_control import RemoteControl
 from flowrl._transport.session import Session
 from flowrl.errors import TransportError, UnknownIndexError
@@ -74,7 +75,8 @@ class RemoteData(DataPort):
         types: Mapping[str, Column],
         put_id: int = 0,
     ) -> None:
-        self._session.call(unit, *self._write_request(unit, indices, encoded, types, put_id=put_id))
+        msg, frames, _ = self._write_request(unit, indices, encoded, types, put_id=put_id)
+        self._session.call(unit, msg, frames)
 
     def write_commit(
         self,
@@ -84,14 +86,14 @@ class RemoteData(DataPort):
         types: Mapping[str, Column],
         commit: commands.Commit,
         wait: bool,
-        again: Callable[[], np.ndarray] | None,
+        again: Callable[[dict[str, Encoded]], np.ndarray] | None,
     ) -> PutFuture | None:
         # The unit hands the commit on once the bytes are stored; the controller answers
         # this thread's controller socket (or the unit, if it refused the write). A new
         # put that is waited for asks the controller to reserve the next put's indices
         # with its answer (a put_async's answer is read elsewhere: it asks nothing).
         reserve_next = self._control.next_ask(indices.size) if wait and commit.new else 0
-        msg, frames = self._write_request(
+        msg, frames, lent = self._write_request(
             unit,
             indices,
             encoded,
@@ -111,8 +113,19 @@ class RemoteData(DataPort):
             if isinstance(reply, wire.Reserved):
                 self._control.pool_next(wire.ints(reply.indices), reply.unit)
             return None
+        # A put_async returns before its bytes leave (zero-copy frames) or are answered
+        # for; the caller may change its arrays meanwhile (``encoded`` are views of them).
+        # Lent bytes are copies already: the segment's lock, held with them, keeps them
+        # the put's should it be made again. Frames are copied.
+        if lent is None:
+            frames = [np.frombuffer(frame, dtype=np.uint8).copy() for frame in frames]
+        redo = None
+        if again is not None:
+            copies = frames if lent is None else lent.copies
+            keep = None if lent is None else lent.lane
+            redo = functools.partial(_redo, again, _encoded_over(encoded, copies), keep)
         columns = tuple(encoded)
-        return self.puts.send(unit, msg, frames, indices, columns, new=commit.new, again=again)
+        return self.puts.send(unit, msg, frames, indices, columns, new=commit.new, again=redo)
 
     def discard(self, unit: int, indices: np.ndarray, columns: tuple[str, ...]) -> None:
         try:
@@ -243,9 +256,9 @@ class RemoteData(DataPort):
         encoded: dict[str, Encoded],
         types: Mapping[str, Column],
         **commit: Any,
-    ) -> tuple[wire.Write, list[Any]]:
-        """A Write and its payload frames (one per buffer; none when the payload went to
-        memory the unit lent)."""
+    ) -> tuple[wire.Write, list[Any], Lent | None]:
+        """A Write, its payload frames (one per buffer) and None; or, when the payload went
+        to memory the unit lent, no frames and what was lent."""
         headers: list[ArrayHeader] = []
         frames: list[Any] = []
         for name, column in encoded.items():
@@ -254,9 +267,42 @@ class RemoteData(DataPort):
             frames.extend(buffers)
         lent = self._lanes.lend(unit, frames)
         if lent is not None:
-            commit.update(lent)
+            commit.update(lent.fields)
             frames = []
         msg = wire.write_request(
             indices.tobytes(), [types[name] for name in encoded], headers, **commit
         )
-        return msg, frames
+        return msg, frames, lent
+
+
+def _encoded_over(encoded: dict[str, Encoded], copies: list[Any]) -> dict[str, Encoded]:
+    """``encoded`` over ``copies`` of its frames (in order, as ``encoded_frames`` lists
+    them): numeric columns' buffers replaced by the copies, the others (their own Arrow
+    arrays, not the caller's) kept."""
+    out, pos = {}, 0
+    for name, column in encoded.items():
+        header, buffers = encoded_frames(name, column)
+        if column.buffers is not None:
+            column = Encoded(
+                column.column,
+                column.length,
+                column.nbytes,
+                column.lengths,
+                buffers=[
+                    np.frombuffer(copy, dtype=buf.dtype).reshape(buf.shape)
+                    for copy, buf in zip(copies[pos : pos + header.frames], buffers, strict=True)
+                ],
+            )
+        out[name] = column
+        pos += header.frames
+    return out
+
+
+def _redo(
+    again: Callable[[dict[str, Encoded]], np.ndarray],
+    data: dict[str, Encoded],
+    lane: object,
+) -> np.ndarray:
+    """Make a put_async again from its copied ``data`` (``lane``: held while the put may
+    be made again, its lock keeps the lent copies from being reused)."""
+    return again(data)

@@ -167,3 +167,13 @@ def test_a_pool_of_one_unit_hands_out_its_indices_in_order(per_index: bool) -> N
     assert pool.take(6) is None and pool.left() == 5  # not enough: nothing taken
     assert pool.rest().tolist() == [105, 106, 107, 108, 109]
     assert pool.left() == 0 and pool.take(1) is None and pool.rest().size == 0
+
+
+def test_a_pool_over_several_units_hands_out_one_units_indices_at_a_time() -> None:
+    pool = Pool(np.arange(10, 16), np.array([1, 1, 2, 2, 1, 2], dtype=np.int16), until=1e9)
+    first = pool.take(2)
+    assert first is not None and first[0].tolist() == [10, 11] and first[1] == 1
+    second = pool.take(3)  # the oldest left is on unit 2: three of unit 2's
+    assert second is not None and second[0].tolist() == [12, 13, 15] and second[1] == 2
+    assert pool.take(2) is None and pool.left() == 1  # one of unit 1's left
+    assert pool.rest().tolist() == [14]

@@ -50,6 +50,8 @@ class Pool:
         self.indices = indices
         self.first = 0  # every index before it is taken (takes go mostly in order)
         self.until = until
+        if not isinstance(units, int) and units.size and (units == units[0]).all():
+            units = int(units[0])  # (the usual case: one unit, taken with a cursor)
         self.unit = units if isinstance(units, int) else -1
         self.units: np.ndarray | None = None if isinstance(units, int) else units
         self.free = None if self.units is None else np.ones(indices.size, dtype=bool)

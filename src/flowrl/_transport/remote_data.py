@@ -123,7 +123,7 @@ class RemoteData(DataPort):
         if again is not None:
             copies = frames if lent is None else lent.copies
             keep = None if lent is None else lent.lane
-            redo = functools.partial(_redo, again, _encoded_over(encoded, copies), keep)
+            redo = functools.partial(_redo, again, encoded, copies, keep)
         columns = tuple(encoded)
         return self.puts.send(unit, msg, frames, indices, columns, new=commit.new, again=redo)
 
@@ -300,9 +300,11 @@ def _encoded_over(encoded: dict[str, Encoded], copies: list[Any]) -> dict[str, E
 
 def _redo(
     again: Callable[[dict[str, Encoded]], np.ndarray],
-    data: dict[str, Encoded],
+    encoded: dict[str, Encoded],
+    copies: list[Any],
     lane: object,
 ) -> np.ndarray:
-    """Make a put_async again from its copied ``data`` (``lane``: held while the put may
-    be made again, its lock keeps the lent copies from being reused)."""
-    return again(data)
+    """Make a put_async again from the ``copies`` of its frames (``encoded``: the put's
+    columns, for their layout; ``lane``: held while the put may be made again, its lock
+    keeps the lent copies from being reused)."""
+    return again(_encoded_over(encoded, copies))

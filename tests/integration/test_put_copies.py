@@ -30,9 +30,7 @@ def test_a_waiting_put_over_zmq_does_not_copy_the_callers_arrays_first() -> None
         hub.close()
 
 
-def test_a_put_async_through_lent_memory_copies_once_and_the_caller_may_reuse_its_arrays() -> (
-    None
-):
+def test_a_put_async_through_lent_memory_copies_once_and_the_caller_may_reuse_its_arrays() -> None:
     """put_async returns before its answer: the caller may change its arrays at once. The
     copy into the unit's lent memory is the put's own (no private copy first)."""
     hub = flowrl.launch_hub([Column.tensor("x", "int64", (WIDTH,))], tasks={"train": ["x"]})

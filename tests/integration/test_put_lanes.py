@@ -117,15 +117,17 @@ def test_a_batched_put_reserves_the_next_ones_indices_and_close_gives_them_back(
     assert stats.reserved == stats.reserved_ahead == 0 and stats.live == 64
 
 
-def test_a_batched_put_async_stream_reserves_for_its_next_puts_at_once() -> None:
-    """A put_async's answer is read later, so no commit can reserve the next put's
-    indices: a batched stream reserves STREAM_AHEAD puts ahead with its own, one round
-    trip for that many puts, and gives back what it did not use when it closes."""
+def test_a_batched_put_async_stream_reserves_ahead_once_and_its_commits_keep_it_full() -> None:
+    """A put_async's answer is read later: a batched stream reserves STREAM_AHEAD puts
+    ahead with its first put, and each commit reserves for a later put as it is answered,
+    so a steady stream (answers read a few puts later) never waits for a reserve again;
+    closing gives back what it did not use."""
     from flowrl._transport.pools import STREAM_AHEAD
 
     config = HubConfig(capacity=65536)  # pools hold up to 1/64 of it: 1,024 indices
     hub = flowrl.launch_hub(COLUMNS, tasks={"train": ["ids", "reward"]}, config=config)
     producer = flowrl.connect(hub.address)
+    producer.max_puts_in_flight = STREAM_AHEAD - 3  # each answer read 4 puts later
     reserves: list[Any] = []
     call = producer._session.call_parked
 
@@ -134,14 +136,14 @@ def test_a_batched_put_async_stream_reserves_for_its_next_puts_at_once() -> None
         return call(request, *args)
 
     producer._session.call_parked = counted  # type: ignore[method-assign]
-    n, puts = 32, STREAM_AHEAD + 3
+    n, puts = 32, 4 * STREAM_AHEAD
     try:
         futures = [producer.put_async(batch(n, start=n * k)) for k in range(puts)]
         producer.flush()
         got = np.concatenate([f.result() for f in futures])
-        assert len(reserves) == 2 and reserves[0].ahead == n * STREAM_AHEAD
+        assert len(reserves) == 1 and reserves[0].ahead == n * STREAM_AHEAD
         assert got.size == np.unique(got).size == n * puts
-        assert hub.statistics().reserved_ahead == n * (STREAM_AHEAD - 1)  # the second left 6
+        assert hub.statistics().reserved_ahead == n * STREAM_AHEAD  # topped up to the full
         producer.close()
         stats = hub.statistics()
         assert stats.reserved == stats.reserved_ahead == 0 and stats.live == n * puts

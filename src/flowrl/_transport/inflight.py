@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from flowrl._client.future import PutFuture
+from flowrl._transport import wire
 from flowrl._transport.session import NoAnswer, Session
 from flowrl.errors import DuplicatePut, FlowRLError, Timeout, UnknownIndexError
 
@@ -32,7 +33,7 @@ PUTS_IN_FLIGHT = 64
 class _Sent:
     """A put_async that was sent: where to, and how to undo or redo it if refused."""
 
-    __slots__ = ("again", "columns", "future", "new", "rid", "unit")
+    __slots__ = ("again", "asked", "columns", "future", "new", "rid", "unit")
 
     def __init__(
         self,
@@ -41,11 +42,13 @@ class _Sent:
         columns: tuple[str, ...],
         new: bool,
         again: Callable[[], np.ndarray] | None,
+        asked: int,
     ) -> None:
         self.future: PutFuture  # (made with its wait, which names this record)
         self.unit, self.rid = unit, rid
         self.columns, self.new = columns, new
         self.again = again  # makes the put again (synchronously): its new indices
+        self.asked = asked  # indices its commit was asked to reserve for the next puts
 
 
 class PutsInFlight:
@@ -53,17 +56,20 @@ class PutsInFlight:
     oldest) and the refused ones not yet cleaned up or reported.
 
     ``discard(unit, indices, columns)`` and ``abort(indices)`` free what a refused new
-    put left behind."""
+    put left behind; ``reserved(asked, reply)`` takes the answer of a put whose commit was
+    asked to reserve ``asked`` indices for the next puts (``wire.Reserved`` if it did)."""
 
     def __init__(
         self,
         session: Session,
         discard: Callable[[int, np.ndarray, tuple[str, ...]], None],
         abort: Callable[[np.ndarray], None],
+        reserved: Callable[[int, Any], None],
     ) -> None:
         self._session = session
         self._discard = discard
         self._abort = abort
+        self._reserved = reserved
         self._local = threading.local()
         self.limit = PUTS_IN_FLIGHT
         session.on_stray = self._answered
@@ -95,27 +101,33 @@ class PutsInFlight:
         *,
         new: bool,
         again: Callable[[], np.ndarray] | None,
+        asked: int = 0,
     ) -> PutFuture:
         """Send a write-and-commit to ``unit`` and return its future (``again``: how to
-        make the put again should its pooled indices be gone)."""
+        make the put again should its pooled indices be gone; ``asked``: indices its
+        commit reserves for the next puts)."""
         pending = self._pending()
         while len(pending) >= self.limit:
             self._wait(next(iter(pending.values())), None)
         rid = self._session.send(unit, msg, frames)
-        sent = _Sent(unit, rid, columns, new, again)
+        sent = _Sent(unit, rid, columns, new, again, asked)
         sent.future = PutFuture(indices, functools.partial(self._wait_future, sent))
         pending[rid] = sent
         return sent.future
 
-    def _answered(self, rid: bytes, error: FlowRLError | None) -> None:
+    def _answered(self, rid: bytes, reply: Any) -> None:
         """A reply the session read while waiting for something else."""
         sent = self._pending().pop(rid, None)
         if sent is not None:
-            self._settle(sent, error)
+            error = wire.exception_of(reply) if type(reply) is wire.Error else None
+            self._settle(sent, error, reply)
 
-    def _settle(self, sent: _Sent, error: FlowRLError | None) -> None:
+    def _settle(self, sent: _Sent, error: FlowRLError | None, reply: Any = None) -> None:
         """An answered put: done, or refused (its bytes and indices are freed at the next
         safe point, ``_clean_failed``: not here, inside another request's wait)."""
+        if sent.asked:
+            asked, sent.asked = sent.asked, 0
+            self._reserved(asked, reply)
         if error is None:
             sent.again = None  # (its copy of the put's bytes: the future outlives it)
             sent.future._succeed()
@@ -134,7 +146,7 @@ class PutsInFlight:
                 session = self._session
                 wait = session.reply_wait(sent.unit, or_controller=True)
                 wait = wait if timeout is None else timeout
-                self._session.recv(sent.unit, sent.rid, wait, or_controller=True)
+                reply, _ = self._session.recv(sent.unit, sent.rid, wait, or_controller=True)
             except NoAnswer as exc:
                 if timeout is not None:  # the caller's limit: the put stays pending
                     raise Timeout(
@@ -150,9 +162,9 @@ class PutsInFlight:
                 self._clean_failed()
                 return
             except FlowRLError as exc:  # the hub refused this put (or the socket failed)
-                error = exc
+                error, reply = exc, None
             del pending[sent.rid]
-            self._settle(sent, error)
+            self._settle(sent, error, reply)
         self._clean_failed()
 
     def _clean_failed(self) -> None:

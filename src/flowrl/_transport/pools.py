@@ -4,8 +4,9 @@ A small put reserves ``RESERVE_AHEAD`` more indices with its own, in the same ro
 and the thread's next puts take them: a small put then costs the write's round trip
 alone. A batched put's commit reserves the next put's indices (``next_cap``): in a steady
 stream of puts each costs one round trip, not two; a batched ``put_async`` (whose answer
-is read later) reserves for its next ``STREAM_AHEAD`` puts with its own. Reservations
-expire, so a pool is used only within half a reservation's life.
+is read later) reserves for its next ``STREAM_AHEAD`` puts with its own, and each of
+its commits tops that up as it is answered, so a steady stream never waits for a
+reserve. Reservations expire, so a pool is used only within half a reservation's life.
 """
 
 from __future__ import annotations
@@ -84,6 +85,18 @@ class Pool:
         if self.free is None:
             return int(self.indices.size - self.first)
         return int(self.free.sum())
+
+    def extended(self, indices: np.ndarray, unit: int) -> Pool:
+        """A pool of the indices left here, then ``indices`` on ``unit``, expiring when
+        this one does (this one is empty afterwards)."""
+        if self.units is None and self.unit == unit:
+            return Pool(np.concatenate([self.rest(), indices]), unit, self.until)
+        if self.units is None or self.free is None:
+            units = np.full(self.left(), self.unit, dtype=np.int16)
+        else:
+            units = self.units[self.free]
+        units = np.concatenate([units, np.full(indices.size, unit, dtype=np.int16)])
+        return Pool(np.concatenate([self.rest(), indices]), units, self.until)
 
     def rest(self) -> np.ndarray:
         """Every index left (the pool is empty afterwards)."""

@@ -86,7 +86,7 @@ class RemoteControl(ControlPort):
         if n < self._pool_block:
             ahead = self._pool_block
         elif streaming:  # whole puts, within the cap a pool has (others barely notice it)
-            ahead = min(STREAM_AHEAD, max(0, self._next_cap - n) // n) * n
+            ahead = _stream_ahead(n, self._next_cap)
         else:
             ahead = 0
         # this thread's spent pool, and the pools of this client's threads that ended
@@ -99,6 +99,9 @@ class RemoteControl(ControlPort):
             )
 
         reply = self._session.call_parked(request, timeout, "a put (waiting for room)")
+        topped = getattr(self._local, "pool", None)  # by put_async answers read meanwhile
+        if topped is not None and topped is not pool:
+            self._pools.retire(topped)
         indices = wire.ints(reply.indices)
         if reply.units is not None and indices.size > n:
             # used within half the reservation's lifetime, so it never expires under a put
@@ -122,6 +125,36 @@ class RemoteControl(ControlPort):
         if pool is not None and time.monotonic() < pool.until and pool.left() >= n:
             return 0
         return n
+
+    def stream_ask(self, n: int) -> int:
+        """How many indices a put_async of ``n`` new samples asks its commit to reserve for
+        this thread's next puts: ``n`` while its pool and the asks not yet answered hold
+        fewer than ``reserve``'s streaming ahead (its next ``STREAM_AHEAD`` puts, within a
+        pool's cap), else 0. The answers top the pool up (``stream_reserved``)."""
+        if not 0 < n <= self._next_cap:
+            return 0
+        pool: Pool | None = getattr(self._local, "pool", None)
+        held = getattr(self._local, "asked", 0)
+        if pool is not None and time.monotonic() < pool.until:
+            held += pool.left()
+        if held >= _stream_ahead(n, self._next_cap):
+            return 0
+        self._local.asked = getattr(self._local, "asked", 0) + n
+        return n
+
+    def stream_reserved(self, asked: int, reply: Any) -> None:
+        """The answer to a put_async whose commit was asked for ``asked`` indices: those it
+        reserved (``wire.Reserved``) go after what this thread's pool holds."""
+        self._local.asked = max(0, getattr(self._local, "asked", 0) - asked)
+        if type(reply) is not wire.Reserved:
+            return  # refused, or no room to reserve ahead: a later put reserves itself
+        indices = wire.ints(reply.indices)
+        pool: Pool | None = getattr(self._local, "pool", None)
+        if pool is None or time.monotonic() >= pool.until or not pool.left():
+            self.pool_next(indices, reply.unit)
+            return
+        self._local.pool = pool.extended(indices, reply.unit)
+        self._pools.hold(self._local, self._local.pool)
 
     def pool_next(self, indices: np.ndarray, unit: int) -> None:
         """Indices a commit reserved for this thread's next put (``next_ask``), on ``unit``;
@@ -199,3 +232,9 @@ class RemoteControl(ControlPort):
                 self._session.call(None, commands.Abort(indices=np.concatenate(left)), wait=1.0)
         if self._events is not None:
             self._events.close()
+
+
+def _stream_ahead(n: int, cap: int) -> int:
+    """Indices a stream of put_async of ``n`` samples holds for its next puts: whole puts,
+    up to ``STREAM_AHEAD``, within ``cap`` with the put's own."""
+    return min(STREAM_AHEAD, max(0, cap - n) // n) * n

@@ -65,7 +65,7 @@ class RemoteData(DataPort):
         self._shm_maps = ShmMaps()
         # A new grant may reuse a segment this client read: let go of the retired ones.
         self._lanes = Lanes(session, self._shm, before_grant=self._shm_maps.forget_retired)
-        self.puts = PutsInFlight(session, self.discard, control.abort)
+        self.puts = PutsInFlight(session, self.discard, control.abort, control.stream_reserved)
 
     def write(
         self,
@@ -90,9 +90,15 @@ class RemoteData(DataPort):
     ) -> PutFuture | None:
         # The unit hands the commit on once the bytes are stored; the controller answers
         # this thread's controller socket (or the unit, if it refused the write). A new
-        # put that is waited for asks the controller to reserve the next put's indices
-        # with its answer (a put_async's answer is read elsewhere: it asks nothing).
-        reserve_next = self._control.next_ask(indices.size) if wait and commit.new else 0
+        # put asks the controller to reserve the next put's indices with its answer (a
+        # put_async, to keep its stream's pool full: ``PutsInFlight`` hands them on).
+        control = self._control
+        if not commit.new:
+            reserve_next = 0
+        elif wait:
+            reserve_next = control.next_ask(indices.size)
+        else:
+            reserve_next = control.stream_ask(indices.size)
         msg, frames, lent = self._write_request(
             unit,
             indices,
@@ -103,7 +109,7 @@ class RemoteData(DataPort):
             reply_to=self._session.routing_id(),
             put_id=commit.put_id,
             reserve_next=reserve_next,
-            reserve_units=self._control.local_units if reserve_next else None,
+            reserve_units=control.local_units if reserve_next else None,
         )
         if wait:
             session = self._session
@@ -125,7 +131,9 @@ class RemoteData(DataPort):
             keep = None if lent is None else lent.lane
             redo = functools.partial(_redo, again, encoded, copies, keep)
         columns = tuple(encoded)
-        return self.puts.send(unit, msg, frames, indices, columns, new=commit.new, again=redo)
+        return self.puts.send(
+            unit, msg, frames, indices, columns, new=commit.new, again=redo, asked=reserve_next
+        )
 
     def discard(self, unit: int, indices: np.ndarray, columns: tuple[str, ...]) -> None:
         try:

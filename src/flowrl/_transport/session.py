@@ -28,7 +28,6 @@ from flowrl._transport.frames import ZERO_COPY_MIN_BYTES
 from flowrl._transport.sockio import SNDMORE, poll_in, recv_parts, send_parts
 from flowrl._transport.thread_sockets import FDS_NEEDED, ThreadSockets, descriptors_left
 from flowrl.errors import (
-    FlowRLError,
     HubClosed,
     ResourceExhausted,
     TransportError,
@@ -76,7 +75,7 @@ class Session:
         self.sockets = ThreadSockets(self._open)  # each thread's, handed on when it ends
         self.counter = itertools.count(1)  # request ids (and other tokens) of this client
         self.closed = False
-        self.on_stray: Callable[[bytes, FlowRLError | None], None] = _ignore
+        self.on_stray: Callable[[bytes, Any], None] = _ignore  # (request id, its reply)
         # Servers presumed gone (None: the controller), since when (monotonic): each was
         # silent for rpc_timeout; any message from one clears it.
         self.silent: dict[int | None, float] = {}
@@ -240,7 +239,7 @@ class Session:
         reply = wire.decode_reply(frames[1].buffer if payload else frames[1])
         if got not in rids:
             # The answer to one of this thread's put_async, or to a request it gave up on.
-            self.on_stray(got, wire.exception_of(reply) if type(reply) is wire.Error else None)
+            self.on_stray(got, reply)
             return None
         if type(reply) is wire.Error:
             raise wire.exception_of(reply)
@@ -305,7 +304,7 @@ class Session:
         self.sockets.close()
 
 
-def _ignore(rid: bytes, error: FlowRLError | None) -> None:
+def _ignore(rid: bytes, reply: Any) -> None:
     pass
 
 

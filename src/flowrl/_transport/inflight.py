@@ -91,6 +91,11 @@ class PutsInFlight:
     def any_pending(self) -> bool:
         return bool(getattr(self._local, "pending", None))
 
+    def take_answered(self) -> None:
+        """Settle this thread's put_async the controller answered already (no waiting)."""
+        if self.any_pending():
+            self._session.take_ready(None)
+
     def send(
         self,
         unit: int,

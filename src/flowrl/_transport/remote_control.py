@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, final
 
 import msgspec
@@ -58,6 +58,9 @@ class RemoteControl(ControlPort):
         self._pool_block = ahead_cap(config.capacity)  # small puts reserve ahead (reserve)
         self._next_cap = next_cap(config.capacity)  # batched ones with their commit
         self._pool_ttl = max(config.lease_timeout, RESERVATION_MIN_S) / 2
+        #: Settles this thread's put_async answered already, without waiting (set by the
+        #: data port that sends them): their answers top the pool up.
+        self.take_answers: Callable[[], None] = lambda: None
         self._pools = Pools()  # each thread's current pool, given back when it ends
 
     def _call(self, cmd: commands.Command | wire.Stats) -> Any:
@@ -78,9 +81,16 @@ class RemoteControl(ControlPort):
         ahead in one round trip with an earlier put's: a small put then costs the write's
         round trip alone. So do batched ``put_async`` (``streaming``): a batched ``put``
         has its commit reserve the next one's indices, but a put_async's answer comes
-        later, so it reserves for up to ``STREAM_AHEAD`` more puts of its size at once."""
+        later, so it reserves for up to ``STREAM_AHEAD`` more puts of its size at once, and
+        its commits reserve for later ones (``stream_ask``) as they are answered: answers
+        already here are read before a reserve is sent."""
         pool: Pool | None = getattr(self._local, "pool", None)
         taken = pool.take(n) if pool is not None and time.monotonic() < pool.until else None
+        asked: int = getattr(self._local, "asked", 0)
+        if taken is None and streaming and asked:
+            self.take_answers()
+            pool = getattr(self._local, "pool", None)
+            taken = pool.take(n) if pool is not None and time.monotonic() < pool.until else None
         if taken is not None:
             return Reservation(*taken, pooled=True)
         if n < self._pool_block:

@@ -66,6 +66,7 @@ class RemoteData(DataPort):
         # A new grant may reuse a segment this client read: let go of the retired ones.
         self._lanes = Lanes(session, self._shm, before_grant=self._shm_maps.forget_retired)
         self.puts = PutsInFlight(session, self.discard, control.abort, control.stream_reserved)
+        control.take_answers = self.puts.take_answered
 
     def write(
         self,

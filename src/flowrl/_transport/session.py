@@ -25,7 +25,7 @@ import zmq
 from flowrl._transport import wire
 from flowrl._transport.auth import HubKey, client_options
 from flowrl._transport.frames import ZERO_COPY_MIN_BYTES
-from flowrl._transport.sockio import SNDMORE, poll_in, recv_parts, send_parts
+from flowrl._transport.sockio import SNDMORE, has_input, poll_in, recv_parts, send_parts
 from flowrl._transport.thread_sockets import FDS_NEEDED, ThreadSockets, descriptors_left
 from flowrl.errors import (
     HubClosed,
@@ -222,6 +222,13 @@ class Session:
                 reply = self.take_reply(ready_sock, rids, payload=ready_sock is not controller)
                 if reply is not None:
                     return reply
+
+    def take_ready(self, unit: int | None) -> None:
+        """Read the replies already queued on this thread's socket to ``unit`` (None: the
+        controller), without waiting: no request waits for them here (``on_stray``)."""
+        sock = self.socket(unit)
+        while has_input(sock):
+            self.take_reply(sock, (), payload=unit is not None)
 
     def take_reply(
         self, sock: zmq.Socket, rids: tuple[bytes, ...], payload: bool

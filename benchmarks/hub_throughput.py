@@ -10,6 +10,11 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
   once, as in every step of a job past its first (a storage unit reuses the shared
   memory its evicted samples leave); ``put_first_fill_gib_per_s`` times the first fill,
   which also makes that memory (``machine.fresh_shm_gib_per_s`` bounds it).
+  ``put_async_gib_per_s``: the same batches streamed with ``put_async`` (one ``flush``
+  at the end) into a hub of the default capacity, whose pools let a stream reserve its
+  next puts' indices ahead; zmq: ``put_async_cpu_ms``, the CPU milliseconds a put costs
+  the producer, each storage unit and the controller (a pipelined stream on 2 cores goes
+  no faster than their sum allows).
   ``get`` times ``hub.get(meta)`` plus turning every column into numpy, over every
   claimed micro-batch (reads change nothing: the median of 5 passes after a warm-up
   pass); ``consume_*`` times the whole consumer loop (claim + get + ack, one pass), the
@@ -168,6 +173,9 @@ def payload(batch: int, seq_len: int, rng: np.random.Generator) -> dict:
     }
 
 
+STREAM_PASSES = 3  # timed put_async passes (the median counts)
+
+
 def put_get(
     transport: str, samples: int, seq_len: int, batch: int, journal: JournalConfig | None = None
 ) -> dict:
@@ -214,11 +222,50 @@ def put_get(
         hub.close()
 
 
-def _timed_puts(hub: Any, batches: list[dict], n_batches: int) -> float:
+def _timed_puts(hub: Any, batches: list[dict], n_batches: int, stream: bool = False) -> float:
     t0 = time.perf_counter()
     for i in range(n_batches):
-        hub.put(batches[i % len(batches)])
+        if stream:
+            hub.put_async(batches[i % len(batches)])
+        else:
+            hub.put(batches[i % len(batches)])
+    if stream:
+        hub.flush()
     return time.perf_counter() - t0
+
+
+def put_stream(transport: str, samples: int, seq_len: int, batch: int) -> dict:
+    """A producer streaming ``put_async`` of --batch samples, one flush at the end, into a
+    hub of the default capacity: GiB/s (the median of STREAM_PASSES passes after one that
+    fills the storage memory, each drained after) and the CPU milliseconds a put costs
+    each process (the client, the storage units, the controller; zmq only)."""
+    rng = np.random.default_rng(3)
+    batches = [payload(batch, seq_len, rng) for _ in range(min(8, samples // batch))]
+    sample_bytes = seq_len * 8 + seq_len * 4 + 4
+    n_batches = samples // batch
+    hub = make_hub(transport, capacity=HubConfig().capacity)
+    procs = [p.pid for p in hub.servers.procs] if transport == "zmq" else []
+    try:
+        _timed_puts(hub, batches, n_batches, stream=True)
+        _drain(hub, batch, n_batches)
+        passes, cpu = [], np.zeros(1 + len(procs))
+        for _ in range(STREAM_PASSES):
+            before = np.array([time.process_time(), *map(_cpu_s, procs)])
+            passes.append(_timed_puts(hub, batches, n_batches, stream=True))
+            cpu += np.array([time.process_time(), *map(_cpu_s, procs)]) - before
+            _drain(hub, batch, n_batches)
+        out = {
+            "put_async_gib_per_s": n_batches
+            * batch
+            * sample_bytes
+            / statistics.median(passes)
+            / GIB
+        }
+        if procs:
+            out["put_async_cpu_ms"] = [float(c) for c in cpu / (STREAM_PASSES * n_batches) * 1e3]
+        return out
+    finally:
+        hub.close()
 
 
 def _drain(hub: Any, batch: int, n_batches: int) -> None:
@@ -809,6 +856,7 @@ def main() -> None:
     }
     result["machine"] = machine_figures()
     result.update(put_get(args.transport, args.samples, args.seq_len, args.batch))
+    result.update(put_stream(args.transport, args.samples, args.seq_len, args.batch))
     p50, p99 = claim_latency(100_000, args.batch)
     result["claim_p50_ms"], result["claim_p99_ms"] = p50, p99
     result["claim_p99_ms_1k"] = claim_latency(1_000, args.batch)[1]

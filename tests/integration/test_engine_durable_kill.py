@@ -59,8 +59,8 @@ class _DieAfterFirstAppend:
     def partial(self, *args: Any, **kwargs: Any) -> Any:
         return self.hub.partial(*args, **kwargs)
 
-    def append(self, meta: Any, chunk: dict[str, Any], *, version: int) -> Any:
-        self.hub.append(meta, chunk, version=version)
+    def append_async(self, meta: Any, chunk: dict[str, Any], *, version: int) -> Any:
+        self.hub.append(meta, chunk, version=version)  # landed before the kill
         appends = {k: [np.asarray(v).tolist() for v in vals] for k, vals in chunk.items()}
         self.record.write_text(json.dumps({"indices": meta.indices.tolist(), **appends}))
         self.hub.publish_version(1)  # stands for the trainer moving on meanwhile

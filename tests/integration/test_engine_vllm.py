@@ -252,7 +252,7 @@ def test_durable_generation_resumes_a_preempted_batch_from_its_appended_prefix(
         def partial(self, *args: object, **kwargs: object) -> object:
             return self.hub.partial(*args, **kwargs)  # type: ignore[arg-type]
 
-        def append(self, meta: object, chunk: dict, *, version: int) -> None:
+        def append_async(self, meta: object, chunk: dict, *, version: int) -> None:
             self.hub.append(meta, chunk, version=version)  # type: ignore[arg-type]
             self.appended = {k: [np.asarray(v).tolist() for v in vs] for k, vs in chunk.items()}
             raise Preempted

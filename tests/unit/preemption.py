@@ -26,8 +26,12 @@ class PreemptedAfter:
     def partial(self, *args: Any, **kwargs: Any) -> Any:
         return self.hub.partial(*args, **kwargs)
 
-    def append(self, meta: Any, column: Any, values: Any = None, *, version: int) -> Any:
-        lengths = self.hub.append(meta, column, values, version=version)
+    def append_async(
+        self, meta: Any, column: Any, values: Any = None, *, version: int
+    ) -> flowrl.PutFuture:
+        """The generators' append: made here synchronously, so the preemption comes after
+        it landed."""
+        self.hub.append(meta, column, values, version=version)
         data = column if isinstance(column, dict) else {column: values}
         for name, vals in data.items():
             rows = self.appended.setdefault(name, [[] for _ in range(len(meta))])
@@ -36,4 +40,4 @@ class PreemptedAfter:
         self.n -= 1
         if self.n == 0:
             raise Preempted
-        return lengths
+        return flowrl.PutFuture.completed(meta.indices)

@@ -112,6 +112,42 @@ def test_several_columns_append_together_or_not_at_all(make_hub) -> None:
     assert lists(hub.partial(idx, "response").values) == [[10, 11], [20], []]  # unchanged
 
 
+def test_append_async_lands_in_order_and_a_refusal_is_reported_once(make_hub) -> None:
+    hub = make_hub(columns=COLS, tasks=TASKS)
+    idx = hub.put({"prompt": [[1], [2]]})
+    sent = [hub.append_async(idx, "response", [[k], [10 + k]], version=k) for k in range(20)]
+    assert all(isinstance(f, flowrl.PutFuture) for f in sent)
+    chunk = {"response": [[99], []], "versions": [[3], []]}
+    sent.append(hub.append_async(idx, chunk, version=3))
+    assert all(f.result(5).tolist() == idx.tolist() for f in sent)
+    prefix = hub.partial(idx, "response")
+    assert lists(prefix.values) == [[*range(20), 99], list(range(10, 30))]
+    assert lists(prefix.versions) == [[*range(20), 3], list(range(20))]
+    # bad input raises from the call itself and changes nothing
+    with pytest.raises(SchemaError, match="ragged"):
+        hub.append_async(idx, "reward", [[1.0], [2.0]], version=0)
+    with pytest.raises(ConfigError, match="append_async"):
+        hub.append_async(idx, "response", [[1], [2]], version=-1)
+    # refused by the storage unit (the column is complete there): from the future, once
+    hub.put({"response": [[7]]}, indices=idx[:1])
+    with pytest.raises(SchemaError, match="already complete"):  # (in-process: at once)
+        hub.append_async(idx[:1], "response", [[1]], version=4).result(5)
+    hub.flush(5)  # reported through its future: not again
+    assert lists(hub.partial(idx, "response").values) == [[], list(range(10, 30))]
+
+
+def test_an_append_async_nobody_waited_for_raises_from_the_next_call(make_hub) -> None:
+    hub = make_hub(columns=COLS, tasks=TASKS)
+    idx = hub.put({"prompt": [[1]]})
+    hub.put({"response": [[7]]}, indices=idx)
+    try:
+        hub.append_async(idx, "response", [[1]], version=0)  # refused later, or at once
+    except SchemaError:
+        return  # in-process: the append completes (and is refused) in the call
+    with pytest.raises(SchemaError, match="already complete"):
+        hub.flush(5)
+
+
 def test_evicted_samples_lose_their_prefix(make_hub) -> None:
     hub = make_hub(columns=COLS, tasks={"generate": ["prompt"]})
     idx = hub.put({"prompt": [[1]]})

@@ -9,7 +9,7 @@ leaves no half-written sample behind.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, final
 
 import msgspec
@@ -557,11 +557,56 @@ class HubClient:
         and their log-probs): they are appended together, one request per storage unit,
         each unit taking all of them or none. Returns ``{column: prefix lengths}`` then.
         """
+        meta, cols, encoded, version = self._append_args(
+            indices, column, values, version, "append()"
+        )
+        lengths = {c.name: np.empty(len(meta), dtype=np.int64) for c in cols}
+        for unit, pos, parts in self._append_parts(meta, cols, encoded):
+            got = self._data.append(unit, _part(meta.indices, pos), parts, version)
+            for c, n in zip(cols, got, strict=True):
+                lengths[c.name][slice(None) if pos is None else pos] = n
+        return lengths if isinstance(column, Mapping) else lengths[cols[0].name]
+
+    def append_async(
+        self,
+        indices: BatchMeta | np.ndarray | Sequence[int],
+        column: str | Mapping[str, Any],
+        values: Any = None,
+        *,
+        version: int,
+    ) -> PutFuture:
+        """Like :meth:`append`, but returns once the request is sent, with a
+        :class:`PutFuture` of the samples' indices (a generator appending every few decoding
+        steps does not wait a round trip each time).
+
+        Checked as :meth:`append` checks it before the call returns; a refusal raises from
+        the future's ``result()``, :meth:`flush` or this thread's next ``put_async`` or
+        ``append_async``. This thread's appends to a sample land in the order they are
+        made; wait for them (``result()``) before completing the column with a ``put``
+        from another thread. In-process, and for samples on several storage units, the
+        append completes before the call returns.
+        """
+        self._data.raise_failed_put()
+        meta, cols, encoded, version = self._append_args(
+            indices, column, values, version, "append_async()"
+        )
+        parts = list(self._append_parts(meta, cols, encoded))
+        if len(parts) == 1:
+            unit, pos, arrays = parts[0]
+            return self._data.append_async(unit, _part(meta.indices, pos), arrays, version)
+        for unit, pos, arrays in parts:
+            self._data.append(unit, _part(meta.indices, pos), arrays, version)
+        return PutFuture.completed(meta.indices)
+
+    def _append_args(
+        self, indices: Any, column: Any, values: Any, version: Any, where: str
+    ) -> tuple[BatchMeta, list[Column], dict[str, Encoded], int]:
+        """An append's samples, ragged columns, encoded values and version, checked."""
         self._control.raise_policy_error()
         if isinstance(column, Mapping):
             if values is not None:
                 raise ConfigError(
-                    "append() takes a mapping of columns to values, or a column and its "
+                    f"{where} takes a mapping of columns to values, or a column and its "
                     "values, not both"
                 )
             data = column
@@ -569,30 +614,37 @@ class HubClient:
             data = {column: values}
         else:
             raise ConfigError(
-                "append() column must be a column name or a mapping of column names to "
+                f"{where} column must be a column name or a mapping of column names to "
                 f"values, got {column!r}"
             )
         if not data:
-            raise ConfigError("append() got no column to append to")
-        cols = [self._ragged(name, "append()") for name in data]
-        version = _check_version(version, "append()")
-        meta = self._locate(indices, "append()")
-        encoded, _, _ = self.schema.encode_all(data, len(meta), "append()")
-        lengths = {c.name: np.empty(len(meta), dtype=np.int64) for c in cols}
+            raise ConfigError(f"{where} got no column to append to")
+        cols = [self._ragged(name, where) for name in data]
+        version = _check_version(version, where)
+        meta = self._locate(indices, where)
+        encoded, _, _ = self.schema.encode_all(data, len(meta), where)
+        return meta, cols, encoded, version
+
+    @staticmethod
+    def _append_parts(
+        meta: BatchMeta, cols: list[Column], encoded: dict[str, Encoded]
+    ) -> Iterator[tuple[int, np.ndarray | None, list[tuple[Column, pa.Array]]]]:
+        """Per storage unit of ``meta``: the unit, the positions of its samples (None: all)
+        and each column's values there."""
         for unit, pos in _split_by_unit(meta.units):
-            parts = [
-                (
-                    c,
-                    encoded[c.name].array
-                    if pos is None
-                    else encoded[c.name].array.take(numeric_array(pos)),
-                )
-                for c in cols
-            ]
-            got = self._data.append(unit, _part(meta.indices, pos), parts, version)
-            for c, n in zip(cols, got, strict=True):
-                lengths[c.name][slice(None) if pos is None else pos] = n
-        return lengths if isinstance(column, Mapping) else lengths[cols[0].name]
+            yield (
+                unit,
+                pos,
+                [
+                    (
+                        c,
+                        encoded[c.name].array
+                        if pos is None
+                        else encoded[c.name].array.take(numeric_array(pos)),
+                    )
+                    for c in cols
+                ],
+            )
 
     def partial(self, indices: BatchMeta | np.ndarray | Sequence[int], column: str) -> Partial:
         """What :meth:`append` stored so far for each sample (empty when nothing)."""

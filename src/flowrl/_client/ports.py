@@ -181,6 +181,13 @@ class DataPort(abc.ABC):
         self, unit: int, indices: np.ndarray, values: list[tuple[Column, pa.Array]], version: int
     ) -> list[np.ndarray]: ...
 
+    def append_async(
+        self, unit: int, indices: np.ndarray, values: list[tuple[Column, pa.Array]], version: int
+    ) -> PutFuture:
+        """``append``, answered later where the port can (a future of ``indices``)."""
+        self.append(unit, indices, values, version)
+        return PutFuture.completed(indices)
+
     @abc.abstractmethod
     def read_partial(
         self, unit: int, indices: np.ndarray, column: Column

@@ -216,18 +216,18 @@ class RemoteData(DataPort):
     def append(
         self, unit: int, indices: np.ndarray, values: list[tuple[Column, pa.Array]], version: int
     ) -> list[np.ndarray]:
-        headers, frames = to_frames_all(values)
-        msg = wire.Append(
-            indices=indices.tobytes(),
-            columns=[c for c, _ in values],
-            version=version,
-            arrays=headers,
-        )
-        reply, _ = self._session.call(unit, msg, frames)
+        reply, _ = self._session.call(unit, *_append_request(indices, values, version))
         lengths = wire.ints(reply.lengths)
         if lengths.size != len(values) * indices.size:
             raise TransportError(f"storage unit {unit} answered an append malformed")
         return list(lengths.reshape(len(values), indices.size))
+
+    def append_async(
+        self, unit: int, indices: np.ndarray, values: list[tuple[Column, pa.Array]], version: int
+    ) -> PutFuture:
+        # (the arrays are the client's own, made by encode: the frames go out zero-copy)
+        msg, frames = _append_request(indices, values, version)
+        return self.puts.send(unit, msg, frames, indices, (), new=False, again=None)
 
     def read_partial(
         self, unit: int, indices: np.ndarray, column: Column
@@ -282,6 +282,16 @@ class RemoteData(DataPort):
             indices.tobytes(), [types[name] for name in encoded], headers, **commit
         )
         return msg, frames, lent
+
+
+def _append_request(
+    indices: np.ndarray, values: list[tuple[Column, pa.Array]], version: int
+) -> tuple[wire.Append, list[Any]]:
+    headers, frames = to_frames_all(values)
+    msg = wire.Append(
+        indices=indices.tobytes(), columns=[c for c, _ in values], version=version, arrays=headers
+    )
+    return msg, frames
 
 
 def _encoded_over(encoded: dict[str, Encoded], copies: list[Any]) -> dict[str, Encoded]:

@@ -17,8 +17,9 @@ is :func:`flowrl.rl.generate_resumable`). It
    update, appends what each request generated since the last append
    (:meth:`~flowrl.engines.RolloutEngine.partial` for those still running, the whole
    response for those that finished) to the hub's ``response`` and ``logprobs`` columns
-   in one ``hub.append``, tagged with the version that sampled those tokens (one
-   version: an append comes before every update);
+   in one ``hub.append_async`` (answered while the engine steps on; all are answered
+   before it returns), tagged with the version that sampled those tokens (one version:
+   an append comes before every update);
 4. returns each sample's whole response (stored prefix + new tokens), log-probs and the
    version of every token, for the stage to ``put``: the put completes the columns.
 
@@ -40,7 +41,13 @@ import torch
 from flowrl._schema.ragged import RaggedArray
 from flowrl.engines.base import Completion, GenerationRequest, RolloutEngine, SamplingParams
 from flowrl.errors import ConfigError
-from flowrl.rl.rollout import PolicyFn, ResumableGeneration, StoredPrefixes, read_prefixes
+from flowrl.rl.rollout import (
+    Appends,
+    PolicyFn,
+    ResumableGeneration,
+    StoredPrefixes,
+    read_prefixes,
+)
 
 if TYPE_CHECKING:
     from flowrl._client.base import HubClient
@@ -109,13 +116,14 @@ def generate_durable(
     load_newer()  # first: requests added after it start under the newest weights
     engine.add(_requests(ids, prompts, stored), params)
     try:
-        steps = 0
-        while engine.pending:
-            load_newer()
-            stream.done.update((c.id, c) for c in engine.step())
-            steps += 1
-            if append_every and steps % append_every == 0 and engine.pending:
-                stream.append()  # (not once all are done: the put follows at once)
+        with stream.appends:
+            steps = 0
+            while engine.pending:
+                load_newer()
+                stream.done.update((c.id, c) for c in engine.step())
+                steps += 1
+                if append_every and steps % append_every == 0 and engine.pending:
+                    stream.append()  # (not once all are done: the put follows at once)
     except BaseException:
         engine.abort(ids)
         raise
@@ -167,6 +175,7 @@ class _Stream:
         self.ids = list(ids)
         self.columns = columns
         self.done: dict[int, Completion] = {}
+        self.appends = Appends(hub)
         n = len(self.ids)
         self.stored = (
             np.zeros(n, np.int64)
@@ -192,9 +201,8 @@ class _Stream:
                 "generate_durable appends before every weight update"
             )
         tokens, lps = [t for t, _, _ in new], [lp for _, lp, _ in new]
-        self.hub.append(
-            self.meta, {self.columns[0]: tokens, self.columns[1]: lps}, version=int(versions[0])
-        )
+        columns = {self.columns[0]: tokens, self.columns[1]: lps}
+        self.appends.send(self.meta, columns, int(versions[0]))
         self.stored += np.array([len(t) for t in tokens], np.int64)
 
     @staticmethod

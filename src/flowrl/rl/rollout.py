@@ -25,8 +25,9 @@ was stored, with that prefix's versions.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple, final
+from typing import TYPE_CHECKING, Any, NamedTuple, final
 
 import numpy as np
 import torch
@@ -37,11 +38,13 @@ from flowrl.rl.grpo import build_batch, token_logprobs
 
 if TYPE_CHECKING:
     from flowrl._client.base import HubClient
+    from flowrl._client.future import PutFuture
     from flowrl._controller.meta import BatchMeta
     from flowrl.models.causal import CausalLM
 
 __all__ = [
     "APPEND_EVERY",
+    "Appends",
     "PolicyFn",
     "ResumableGeneration",
     "StoredPrefixes",
@@ -56,6 +59,32 @@ _NO_LOGPROBS = np.empty(0, dtype=np.float32)
 
 
 @final
+class Appends:
+    """A generator's appends, sent with ``append_async`` (answered while it decodes on) and
+    all answered when its ``with`` block ends: the stage's put, which completes the
+    columns, comes after them. A refused append raises there; if the block raises, the
+    appends are waited for quietly (that exception is what the caller hears)."""
+
+    def __init__(self, hub: HubClient) -> None:
+        self._hub = hub
+        self._sent: list[PutFuture] = []
+
+    def send(self, meta: BatchMeta, columns: dict[str, Any], version: int) -> None:
+        self._sent.append(self._hub.append_async(meta, columns, version=version))
+
+    def __enter__(self) -> Appends:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        sent, self._sent = self._sent, []
+        for fut in sent:
+            if kind is None:
+                fut.result()
+            else:
+                with contextlib.suppress(Exception):
+                    fut.result()
+
+
 class ResumableGeneration(NamedTuple):
     """Whole responses of a micro-batch, one row per sample, packed.
 
@@ -132,19 +161,22 @@ def generate_resumable(
             response: RaggedArray(tokens.cpu().numpy(), cu),
             logprobs: RaggedArray(lps.cpu().numpy(), cu),
         }
-        hub.append(meta, chunk, version=version)
+        appends.send(meta, chunk, version)
 
-    out = generate(
-        model,
-        prompts,
-        max_new_tokens,
-        temperature=temperature,
-        eos_id=eos_id,
-        generator=generator,
-        prefixes=[t.tolist() for t in stored.tokens] if stored is not None and resumed else None,
-        on_chunk=on_chunk if append_every else None,
-        chunk_steps=max(append_every, 1),
-    )
+    prefixes = [t.tolist() for t in stored.tokens] if stored is not None and resumed else None
+    appends = Appends(hub)
+    with appends:
+        out = generate(
+            model,
+            prompts,
+            max_new_tokens,
+            temperature=temperature,
+            eos_id=eos_id,
+            generator=generator,
+            prefixes=prefixes,
+            on_chunk=on_chunk if append_every else None,
+            chunk_steps=max(append_every, 1),
+        )
     tokens = out.token_ids.cpu().numpy()
     lps = out.logprobs.cpu().numpy()
     cu = out.cu_seqlens.cpu().numpy()

@@ -13,12 +13,12 @@ How to read it: ``ms_per_batch`` per setting (the fastest round, CPU time of thi
 process: torch runs one thread, and the fastest round of CPU time is what other jobs on
 a shared machine disturb least; ``median_ms_per_batch`` and ``wall_ms_per_batch``, the
 medians, too) and ``overhead`` = ms_per_batch(setting) / ms_per_batch(off) - 1, which on
-a busy machine is still noisy (several %); the direct
-figure is ``append_ms_per_batch``, the CPU time spent inside ``hub.append`` per
-micro-batch, and ``append_share`` = that over the micro-batch without appends.
-``appends_per_batch`` is how many ``hub.append`` calls (one per chunk: tokens and
-log-probs together) a micro-batch made on average. The rollout stage
-is one of the job's two busiest stages, so its overhead bounds the job's wall-time cost.
+a busy machine is still noisy (several %); the direct figure is ``append_ms_per_batch``,
+the CPU time spent inside ``hub.append_async`` per micro-batch (in-process it returns once
+the append is done), and ``append_share`` = that over the micro-batch without appends.
+``appends_per_batch`` is how many appends (one per chunk: tokens and log-probs together)
+a micro-batch made on average. The rollout stage is one of the job's two busiest stages,
+so its overhead bounds the job's wall-time cost.
 
     python benchmarks/partial_rollouts.py --json
 """
@@ -59,11 +59,11 @@ class _Counting:
     def partial(self, *args: Any, **kwargs: Any) -> Any:
         return self.hub.partial(*args, **kwargs)
 
-    def append(self, *args: Any, **kwargs: Any) -> Any:
+    def append_async(self, *args: Any, **kwargs: Any) -> Any:
         self.appends += 1
         t0 = time.process_time()
         try:
-            return self.hub.append(*args, **kwargs)
+            return self.hub.append_async(*args, **kwargs)  # (in-process: done at once)
         finally:
             self.cpu_s += time.process_time() - t0
 

@@ -94,5 +94,5 @@ class Reservations:
 
     def _settle_ahead(self, slots: np.ndarray) -> None:
         """Slots reserved ahead that were put or freed no longer count as ahead."""
-        self.ahead -= int(self._is_ahead[slots].sum())
+        self.ahead -= int(np.count_nonzero(self._is_ahead[slots]))  # (.sum(): 5x slower)
         self._is_ahead[slots] = False

@@ -174,7 +174,7 @@ class _ColumnStore:
         else:
             self.owner[at] = indices
             chunk_of[at] = cid
-            self.row_of[at] = np.arange(slots.size)
+            self.row_of[at] = _rows(slots.size)
 
     def log_ahead(self, indices: np.ndarray, array: Chunk, loaded_from: str = "") -> int:
         """A new chunk id, its rows logged (a persistent column) before they are filed."""
@@ -692,6 +692,15 @@ def _span(slots: np.ndarray, run: bool, capacity: int) -> slice | np.ndarray:
     not wrap around the capacity): numpy reads and writes a slice without gathering."""
     first = int(slots[0]) if run else capacity
     return slice(first, first + slots.size) if first + slots.size <= capacity else slots
+
+
+_ROWS = np.arange(1024)
+_ROWS.flags.writeable = False
+
+
+def _rows(n: int) -> np.ndarray:
+    """0, 1, ..., n-1: a chunk's rows (a view of one array made once, for most puts)."""
+    return _ROWS[:n] if n <= _ROWS.size else np.arange(n)
 
 
 def _first_stale(newest: np.ndarray, slots: slice | np.ndarray, indices: np.ndarray) -> int | None:

@@ -371,7 +371,7 @@ class ControllerServer:
             slots = commit.indices % self.ctl.table.capacity
             units = set(self.ctl.table.unit[slots].tolist())  # (a put is often one sample)
         for unit in units:
-            self.unit_push[unit].send(settle)
+            send_parts(self.unit_push[unit], [settle])
 
     def _evict(self, indices: np.ndarray, units: np.ndarray) -> None:
         """Queue evictions for the units (see EVICT_DELAY_S)."""

@@ -57,7 +57,7 @@ from flowrl._transport.frames import (
     to_frames_all,
 )
 from flowrl._transport.lanes import GRANT_IDLE_S
-from flowrl._transport.sockio import NOBLOCK, SNDMORE, poll_in, recv_parts, send_parts
+from flowrl._transport.sockio import NOBLOCK, poll_in, recv_parts, send_parts
 from flowrl.errors import FlowRLError, SchemaError, TransportError, UnknownIndexError
 
 __all__ = ["serve_unit"]
@@ -244,14 +244,11 @@ class UnitServer:
 
     def _reply(self, ident: bytes, rid: bytes, reply: Any, payload: Sequence[Any] = ()) -> None:
         """Send ``reply`` (and its payload frames, zero-copy when large) to client ``ident``."""
-        sock = self.sock
         if not payload:
-            sock.send(ident, SNDMORE)
-            sock.send(rid, SNDMORE)
-            sock.send(wire.encode(reply))
+            send_parts(self.sock, [ident, rid, wire.encode(reply)])
             return
         small = sum(memoryview(f).nbytes for f in payload) < ZERO_COPY_MIN_BYTES
-        send_parts(sock, [ident, rid, wire.encode(reply), *payload], copy=small)
+        send_parts(self.sock, [ident, rid, wire.encode(reply), *payload], copy=small)
 
     # -- commits handed to the controller ----------------------------------------------------
     def _write_and_hand_on(

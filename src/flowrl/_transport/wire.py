@@ -7,6 +7,7 @@ frames.py). Nothing is pickled. New fields must get defaults (schema evolution).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -45,7 +46,7 @@ from flowrl._protocol.commands import (
     UnregisterTask,
 )
 from flowrl._schema.columns import Column
-from flowrl._schema.small import SMALL
+from flowrl._schema.small import SMALL, has_negative
 from flowrl._transport.frames import ArrayHeader
 
 __all__ = [
@@ -72,6 +73,8 @@ class Malformed(errors.TransportError):
 #: What msgspec raises on bytes that are not a message of the expected type: invalid
 #: msgpack or types, strings that are not UTF-8, nesting deeper than Python's stack.
 _UNDECODABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+#: The byte of a native int64 that holds its sign bit.
+_SIGN = 7 if sys.byteorder == "little" else 0
 
 
 _FIFO_SPEC = FifoSpec()
@@ -566,10 +569,11 @@ _CHECKS: dict[type, Callable[[Any], str]] = {
 
 def _negative(data: bytes | np.ndarray) -> bool:
     """Whether int64s (an array, or raw bytes holding a whole number) hold a negative."""
-    values = data.data if isinstance(data, np.ndarray) else memoryview(data).cast("q")
-    if len(values) <= SMALL:  # a few values: cheaper than numpy's call overhead
-        return min(values, default=0) < 0
-    return bool(np.frombuffer(values, dtype=np.int64).min() < 0)
+    if isinstance(data, np.ndarray):
+        return has_negative(data)
+    if len(data) <= SMALL * 8:  # a few: their sign bytes (no numpy call, no ints made)
+        return max(data[_SIGN::8], default=0) >= 0x80
+    return bool(np.frombuffer(data, dtype=np.int64).min() < 0)
 
 
 def decode_reply(frame: Any) -> Any:

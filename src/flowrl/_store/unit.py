@@ -113,10 +113,15 @@ class _ColumnStore:
 
     def _unref(self, chunk_ids: np.ndarray | list[int]) -> None:
         if isinstance(chunk_ids, list) or chunk_ids.size <= SMALL:  # (no numpy calls)
+            listed = chunk_ids if isinstance(chunk_ids, list) else chunk_ids.tolist()
             refs: dict[int, int] = {}
-            for cid in chunk_ids if isinstance(chunk_ids, list) else chunk_ids.tolist():
-                if cid >= 0:
-                    refs[cid] = refs.get(cid, 0) + 1
+            if listed and listed.count(listed[0]) == len(listed):  # one chunk, or free slots
+                if listed[0] >= 0:
+                    refs[listed[0]] = len(listed)
+            else:
+                for cid in listed:
+                    if cid >= 0:
+                        refs[cid] = refs.get(cid, 0) + 1
         else:
             chunk_ids = chunk_ids[chunk_ids >= 0]
             if chunk_ids.size == 0:

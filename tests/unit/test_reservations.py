@@ -85,6 +85,19 @@ def test_indices_reserved_ahead_take_only_free_room_and_are_counted_apart() -> N
         assert (stats.live, stats.reserved_ahead, ctl.table.free_slots()) == (2, 0, 6)
 
 
+def test_a_pooled_reservation_is_held_once_and_expires_like_others(ctl: Controller) -> None:
+    # (a batched put's commit reserves the next put's indices, all of them "ahead")
+    for _ in range(3):
+        idx, _ = ctl.reserve(1, pooled=True)
+    assert len(ctl.reservations._held) == 3  # one record each, none empty
+    stats = ctl.statistics()
+    assert (stats.reserved, stats.reserved_ahead) == (0, 3)
+    ctl.commit(Commit(indices=idx, cells=_cells(1), new=True))
+    ctl.expire(now=time.time() + 60)
+    stats = ctl.statistics()
+    assert (stats.live, stats.reserved, stats.reserved_ahead) == (1, 0, 0)
+
+
 def test_end_of_stream_frees_indices_reserved_ahead_but_waits_for_puts(ctl) -> None:
     put, _ = ctl.reserve(1, ahead=2)
     ctl.end_stream()

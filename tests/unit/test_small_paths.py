@@ -125,6 +125,17 @@ def test_requests_naming_a_negative_sample_are_refused(n: int) -> None:
             wire.decode_request(wire.encode(msg))
 
 
+@pytest.mark.parametrize("n", SIZES)
+def test_indices_whose_high_bytes_are_set_are_not_taken_for_negative_ones(n: int) -> None:
+    # (a few indices are checked by their sign bytes alone)
+    big = [2**63 - 1 - k if k % 2 else (0x7F << 56) + k for k in range(n)]
+    for msg in _unit_requests(_ints(big)):
+        assert type(wire.decode_request(wire.encode(msg))) is type(msg)
+    for msg in _unit_requests(_ints([*big[:-1], -(2**63)])):
+        with pytest.raises(TransportError, match="a sample index is negative"):
+            wire.decode_request(wire.encode(msg))
+
+
 @pytest.mark.parametrize(
     ("msg", "problem"),
     [

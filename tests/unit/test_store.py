@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import flowrl
 from flowrl import Column
 from flowrl._schema.encode import encode
-from flowrl._store.unit import StorageUnit
+from flowrl._store.unit import Deferred, StorageUnit
 from flowrl.errors import UnknownColumnError, UnknownIndexError
 
 CAP = 8
@@ -192,6 +192,54 @@ def test_arrays_built_on_acceptance(tmp_path, persistent: bool) -> None:
     with pytest.raises(UnknownIndexError):
         unit.write(idx, build, types, on_accepted=lambda: order.append("accepted"))
     assert len(order) == 2
+
+
+def _deferred(arrays: dict[str, pa.Array], built: list[str]) -> dict[str, Deferred]:
+    """Each array as a Deferred (a unit server's write) that records its builds."""
+
+    def later(name: str, array: pa.Array) -> Deferred:
+        def build() -> pa.Array:
+            built.append(name)
+            return array
+
+        return Deferred(len(array), array.get_total_buffer_size(), build)
+
+    return {name: later(name, array) for name, array in arrays.items()}
+
+
+def test_deferred_arrays_are_built_by_the_first_read_that_needs_them_once() -> None:
+    unit = StorageUnit(0, CAP)
+    idx = np.arange(3, dtype=np.int64)
+    built: list[str] = []
+    unit.write(idx, _deferred(_arrays(idx), built), tags={name: name for name in COLS})
+    nbytes = sum(a.get_total_buffer_size() for a in _arrays(idx).values())
+    assert built == [] and unit.statistics().nbytes == nbytes
+    # a read of whole chunks in shared memory names them: nothing is built
+    assert [tag for tag, _ in unit.read_run(idx[1:], COLS)] == list(COLS)
+    assert built == []
+    _check(unit.read(idx[1:], COLS), idx[1:])
+    assert sorted(built) == sorted(COLS)
+    _check(unit.read(idx[::-1], COLS), idx[::-1])  # (a gather: the built arrays again)
+    assert len(built) == len(COLS) and unit.statistics().nbytes == nbytes
+    unit.evict(idx)
+    assert unit.statistics().nbytes == 0 and unit.statistics().chunks == 0
+
+
+@pytest.mark.parametrize("start", [0, 40, 50])  # within the ring, up to its end, across it
+def test_a_write_of_many_samples_in_a_row_within_or_across_the_ring(start: int) -> None:
+    cap = 64
+    unit = StorageUnit(0, cap)
+    old = np.arange(start, start + 14, dtype=np.int64)
+    unit.write(old, _arrays(old))
+    new = old + cap  # the same slots (a slice of them unless the run wraps)
+    unit.write(new, _arrays(new))
+    _check(unit.read(new, COLS), new)
+    with pytest.raises(UnknownIndexError, match=f"sample index {start} was evicted"):
+        unit.write(old, _arrays(old))  # stale: refused whole
+    with pytest.raises(UnknownIndexError):
+        unit.read(old[:1], COLS)
+    unit.evict(new)
+    assert unit.statistics().samples == 0 and unit.statistics().chunks == 0
 
 
 def test_consecutive_read_sees_overwrites_and_evictions_inside_its_chunk() -> None:

@@ -62,16 +62,22 @@ def test_the_commit_travels_encoded_and_is_checked_where_it_is_decoded() -> None
         wire.write_request(ONE, COLUMNS, HEADERS, _commit(), "ipc://controller", b"producer")
     )
     assert msg.has_commit
+    # the unit hands it on as it came; the controller decodes it with the rest, once
     handed = wire.decode_request(
         wire.encode(wire.CommitFor(commit=msg.commit, reply_to=msg.reply_to))
     )
-    assert wire.encode(wire.commit_of(handed)) == wire.encode(_commit())  # arrays: by value
+    assert isinstance(handed, wire.CommitFor) and isinstance(handed.commit, commands.Commit)
+    assert wire.encode(handed.commit) == wire.encode(_commit())  # arrays: by value
     bad = wire.write_request(ONE, COLUMNS, HEADERS, _commit(nbytes=2), "ipc://c", b"producer")
-    handed = wire.CommitFor(commit=_sent(bad).commit, reply_to=b"producer")
-    with pytest.raises(TransportError, match=r"malformed Commit request: cells\['ids'\]"):
-        wire.commit_of(handed)
-    with pytest.raises(TransportError, match="malformed Commit request"):
-        wire.commit_of(wire.CommitFor(commit=msgspec.Raw(b"\x93\x01"), reply_to=b"p"))
+    for commit, problem in [
+        (_sent(bad).commit, r"malformed CommitFor request: commit: cells\['ids'\]"),
+        (msgspec.Raw(msgspec.msgpack.encode([1])), r"malformed request: .* `\$.commit`"),
+    ]:
+        frame = wire.encode(wire.CommitFor(commit=commit, reply_to=b"producer"))
+        with pytest.raises(TransportError, match=problem):
+            wire.decode_request(frame)
+        assert wire.reply_to_of(frame) == b"producer"  # who hears of it
+    assert wire.reply_to_of(wire.encode(wire.Hello())) is None
 
 
 @pytest.mark.parametrize(

@@ -40,13 +40,14 @@ class Reservations:
         """Count a put's first ``n`` of ``indices`` and the rest, reserved ahead, as
         reserved until committed, or until ``deadline``."""
         self.count += int(indices.size)
-        self._held.append((deadline, indices[:n], False))
+        if n:  # (none for a pooled reservation: all of it is ahead)
+            self._held.append((deadline, indices[:n], False))
         if indices.size > n:
             ahead = indices[n:]
             self._is_ahead[ahead % self._table.capacity] = True
             self.ahead += int(ahead.size)
             self._held.append((deadline, ahead, True))
-        self.due = self._held[0][0]
+        self.due = self._held[0][0] if self._held else math.inf
 
     def placed(self, n: int) -> None:
         """Count ``n`` indices a journal's replay placed, to be committed at once."""
@@ -94,5 +95,5 @@ class Reservations:
 
     def _settle_ahead(self, slots: np.ndarray) -> None:
         """Slots reserved ahead that were put or freed no longer count as ahead."""
-        self.ahead -= int(self._is_ahead[slots].sum())
+        self.ahead -= int(np.count_nonzero(self._is_ahead[slots]))  # (.sum(): 5x slower)
         self._is_ahead[slots] = False

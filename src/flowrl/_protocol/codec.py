@@ -51,7 +51,7 @@ def _dec_hook(kind: type, obj: Any) -> Any:
             raise TypeError(f"Expected `bytes` of int64s, got `{type(obj).__name__}`")
         if len(obj) % 8:
             raise ValueError(f"{len(obj)} bytes are not a whole number of int64s")
-        return np.frombuffer(obj, dtype=np.int64)  # a read-only view, no copy
+        return np.frombuffer(obj, _INT64)  # a read-only view, no copy
     raise NotImplementedError(f"cannot decode {kind!r}")
 
 

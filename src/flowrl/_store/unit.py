@@ -25,7 +25,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import numpy as np
 import pyarrow as pa
@@ -45,7 +45,37 @@ from flowrl._store.persist import (
 )
 from flowrl.errors import SchemaError, UnknownColumnError, UnknownIndexError
 
-__all__ = ["StorageUnit"]
+__all__ = ["Deferred", "StorageUnit"]
+
+
+class Deferred:
+    """An Arrow array a storage unit builds on the first read that needs it: a unit
+    server's write of buffers in shared memory, which reads of whole puts name there and
+    never build. It answers ``len()`` and ``get_total_buffer_size()`` as the array will."""
+
+    __slots__ = ("_build", "_length", "_nbytes")
+
+    def __init__(self, length: int, nbytes: int, build: Callable[[], pa.Array]) -> None:
+        self._length = length
+        self._nbytes = nbytes
+        self._build = build
+
+    def __len__(self) -> int:
+        return self._length
+
+    def get_total_buffer_size(self) -> int:
+        return self._nbytes
+
+    def build(self) -> pa.Array:
+        return self._build()
+
+
+#: A column's values of one write: an Arrow array, or one built when first read.
+Chunk: TypeAlias = pa.Array | Deferred
+
+
+def _built(chunk: Chunk) -> pa.Array:
+    return chunk.build() if type(chunk) is Deferred else chunk
 
 
 class _ColumnStore:
@@ -67,7 +97,7 @@ class _ColumnStore:
         self.owner = np.full(capacity, -1, dtype=np.int64)
         self.chunk_of = np.full(capacity, -1, dtype=np.int64)
         self.row_of = np.zeros(capacity, dtype=np.int64)
-        self.chunks: dict[int, pa.Array] = {}
+        self.chunks: dict[int, Chunk] = {}
         self.live: dict[int, int] = {}
         # chunk -> its first index, for chunks written for consecutive indices (a put of
         # new samples): while all its rows are live, a read of consecutive indices inside
@@ -83,10 +113,15 @@ class _ColumnStore:
 
     def _unref(self, chunk_ids: np.ndarray | list[int]) -> None:
         if isinstance(chunk_ids, list) or chunk_ids.size <= SMALL:  # (no numpy calls)
+            listed = chunk_ids if isinstance(chunk_ids, list) else chunk_ids.tolist()
             refs: dict[int, int] = {}
-            for cid in chunk_ids if isinstance(chunk_ids, list) else chunk_ids.tolist():
-                if cid >= 0:
-                    refs[cid] = refs.get(cid, 0) + 1
+            if listed and listed.count(listed[0]) == len(listed):  # one chunk, or free slots
+                if listed[0] >= 0:
+                    refs[listed[0]] = len(listed)
+            else:
+                for cid in listed:
+                    if cid >= 0:
+                        refs[cid] = refs.get(cid, 0) + 1
         else:
             chunk_ids = chunk_ids[chunk_ids >= 0]
             if chunk_ids.size == 0:
@@ -112,20 +147,23 @@ class _ColumnStore:
         self,
         slots: np.ndarray,
         indices: np.ndarray,
-        array: pa.Array,
+        array: Chunk,
         run: bool,
         loaded_from: str = "",
         tag: object = None,
         logged: int = -1,
+        at: slice | np.ndarray | None = None,
     ) -> None:
         """File ``array`` as the rows of ``indices``; ``run``: they are consecutive.
-        ``logged``: the chunk id it was logged under already (see :meth:`log_ahead`)."""
+        ``logged``: the chunk id it was logged under already (see :meth:`log_ahead`);
+        ``at``: the slots as :func:`_span` gives them."""
         # Whatever occupied these slots (an older write of the index, or a stale evicted
         # sample whose evict message has not arrived yet) loses its reference (a free slot's
         # chunk is -1, as its owner).
         few = slots.size <= FEW
         chunk_of = self.chunk_of
-        self._unref([int(chunk_of[slot]) for slot in slots.tolist()] if few else chunk_of[slots])
+        at = slots if at is None else at
+        self._unref([int(chunk_of[slot]) for slot in slots.tolist()] if few else chunk_of[at])
         cid = logged if logged >= 0 else self.log_ahead(indices, array, loaded_from)
         self.chunks[cid] = array
         self.nbytes += array.get_total_buffer_size()  # what the chunk keeps alive
@@ -139,11 +177,11 @@ class _ColumnStore:
             for row, (slot, index) in enumerate(zip(slots.tolist(), indices.tolist(), strict=True)):
                 owner[slot], chunk_of[slot], row_of[slot] = index, cid, row
         else:
-            self.owner[slots] = indices
-            chunk_of[slots] = cid
-            self.row_of[slots] = np.arange(slots.size)
+            self.owner[at] = indices
+            chunk_of[at] = cid
+            self.row_of[at] = _rows(slots.size)
 
-    def log_ahead(self, indices: np.ndarray, array: pa.Array, loaded_from: str = "") -> int:
+    def log_ahead(self, indices: np.ndarray, array: Chunk, loaded_from: str = "") -> int:
         """A new chunk id, its rows logged (a persistent column) before they are filed."""
         cid = self.next_chunk
         self.next_chunk += 1
@@ -151,7 +189,7 @@ class _ColumnStore:
             if loaded_from:
                 self.log.adopt(cid, loaded_from, indices)
             else:
-                self.log.append(cid, indices, array)
+                self.log.append(cid, indices, _built(array))
         return cid
 
     def read(
@@ -162,7 +200,7 @@ class _ColumnStore:
         if run:
             found = self._run(int(slots[0]), int(indices[0]), indices.size)
             if found is not None:
-                return self.chunks[found[0]].slice(found[1], indices.size)
+                return self._array(found[0]).slice(found[1], indices.size)
         bad = self.owner[slots] != indices
         if bad.any():
             raise UnknownIndexError(
@@ -173,15 +211,22 @@ class _ColumnStore:
         rows = self.row_of[slots]
         first = int(cids[0])
         if (cids == first).all():
-            chunk = self.chunks[first]
+            chunk = self._array(first)
             start = int(rows[0])
             if rows[-1] - start == rows.size - 1 and (rows[1:] > rows[:-1]).all():
                 return chunk.slice(start, rows.size)  # strictly increasing span: zero-copy
             return chunk.take(numeric_array(rows))
         uniq, inverse = np.unique(cids, return_inverse=True)
-        arrays = [self.chunks[int(c)] for c in uniq]
+        arrays = [self._array(int(c)) for c in uniq]
         bases = np.cumsum([0] + [len(a) for a in arrays[:-1]])
         return pa.chunked_array(arrays).take(numeric_array(bases[inverse] + rows)).combine_chunks()
+
+    def _array(self, cid: int) -> pa.Array:
+        """Chunk ``cid``'s array (built now if it was deferred, once)."""
+        chunk = self.chunks[cid]
+        if type(chunk) is Deferred:
+            chunk = self.chunks[cid] = chunk.build()
+        return chunk
 
     def _run(self, slot: int, index: int, n: int) -> tuple[int, int] | None:
         """(chunk, first row) of the ``n`` consecutive indices from ``index`` (in ``slot``)
@@ -291,7 +336,7 @@ class StorageUnit:
     def write(
         self,
         indices: np.ndarray,
-        arrays: Mapping[str, pa.Array] | Callable[[], Mapping[str, pa.Array]],
+        arrays: Mapping[str, Chunk] | Callable[[], Mapping[str, Chunk]],
         types: Mapping[str, Column] | None = None,
         on_accepted: Callable[[], None] | None = None,
         tags: Mapping[str, object] | None = None,
@@ -299,7 +344,8 @@ class StorageUnit:
         """Store one Arrow array per column for ``indices`` (validated upstream).
 
         ``arrays`` may be a function that builds them (names and lengths checked upstream);
-        it is called once, after ``on_accepted`` on a unit without a folder.
+        it is called once, after ``on_accepted`` on a unit without a folder. An array may
+        be :class:`Deferred`: built on the first read that needs it.
 
         A write for an index older than one already written to its slot is stale (the
         sample was evicted and the slot reused meanwhile): it is rejected as a whole.
@@ -313,27 +359,29 @@ class StorageUnit:
         :meth:`read_run` while the chunk is whole.
         """
         slots = indices % self.capacity
+        run = _consecutive(indices)
+        at = _span(slots, run, self.capacity)
         with self._lock:
             types = types or {}
-            arrays = self._check_write(slots, indices, arrays, types)
+            arrays = self._check_write(at, indices, arrays, types)
             if on_accepted is not None and self.folder is None:
                 on_accepted()
             if callable(arrays):
                 arrays = arrays()
-            self._file(slots, indices, arrays, types, tags or {}, {})
+            self._file(slots, indices, arrays, types, tags or {}, {}, run, at)
             if on_accepted is not None and self.folder is not None:
                 on_accepted()
 
     def _check_write(
         self,
-        slots: np.ndarray,
+        at: slice | np.ndarray,
         indices: np.ndarray,
-        arrays: Mapping[str, pa.Array] | Callable[[], Mapping[str, pa.Array]],
+        arrays: Mapping[str, Chunk] | Callable[[], Mapping[str, Chunk]],
         types: Mapping[str, Column],
-    ) -> Mapping[str, pa.Array] | Callable[[], Mapping[str, pa.Array]]:
+    ) -> Mapping[str, Chunk] | Callable[[], Mapping[str, Chunk]]:
         """Refuse a stale write, or a persistent unit's write of an undeclared column;
         returns ``arrays`` (built, on a persistent unit: its bytes are logged first)."""
-        stale = _first_stale(self._newest, slots, indices)
+        stale = _first_stale(self._newest, at, indices)
         if stale is not None:
             raise UnknownIndexError(
                 f"sample index {stale} was evicted before this write arrived; nothing was written"
@@ -352,23 +400,26 @@ class StorageUnit:
         self,
         slots: np.ndarray,
         indices: np.ndarray,
-        arrays: Mapping[str, pa.Array],
+        arrays: Mapping[str, Chunk],
         types: Mapping[str, Column],
         tags: Mapping[str, object],
         logged: Mapping[str, int],
+        run: bool,
+        at: slice | np.ndarray,
     ) -> None:
-        """Make a checked write visible (``logged``: chunks a persistent unit logged ahead)."""
+        """Make a checked write visible (``logged``: chunks a persistent unit logged ahead;
+        ``run``: its indices are consecutive; ``at``: its slots, as :func:`_span`)."""
         # (checked: none is older than what the slot held)
         if slots.size <= FEW:
             newest = self._newest
             for slot, index in zip(slots.tolist(), indices.tolist(), strict=True):
                 newest[slot] = index
         else:
-            self._newest[slots] = indices
-        run = _consecutive(indices)
+            self._newest[at] = indices
         for name, array in arrays.items():
             store = self._store(name, types.get(name))
-            store.write(slots, indices, array, run, tag=tags.get(name), logged=logged.get(name, -1))
+            cid = logged.get(name, -1)
+            store.write(slots, indices, array, run, tag=tags.get(name), logged=cid, at=at)
             self._partials.clear(name, indices)  # the column is complete now
 
     # -- writes to existing samples, visible only once committed ------------------------------
@@ -376,7 +427,7 @@ class StorageUnit:
         self,
         put_id: int,
         indices: np.ndarray,
-        arrays: Mapping[str, pa.Array] | Callable[[], Mapping[str, pa.Array]],
+        arrays: Mapping[str, Chunk] | Callable[[], Mapping[str, Chunk]],
         types: Mapping[str, Column] | None = None,
         tags: Mapping[str, object] | None = None,
     ) -> None:
@@ -414,7 +465,9 @@ class StorageUnit:
             indices, slots, arrays, types, tags, logged = staged
             _count(self._staged_on, slots, -1)
             if committed and _first_stale(self._newest, slots, indices) is None:
-                self._file(slots, indices, arrays, types, tags, logged)
+                run = _consecutive(indices)
+                at = _span(slots, run, self.capacity)
+                self._file(slots, indices, arrays, types, tags, logged, run, at)
             elif logged:
                 self._unlog(slots, indices, logged)
         return True
@@ -624,7 +677,7 @@ class StorageUnit:
 class _Staged(NamedTuple):
     indices: np.ndarray
     slots: np.ndarray
-    arrays: Mapping[str, pa.Array]
+    arrays: Mapping[str, Chunk]
     types: Mapping[str, Column]
     tags: Mapping[str, object]
     logged: dict[str, int]  # a persistent unit's chunk ids, logged when staged
@@ -639,16 +692,33 @@ def _count(counts: np.ndarray, slots: np.ndarray, delta: int) -> None:
         counts[slots] += delta
 
 
-def _first_stale(newest: np.ndarray, slots: np.ndarray, indices: np.ndarray) -> int | None:
+def _span(slots: np.ndarray, run: bool, capacity: int) -> slice | np.ndarray:
+    """``slots`` as a slice when they follow each other (the indices are a ``run`` that does
+    not wrap around the capacity): numpy reads and writes a slice without gathering."""
+    first = int(slots[0]) if run else capacity
+    return slice(first, first + slots.size) if first + slots.size <= capacity else slots
+
+
+_ROWS = np.arange(1024)
+_ROWS.flags.writeable = False
+
+
+def _rows(n: int) -> np.ndarray:
+    """0, 1, ..., n-1: a chunk's rows (a view of one array made once, for most puts)."""
+    return _ROWS[:n] if n <= _ROWS.size else np.arange(n)
+
+
+def _first_stale(newest: np.ndarray, slots: slice | np.ndarray, indices: np.ndarray) -> int | None:
     """The first of ``indices`` whose slot holds a newer index already (its sample was
-    evicted and the slot reused), or None."""
-    if indices.size <= FEW:
-        for slot, index in zip(slots.tolist(), indices.tolist(), strict=True):
-            if newest[slot] > index:
+    evicted and the slot reused), or None (``slots``: an array or a :func:`_span`)."""
+    held = newest[slots]
+    if indices.size <= SMALL:
+        for before, index in zip(held.tolist(), indices.tolist(), strict=True):
+            if before > index:
                 return index
         return None
-    stale = newest[slots] > indices
-    return int(indices[np.argmax(stale)]) if stale.any() else None
+    stale = held > indices
+    return int(indices[np.argmax(stale)]) if np.count_nonzero(stale) else None
 
 
 def _consecutive(indices: np.ndarray) -> bool:

@@ -169,12 +169,11 @@ class ControllerServer:
             return  # not even an identity + request id + body: nothing to answer
         ident, rid = frames[0], frames[1]
         staged: cmd.Commit | None = None
-        handed: wire.CommitFor | None = None
+        handed: wire.CommitFor[cmd.Commit] | None = None
         try:
             msg = wire.decode_request(frames[2])
-            if isinstance(msg, wire.CommitFor):  # from a storage unit: answer the producer
-                ident = msg.reply_to  # (also with the error of a malformed commit)
-                handed, msg = msg, wire.commit_of(msg)
+            if type(msg) is wire.CommitFor:  # from a storage unit: answer the producer
+                ident, handed, msg = msg.reply_to, msg, msg.commit
             if isinstance(msg, cmd.Commit) and msg.put_id:
                 staged = msg
             reply = self._dispatch(ident, rid, msg)
@@ -183,6 +182,7 @@ class ControllerServer:
         except wire.Malformed as exc:  # a broken or hostile client: one line, no traceback
             log.warning("controller refused a request: %s", exc)
             reply = wire.error_of(exc)
+            ident = wire.reply_to_of(frames[2]) or ident  # (a handed commit's producer)
         except FlowRLError as exc:
             reply = wire.error_of(exc)
         except Exception as exc:  # a bug must not take the hub down; the caller learns of it
@@ -273,7 +273,7 @@ class ControllerServer:
             return wire.Done()
         raise SchemaError(f"the controller does not serve {type(msg).__name__} requests")
 
-    def _reserve_next(self, handed: wire.CommitFor) -> wire.Reserved | None:
+    def _reserve_next(self, handed: wire.CommitFor[cmd.Commit]) -> wire.Reserved | None:
         """Indices for a producer's next put, reserved with this one's commit (one round
         trip a put instead of two), as room allows: never while a put waits for room, nor
         more than a pool may hold; None when there are none."""
@@ -371,7 +371,7 @@ class ControllerServer:
             slots = commit.indices % self.ctl.table.capacity
             units = set(self.ctl.table.unit[slots].tolist())  # (a put is often one sample)
         for unit in units:
-            self.unit_push[unit].send(settle)
+            send_parts(self.unit_push[unit], [settle])
 
     def _evict(self, indices: np.ndarray, units: np.ndarray) -> None:
         """Queue evictions for the units (see EVICT_DELAY_S)."""

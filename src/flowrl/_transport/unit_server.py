@@ -33,6 +33,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, NamedTuple, cast
 
 import msgspec
@@ -44,7 +45,7 @@ from flowrl._config import JournalConfig
 from flowrl._schema.columns import Column
 from flowrl._store.partial import VERSIONS
 from flowrl._store.shm import SHM_MIN_BYTES, ShmArena
-from flowrl._store.unit import StorageUnit
+from flowrl._store.unit import Deferred, StorageUnit
 from flowrl._transport import wire
 from flowrl._transport.auth import Gate, HubKey, client_options, listen
 from flowrl._transport.frames import (
@@ -56,7 +57,7 @@ from flowrl._transport.frames import (
     to_frames_all,
 )
 from flowrl._transport.lanes import GRANT_IDLE_S
-from flowrl._transport.sockio import NOBLOCK, SNDMORE, poll_in, recv_parts, send_parts
+from flowrl._transport.sockio import NOBLOCK, poll_in, recv_parts, send_parts
 from flowrl.errors import FlowRLError, SchemaError, TransportError, UnknownIndexError
 
 __all__ = ["serve_unit"]
@@ -243,14 +244,11 @@ class UnitServer:
 
     def _reply(self, ident: bytes, rid: bytes, reply: Any, payload: Sequence[Any] = ()) -> None:
         """Send ``reply`` (and its payload frames, zero-copy when large) to client ``ident``."""
-        sock = self.sock
         if not payload:
-            sock.send(ident, SNDMORE)
-            sock.send(rid, SNDMORE)
-            sock.send(wire.encode(reply))
+            send_parts(self.sock, [ident, rid, wire.encode(reply)])
             return
         small = sum(memoryview(f).nbytes for f in payload) < ZERO_COPY_MIN_BYTES
-        send_parts(sock, [ident, rid, wire.encode(reply), *payload], copy=small)
+        send_parts(self.sock, [ident, rid, wire.encode(reply), *payload], copy=small)
 
     # -- commits handed to the controller ----------------------------------------------------
     def _write_and_hand_on(
@@ -393,7 +391,7 @@ class UnitServer:
 
     def _prepare(
         self, ident: bytes, msg: wire.Write, payload: list[Any]
-    ) -> tuple[np.ndarray, Callable[[], dict[str, pa.Array]], dict[str, Column], dict[str, Any]]:
+    ) -> tuple[np.ndarray, Callable[[], dict[str, Deferred]], dict[str, Column], dict[str, Any]]:
         """A write's indices, the function building its arrays (into shared memory when
         large), its columns' types and the tags ``build`` fills; checked, nothing built."""
         indices = wire.ints(msg.indices)
@@ -434,14 +432,17 @@ class UnitServer:
         )
         tags: dict[str, _InShm] = {}  # (filled as the arrays are built, before they are filed)
 
-        def build() -> dict[str, pa.Array]:
+        def build() -> dict[str, Deferred]:
+            # (Arrow arrays only when a read needs them: a read of whole puts in shared
+            # memory names their buffers there)
             arrays = {}
             for header, bufs, build_array, refs in checked:
                 if to_shm:
                     bufs, refs = self._copy_in(bufs)
                 if refs is not None:
                     tags[header.column] = _InShm(header, refs)
-                arrays[header.column] = build_array(bufs)
+                nbytes = sum(memoryview(b).nbytes for b in bufs)
+                arrays[header.column] = Deferred(header.length, nbytes, partial(build_array, bufs))
             return arrays
 
         return indices, build, types, tags

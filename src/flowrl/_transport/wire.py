@@ -7,8 +7,9 @@ frames.py). Nothing is pickled. New fields must get defaults (schema evolution).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import msgspec
 import numpy as np
@@ -45,13 +46,12 @@ from flowrl._protocol.commands import (
     UnregisterTask,
 )
 from flowrl._schema.columns import Column
-from flowrl._schema.small import SMALL
+from flowrl._schema.small import SMALL, has_negative
 from flowrl._transport.frames import ArrayHeader
 
 __all__ = [
     "Malformed",
     "columns_of",
-    "commit_of",
     "decode_request",
     "encode",
     "exception_of",
@@ -73,6 +73,8 @@ class Malformed(errors.TransportError):
 #: What msgspec raises on bytes that are not a message of the expected type: invalid
 #: msgpack or types, strings that are not UTF-8, nesting deeper than Python's stack.
 _UNDECODABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+#: The byte of a native int64 that holds its sign bit.
+_SIGN = 7 if sys.byteorder == "little" else 0
 
 
 _FIFO_SPEC = FifoSpec()
@@ -110,13 +112,17 @@ class Hello(_Msg, frozen=True, tag="hello"):
     pass
 
 
-class CommitFor(_Msg, frozen=True, tag="commit_for"):
-    """A commit a storage unit hands on once it stored the bytes, sent under the producer's
-    request id; the controller answers the producer (its routing id ``reply_to``).
-    ``commit`` is the encoded :class:`Commit` as the write carried it (see
-    :func:`commit_of`)."""
+#: What a CommitFor carries: the encoded commit (a unit hands it on as the write carried
+#: it), or the Commit itself (the controller decodes it with the rest, in one pass).
+C = TypeVar("C", msgspec.Raw, Commit)
 
-    commit: msgspec.Raw
+
+class CommitFor(_Msg, Generic[C], frozen=True, tag="commit_for"):
+    """A commit a storage unit hands on once it stored the bytes, sent under the producer's
+    request id; the controller answers the producer (its routing id ``reply_to``), also
+    with the error of a malformed commit (see :func:`reply_to_of`)."""
+
+    commit: C
     reply_to: bytes
     reserve_next: NonNeg = 0  # (as the Write asked)
     reserve_units: list[NonNeg] | None = None
@@ -258,7 +264,7 @@ Request = (
     | Abort
     | CheckUpdate
     | Commit
-    | CommitFor
+    | CommitFor[Commit]
     | Claim
     | MetaOf
     | Ack
@@ -416,13 +422,16 @@ def columns_of(msg: Write) -> list[Column]:
     return columns
 
 
-_commit_decoder = decoder(Commit)
+_handed_decoder = msgspec.msgpack.Decoder(CommitFor[msgspec.Raw])
 
 
-def commit_of(msg: CommitFor) -> Commit:
-    """The commit a storage unit handed on; TransportError if it is malformed."""
-    commit: Commit = _decode_checked(_commit_decoder, msg.commit, "Commit request")
-    return commit
+def reply_to_of(frame: Any) -> bytes | None:
+    """Whom a malformed request answers: the producer a storage unit named in a
+    :class:`CommitFor` (whose commit, not the unit, is at fault); None for other requests."""
+    try:
+        return _handed_decoder.decode(frame).reply_to
+    except _UNDECODABLE:
+        return None
 
 
 class _CommitIndices(msgspec.Struct, frozen=True, tag="commit", tag_field="op"):
@@ -493,7 +502,7 @@ def _check_write(msg: Write) -> str:
     if _repeats_a_column(msg.arrays):
         return "a column appears twice"
     if msg.commit != NO_COMMIT:
-        # (the rest of the commit is checked where it is decoded: commit_of)
+        # (the rest of the commit is checked where it is decoded: the controller)
         if _commit_indices(msg.commit) != msg.indices:
             return "the commit names other samples than the write"
         if "://" not in msg.controller or not msg.reply_to:
@@ -532,6 +541,11 @@ def _check_commit(msg: Commit) -> str:
     return ""
 
 
+def _check_commit_for(msg: CommitFor[Commit]) -> str:
+    problem = _check_commit(msg.commit)
+    return f"commit: {problem}" if problem else ""
+
+
 def _check_claim(msg: Claim) -> str:
     if msg.min_n is not None and msg.min_n > msg.n:
         return f"min_n={msg.min_n} exceeds n={msg.n}"
@@ -548,16 +562,18 @@ _CHECKS: dict[type, Callable[[Any], str]] = {
     ReadPartial: _check_unit_request,
     Retain: _check_unit_request,
     Commit: _check_commit,
+    CommitFor: _check_commit_for,
     Claim: _check_claim,
 }
 
 
 def _negative(data: bytes | np.ndarray) -> bool:
     """Whether int64s (an array, or raw bytes holding a whole number) hold a negative."""
-    values = data.data if isinstance(data, np.ndarray) else memoryview(data).cast("q")
-    if len(values) <= SMALL:  # a few values: cheaper than numpy's call overhead
-        return min(values, default=0) < 0
-    return bool(np.frombuffer(values, dtype=np.int64).min() < 0)
+    if isinstance(data, np.ndarray):
+        return has_negative(data)
+    if len(data) <= SMALL * 8:  # a few: their sign bytes (no numpy call, no ints made)
+        return max(data[_SIGN::8], default=0) >= 0x80
+    return bool(np.frombuffer(data, dtype=np.int64).min() < 0)
 
 
 def decode_reply(frame: Any) -> Any:

@@ -20,10 +20,10 @@ import msgspec
 from flowrl._schema.columns import Column
 
 __all__ = [
+    "EVENT_TYPES",
     "Acked",
     "Claimed",
     "ColumnsDeclared",
-    "EVENT_TYPES",
     "Event",
     "Evicted",
     "IndexWatermark",

@@ -111,6 +111,23 @@ def test_a_lease_acked_with_its_indices_in_another_dtype_or_order_is_acked() -> 
     assert not ctl.leases.live and ctl.table.live == 0
 
 
+def test_an_ack_naming_its_whole_claim_in_order_is_the_whole_claims_ack() -> None:
+    """It takes the whole lease's path; the same claim in another order takes the general
+    one. Both leave what an ack without indices leaves."""
+    outcomes = []
+    for named in (None, "in order", "reversed"):
+        ctl = _controller(tasks={"t": ("a",), "u": ("a",)})
+        with ctl.cond:
+            _put(ctl, 4, "a")
+            ctl.ack("u", ctl.try_claim(Claim(task="u", n=4), FIFO).lease)
+            meta = ctl.try_claim(Claim(task="t", n=4), FIFO)
+            indices = {None: None, "in order": meta.indices, "reversed": meta.indices[::-1]}
+            evicted = ctl.ack("t", meta.lease, indices[named])
+        acked = [sorted(e.indices) for e in _events(ctl, Acked)]
+        outcomes.append((sorted(evicted.tolist()), acked, ctl.table.live, len(ctl.leases.live)))
+    assert outcomes[0] == outcomes[1] == outcomes[2] == ([0, 1, 2, 3], [[0, 1, 2, 3]] * 2, 0, 0)
+
+
 def test_eviction_waits_for_every_task_and_frees_exactly_what_all_consumed() -> None:
     ctl = _controller(tasks={"t": ("a",), "u": ("a",)})
     with ctl.cond:

@@ -560,12 +560,11 @@ class Controller:
         state = self.task(task)
         self.expire()
         lease = self.leases.get(task, lease_id, "ack")
-        if indices is None:
+        # (the whole claim, named or not, takes the whole lease's path)
+        if indices is None or check_ackable(lease, np.asarray(indices, dtype=np.int64)):
             held, slots, listed = lease.indices, lease.slots, lease.listed
             return self._consume(state, lease, held, drop, whole=True, slots=slots, listed=listed)
-        done = np.asarray(indices, dtype=np.int64)
-        check_ackable(lease, done)
-        return self._consume(state, lease, done, drop)
+        return self._consume(state, lease, np.asarray(indices, dtype=np.int64), drop)
 
     def _consume(
         self,

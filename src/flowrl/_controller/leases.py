@@ -61,17 +61,19 @@ class Lease:
         self.listed: tuple[int, ...] | None = None
 
 
-def check_ackable(lease: Lease, indices: np.ndarray) -> None:
-    """LeaseError unless ``indices`` are distinct samples of ``lease``."""
+def check_ackable(lease: Lease, indices: np.ndarray) -> bool:
+    """LeaseError unless ``indices`` are distinct samples of ``lease``; True when they are
+    all of them, in the lease's order."""
     held = lease.indices
     if indices is held or (  # the whole claim, the usual case (bytes compare: a memcmp)
         indices.dtype == held.dtype and indices.tobytes() == held.tobytes()
     ):
-        return
+        return True
     if not np.isin(indices, lease.indices).all() or np.unique(indices).size != indices.size:
         raise LeaseError(
             f"ack of lease {lease.id} names indices that are not in it (or repeats one)"
         )
+    return False
 
 
 class Leases:

@@ -746,9 +746,10 @@ class Controller:
             )
             for name, st in self.tasks.items()
         }
-        ids, counts = np.unique(t.partition[live & t.committed], return_counts=True)
+        # (a count per partition id: np.unique would sort the whole table on every call)
+        counts = np.bincount(t.partition[live & t.committed])
         names = self.partition_names
-        partitions = {names[p]: n for p, n in zip(ids.tolist(), counts.tolist(), strict=True)}
+        partitions = {names[p]: int(counts[p]) for p in np.flatnonzero(counts).tolist()}
         return HubStats(
             capacity=self.table.capacity,
             live=self.table.live - self.reservations.ahead,

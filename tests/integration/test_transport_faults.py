@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -207,4 +209,43 @@ def test_a_pooled_put_async_made_again_after_a_restart_puts_the_bytes_it_was_giv
         assert sorted(int(row[0]) for row in got) == [7] * 4 + [8] * 4
         assert all((row == row[0]).all() for row in got)
     finally:
+        hub.close()
+
+
+def test_a_new_threads_first_put_is_answered_even_before_its_connection_is_known() -> None:
+    """A put whose storage unit hands its commit on is answered by the controller on the
+    producer's controller socket; a new thread's socket may not be connected there yet
+    (a ROUTER drops what it cannot route). 300 fresh sockets, each thread's first contact
+    with the controller that answer, on a machine kept busy: 4-5 were lost before."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    hub = launch(capacity=1024, rpc_timeout=3.0)
+    try:
+        n = 300
+        hub.put({"x": np.arange(n)})
+        metas = [hub.claim("train", 1, timeout=5) for _ in range(n)]
+        outcomes: list[BaseException | None] = []
+        keep = threading.Event()
+
+        def first_put(meta: Any) -> None:
+            try:
+                hub.put({"x": np.array([7])}, indices=meta)
+                outcomes.append(None)
+            except BaseException as exc:  # reported below
+                outcomes.append(exc)
+            keep.wait(HANG_S)  # (its sockets stay its own: the next thread opens new ones)
+
+        threads = [threading.Thread(target=first_put, args=(m,), daemon=True) for m in metas]
+        for thread in threads:
+            thread.start()
+            time.sleep(0.002)
+        deadline = time.monotonic() + HANG_S
+        while len(outcomes) < n and time.monotonic() < deadline:
+            time.sleep(0.1)
+        keep.set()
+        failed = [o for o in outcomes if o is not None]
+        assert len(outcomes) == n and not failed, f"{len(failed)} of {n} failed: {failed[:2]}"
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
         hub.close()

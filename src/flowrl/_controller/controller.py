@@ -560,11 +560,11 @@ class Controller:
         state = self.task(task)
         self.expire()
         lease = self.leases.get(task, lease_id, "ack")
-        # (the whole claim, named or not, takes the whole lease's path)
-        if indices is None or check_ackable(lease, np.asarray(indices, dtype=np.int64)):
+        done = None if indices is None else np.asarray(indices, dtype=np.int64)
+        if done is None or check_ackable(lease, done):  # the whole claim, named or not
             held, slots, listed = lease.indices, lease.slots, lease.listed
             return self._consume(state, lease, held, drop, whole=True, slots=slots, listed=listed)
-        return self._consume(state, lease, np.asarray(indices, dtype=np.int64), drop)
+        return self._consume(state, lease, done, drop)
 
     def _consume(
         self,

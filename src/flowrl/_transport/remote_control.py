@@ -85,12 +85,12 @@ class RemoteControl(ControlPort):
         its commits reserve for later ones (``stream_ask``) as they are answered: answers
         already here are read before a reserve is sent."""
         pool: Pool | None = getattr(self._local, "pool", None)
-        taken = pool.take(n) if pool is not None and time.monotonic() < pool.until else None
+        taken = self._take_pooled(n)
         asked: int = getattr(self._local, "asked", 0)
         if taken is None and streaming and asked:
             self.take_answers()
             pool = getattr(self._local, "pool", None)
-            taken = pool.take(n) if pool is not None and time.monotonic() < pool.until else None
+            taken = self._take_pooled(n)
         if taken is not None:
             return Reservation(*taken, pooled=True)
         if n < self._pool_block:
@@ -131,8 +131,8 @@ class RemoteControl(ControlPort):
         thread's pool still holds that many."""
         if n < self._pool_block or n > self._next_cap:
             return 0
-        pool: Pool | None = getattr(self._local, "pool", None)
-        if pool is not None and time.monotonic() < pool.until and pool.left() >= n:
+        pool = self._live_pool()
+        if pool is not None and pool.left() >= n:
             return 0
         return n
 
@@ -143,13 +143,11 @@ class RemoteControl(ControlPort):
         pool's cap), else 0. The answers top the pool up (``stream_reserved``)."""
         if not 0 < n <= self._next_cap:
             return 0
-        pool: Pool | None = getattr(self._local, "pool", None)
-        held = getattr(self._local, "asked", 0)
-        if pool is not None and time.monotonic() < pool.until:
-            held += pool.left()
-        if held >= _stream_ahead(n, self._next_cap):
+        asked: int = getattr(self._local, "asked", 0)
+        pool = self._live_pool()
+        if asked + (0 if pool is None else pool.left()) >= _stream_ahead(n, self._next_cap):
             return 0
-        self._local.asked = getattr(self._local, "asked", 0) + n
+        self._local.asked = asked + n
         return n
 
     def stream_reserved(self, asked: int, reply: Any) -> None:
@@ -159,12 +157,22 @@ class RemoteControl(ControlPort):
         if type(reply) is not wire.Reserved:
             return  # refused, or no room to reserve ahead: a later put reserves itself
         indices = wire.ints(reply.indices)
-        pool: Pool | None = getattr(self._local, "pool", None)
-        if pool is None or time.monotonic() >= pool.until or not pool.left():
+        pool = self._live_pool()
+        if pool is None or not pool.left():
             self.pool_next(indices, reply.unit)
             return
         self._local.pool = pool.extended(indices, reply.unit)
         self._pools.hold(self._local, self._local.pool)
+
+    def _live_pool(self) -> Pool | None:
+        """This thread's pool, unless it has expired."""
+        pool: Pool | None = getattr(self._local, "pool", None)
+        return pool if pool is not None and time.monotonic() < pool.until else None
+
+    def _take_pooled(self, n: int) -> tuple[np.ndarray, int] | None:
+        """``n`` indices from this thread's live pool, or None."""
+        pool = self._live_pool()
+        return None if pool is None else pool.take(n)
 
     def pool_next(self, indices: np.ndarray, unit: int) -> None:
         """Indices a commit reserved for this thread's next put (``next_ask``), on ``unit``;

@@ -124,6 +124,8 @@ def _train(
         lags.extend((hub.version - batch.meta.versions).tolist())
         step += 1
         hub.publish_version(step)  # one optimizer step per batch
+        while adm is not None and adm.statistics().version < step:
+            time.sleep(0.001)  # (else `_saturated` may judge by the version before this one)
     producer.join()
     hub.flush_events()
     return lags, metrics

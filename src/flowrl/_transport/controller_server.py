@@ -31,6 +31,7 @@ from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
 from flowrl._transport import wire
 from flowrl._transport.auth import Gate, HubKey, client_options, listen
+from flowrl._transport.bundles import BUNDLE, Outbox, pairs
 from flowrl._transport.pools import ahead_cap, next_cap
 from flowrl._transport.sockio import has_input, poll_in, recv_parts, send_parts
 from flowrl._transport.subscriber import EVENT_TOPICS
@@ -50,6 +51,9 @@ EVICT_BATCH = 4096
 # Samplers are stateless: one per distinct spec serves every claim naming it. A client
 # could name many specs (group sizes): the cache starts over past this many.
 SAMPLERS_MAX = 64
+#: Requests handled from a backlog before the replies held so far leave (they go out
+#: together: one message to each peer, see ``bundles``).
+REPLY_BATCH = 32
 
 
 class _Parked:
@@ -127,6 +131,7 @@ class ControllerServer:
         self._evictions_size = 0
         self._evictions_due = math.inf  # when the oldest queued eviction must leave
         self._seen = self.ctl.mark()  # the state parked requests were last tried in
+        self._outbox = Outbox()  # replies not sent yet (``_send_held``)
         self.running = True
 
     # -- loop -------------------------------------------------------------------------------
@@ -141,14 +146,19 @@ class ControllerServer:
                 # Drain everything queued (control messages are small: copied, not
                 # zero-copy), then flush evictions and retry parked requests once. (The
                 # poll said a message is there: asking the socket again costs as much.)
+                # Replies wait until the backlog is worked off (or REPLY_BATCH requests):
+                # a producer's answers leave as one message.
                 while True:
                     self._handle(recv_parts(self.sock))
                     if self.journal is not None and self.journal.compaction_due:
                         self.journal.compact(self.ctl)  # (between two requests)
                     if not (self.running and has_input(self.sock)):
                         break
+                    if self._outbox.size >= REPLY_BATCH:
+                        self._send_held()
             self._flush_evictions()
             self._retry_parked(self._changes())
+            self._send_held()
         self._shutdown()
 
     def _poll_timeout(self) -> int | None:
@@ -167,11 +177,17 @@ class ControllerServer:
     def _handle(self, frames: list[Any]) -> None:
         if len(frames) < 3:
             return  # not even an identity + request id + body: nothing to answer
-        ident, rid = frames[0], frames[1]
+        if frames[1] == BUNDLE:  # several requests (a unit's handed commits): each in turn
+            for rid, body in pairs(frames[1:]):
+                self._handle_one(frames[0], rid, body)
+        else:
+            self._handle_one(frames[0], frames[1], frames[2])
+
+    def _handle_one(self, ident: bytes, rid: bytes, body: bytes) -> None:
         staged: cmd.Commit | None = None
         handed: wire.CommitFor[cmd.Commit] | None = None
         try:
-            msg = wire.decode_request(frames[2])
+            msg = wire.decode_request(body)
             if type(msg) is wire.CommitFor:  # from a storage unit: answer the producer
                 ident, handed, msg = msg.reply_to, msg, msg.commit
             if isinstance(msg, cmd.Commit) and msg.put_id:
@@ -182,7 +198,7 @@ class ControllerServer:
         except wire.Malformed as exc:  # a broken or hostile client: one line, no traceback
             log.warning("controller refused a request: %s", exc)
             reply = wire.error_of(exc)
-            ident = wire.reply_to_of(frames[2]) or ident  # (a handed commit's producer)
+            ident = wire.reply_to_of(body) or ident  # (a handed commit's producer)
         except FlowRLError as exc:
             reply = wire.error_of(exc)
         except Exception as exc:  # a bug must not take the hub down; the caller learns of it
@@ -198,7 +214,14 @@ class ControllerServer:
             self._send(ident, rid, reply)
 
     def _send(self, ident: bytes, rid: bytes, reply: Any) -> None:
-        send_parts(self.sock, [ident, rid, wire.encode(reply)])
+        """Hold ``reply`` for ``ident`` until ``_send_held`` (in this loop turn)."""
+        self._outbox.add(ident, rid, wire.encode(reply))
+
+    def _send_held(self) -> None:
+        """Send the replies held: one message to each peer (a bundle if several)."""
+        if self._outbox.size:
+            for ident, frames, _ in self._outbox.drain():
+                send_parts(self.sock, [ident, *frames])
 
     def _dispatch(self, ident: bytes, rid: bytes, msg: Any) -> Any:
         ctl = self.ctl
@@ -405,6 +428,7 @@ class ControllerServer:
         self._flush_evictions(force=True)
         for p in self.parked:
             self._send(p.ident, p.rid, wire.Error(type="HubClosed", message="the hub shut down"))
+        self._send_held()
         for s in [self.sock, self.pub, *self.unit_push]:
             s.close()
         if self.journal is not None:

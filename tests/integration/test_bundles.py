@@ -45,7 +45,7 @@ def test_the_controller_answers_a_bundle_with_one(hub: Any) -> None:
     """Requests sent as one bundle are each handled; their answers come back as one
     bundle, in order: a malformed one is answered with its error, a trailing odd frame
     (no request) is skipped."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(hub.address)
     try:
@@ -96,8 +96,8 @@ def test_a_unit_backlog_of_puts_is_handed_on_and_answered_in_bundles(hub: Any) -
     metas = hub.claim("train", 8 + 24 * 8, timeout=10)
     got = hub.get(metas)["ids"]
     for index, ids in zip(metas.indices.tolist(), got, strict=True):
-        k = stored.get(index)
-        expected = np.arange(3) if k is None else np.full(k % 5 + 1, k)
+        k = stored.get(index, -1)
+        expected = np.arange(3) if k < 0 else np.full(k % 5 + 1, k)
         assert np.asarray(ids).tolist() == expected.tolist()
     hub.ack(metas)
 
@@ -105,7 +105,7 @@ def test_a_unit_backlog_of_puts_is_handed_on_and_answered_in_bundles(hub: Any) -
 @pytest.fixture
 def peer() -> Iterator[tuple[zmq.Socket, Session]]:
     """A ROUTER standing in for the controller, and a session talking to it."""
-    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     session = Session(f"tcp://127.0.0.1:{port}", rpc_timeout=10.0)

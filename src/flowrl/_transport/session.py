@@ -279,7 +279,7 @@ class Session:
         """The reply to one of ``rids`` in a bundle, if any (raised if an error), once the
         others went to ``on_stray`` (put_async answers, given-up requests) or, answering
         another of ``rids``, were kept for the next wait."""
-        found = None
+        found: tuple[bytes, Any, list[Any]] | None = None
         for rid, body in pairs(frames):
             reply = wire.decode_reply(body)
             if rid not in rids:

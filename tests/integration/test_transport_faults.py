@@ -249,3 +249,45 @@ def test_a_new_threads_first_put_is_answered_even_before_its_connection_is_known
             proc.kill()
             proc.wait()
         hub.close()
+
+
+def test_puts_right_after_a_controller_restart_are_answered(tmp_path: Path) -> None:
+    """Right after a journaled controller restarts, the client's sockets and the storage
+    unit's reconnect to it each in their own time. A put to a claim's samples goes to the
+    unit, which hands its commit on; the controller used to drop the answer when the
+    unit's socket reconnected before the producer's (the put failed after rpc_timeout)."""
+    hub = launch(capacity=1024, journal=tmp_path, rpc_timeout=5.0)
+    try:
+        n = 24
+        hub.put({"x": np.arange(2 * n)})
+        metas = [hub.claim("train", 1, timeout=5) for _ in range(2 * n)]
+        go, outcomes = threading.Event(), []
+
+        def producer(first: Any, second: Any) -> None:
+            try:
+                hub.put({"x": np.array([1])}, indices=first)  # (its sockets are connected)
+                go.wait(HANG_S)
+                hub.put({"x": np.array([2])}, indices=second)
+                outcomes.append(None)
+            except BaseException as exc:  # reported below
+                outcomes.append(exc)
+
+        threads = [
+            threading.Thread(target=producer, args=(metas[2 * k], metas[2 * k + 1]), daemon=True)
+            for k in range(n)
+        ]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.5)
+        os.kill(controller_pid(hub), signal.SIGKILL)
+        deadline = time.monotonic() + HANG_S
+        while hub.servers.restarts < 1:
+            assert time.monotonic() < deadline, "the supervisor did not restart the controller"
+            time.sleep(0.01)
+        go.set()
+        for thread in threads:
+            thread.join(HANG_S)
+        failed = [o for o in outcomes if o is not None]
+        assert len(outcomes) == n and not failed, f"{len(failed)} of {n} failed: {failed[:2]}"
+    finally:
+        hub.close()

@@ -10,6 +10,7 @@ error reply and the server keeps serving.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import time
@@ -33,7 +34,7 @@ from flowrl._transport import wire
 from flowrl._transport.auth import Gate, HubKey, client_options, listen
 from flowrl._transport.bundles import BUNDLE, Outbox, pairs
 from flowrl._transport.pools import ahead_cap, next_cap
-from flowrl._transport.sockio import has_input, poll_in, recv_parts, send_parts
+from flowrl._transport.sockio import NOBLOCK, has_input, poll_in, recv_parts, send_parts
 from flowrl._transport.subscriber import EVENT_TOPICS
 from flowrl.errors import ConfigError, FlowRLError, HubFull, NothingReady, SchemaError, Timeout
 from flowrl.events import event_encoder
@@ -54,6 +55,13 @@ SAMPLERS_MAX = 64
 #: Requests handled from a backlog before the replies held so far leave (they go out
 #: together: one message to each peer, see ``bundles``).
 REPLY_BATCH = 32
+#: How long a reply is kept for a peer the ROUTER does not know (yet): a producer whose
+#: socket is still connecting (a new thread's, or any after a controller restart) gets
+#: the answer its storage unit's handed-on commit reached us with before it did.
+UNROUTED_TTL_S = 10.0
+#: How often held replies are tried again.
+UNROUTED_RETRY_S = 0.005
+_UNROUTABLE = frozenset({errno.EHOSTUNREACH, errno.EAGAIN})
 
 
 class _Parked:
@@ -97,6 +105,7 @@ class ControllerServer:
         self.gate = None if hub_key is None else Gate(hub_key, "controller")
         self.sock = self.zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # (a peer not known yet: see _deliver)
         listen(self.sock, address, self.gate)
         self.pub = self.zctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -132,6 +141,7 @@ class ControllerServer:
         self._evictions_due = math.inf  # when the oldest queued eviction must leave
         self._seen = self.ctl.mark()  # the state parked requests were last tried in
         self._outbox = Outbox()  # replies not sent yet (``_send_held``)
+        self._unrouted: list[tuple[float, bytes, list[Any]]] = []  # (until, peer, frames)
         self.running = True
 
     # -- loop -------------------------------------------------------------------------------
@@ -163,6 +173,8 @@ class ControllerServer:
 
     def _poll_timeout(self) -> int | None:
         soonest = [p.deadline for p in self.parked if p.deadline is not None]
+        if self._unrouted:
+            soonest.append(time.monotonic() + UNROUTED_RETRY_S)
         if self._evictions_size:
             soonest.append(self._evictions_due)
         lease = self.ctl.next_deadline()
@@ -218,10 +230,37 @@ class ControllerServer:
         self._outbox.add(ident, rid, wire.encode(reply))
 
     def _send_held(self) -> None:
-        """Send the replies held: one message to each peer (a bundle if several)."""
+        """Send the replies held: one message to each peer (a bundle if several); then
+        those held for peers the ROUTER did not know."""
+        if self._unrouted:
+            self._retry_unrouted()
         if self._outbox.size:
+            until = time.monotonic() + UNROUTED_TTL_S
             for ident, frames, _ in self._outbox.drain():
-                send_parts(self.sock, [ident, *frames])
+                if not self._deliver(ident, frames):
+                    self._unrouted.append((until, ident, frames))
+
+    def _deliver(self, ident: bytes, frames: list[Any]) -> bool:
+        """Send a message to ``ident``; False if the ROUTER cannot route it now (a peer
+        not connected yet, or one whose queue is full), instead of dropping it unsaid."""
+        try:
+            send_parts(self.sock, [ident, *frames], flags=NOBLOCK)
+        except zmq.ZMQError as exc:
+            if exc.errno not in _UNROUTABLE:
+                raise
+            return False
+        return True
+
+    def _retry_unrouted(self) -> None:
+        now = time.monotonic()
+        still = []
+        for until, ident, frames in self._unrouted:
+            if not self._deliver(ident, frames):
+                if now < until:
+                    still.append((until, ident, frames))
+                else:
+                    log.info("controller dropped a reply to a peer gone for %.0f s", UNROUTED_TTL_S)
+        self._unrouted = still
 
     def _dispatch(self, ident: bytes, rid: bytes, msg: Any) -> Any:
         ctl = self.ctl

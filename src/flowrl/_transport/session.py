@@ -150,16 +150,12 @@ class Session:
         return NoAnswer(message)
 
     def routing_id(self) -> bytes:
-        """This thread's id on its controller socket (where handed-on commits answer).
-
-        The first time, a round trip on that socket makes sure the controller knows it: a
-        ROUTER drops a message to a peer whose connection it has not seen yet, and the
-        answer to a commit a storage unit hands on can reach the controller before a new
-        socket's connection does (under load, 1-2 % of first puts lost their answer)."""
+        """This thread's id on its controller socket, where the controller answers the
+        commits storage units hand on (the controller holds an answer for a socket whose
+        connection it has not seen yet: a new thread's, or any after it restarted)."""
         rid: bytes | None = getattr(self.local, "routing_id", None)
         if rid is None:
             sock = self.socket(None)
-            self.call(None, wire.Ping(rid=b""))  # (answered: the connection is known)
             rid = self.local.routing_id = bytes(sock.getsockopt(zmq.ROUTING_ID))
         return rid
 

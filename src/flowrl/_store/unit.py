@@ -359,8 +359,7 @@ class StorageUnit:
         :meth:`read_run` while the chunk is whole.
         """
         slots = indices % self.capacity
-        run = _consecutive(indices)
-        at = _span(slots, run, self.capacity)
+        run, at = _span(slots, indices, self.capacity)
         with self._lock:
             types = types or {}
             arrays = self._check_write(at, indices, arrays, types)
@@ -465,8 +464,7 @@ class StorageUnit:
             indices, slots, arrays, types, tags, logged = staged
             _count(self._staged_on, slots, -1)
             if committed and _first_stale(self._newest, slots, indices) is None:
-                run = _consecutive(indices)
-                at = _span(slots, run, self.capacity)
+                run, at = _span(slots, indices, self.capacity)
                 self._file(slots, indices, arrays, types, tags, logged, run, at)
             elif logged:
                 self._unlog(slots, indices, logged)
@@ -692,11 +690,13 @@ def _count(counts: np.ndarray, slots: np.ndarray, delta: int) -> None:
         counts[slots] += delta
 
 
-def _span(slots: np.ndarray, run: bool, capacity: int) -> slice | np.ndarray:
-    """``slots`` as a slice when they follow each other (the indices are a ``run`` that does
-    not wrap around the capacity): numpy reads and writes a slice without gathering."""
+def _span(slots: np.ndarray, indices: np.ndarray, capacity: int) -> tuple[bool, slice | np.ndarray]:
+    """Whether ``indices`` are consecutive (a run), and their ``slots`` as a slice when
+    they follow each other (a run that does not wrap around the capacity): numpy reads and
+    writes a slice without gathering."""
+    run = _consecutive(indices)
     first = int(slots[0]) if run else capacity
-    return slice(first, first + slots.size) if first + slots.size <= capacity else slots
+    return run, slice(first, first + slots.size) if first + slots.size <= capacity else slots
 
 
 _ROWS = np.arange(1024)

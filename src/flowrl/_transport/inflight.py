@@ -96,14 +96,6 @@ class PutsInFlight:
         if self.any_pending():
             self._session.take_ready(None)
 
-    def wait_oldest(self) -> bool:
-        """Wait until this thread's oldest put_async is answered; False if none is pending."""
-        pending = self._pending()
-        if not pending:
-            return False
-        self._wait(next(iter(pending.values())), None)
-        return True
-
     def send(
         self,
         unit: int,
@@ -121,7 +113,7 @@ class PutsInFlight:
         commit reserves for the next puts)."""
         pending = self._pending()
         while len(pending) >= self.limit:
-            self.wait_oldest()
+            self._wait(next(iter(pending.values())), None)
         rid = self._session.send(unit, msg, frames)
         sent = _Sent(unit, rid, columns, new, again, asked)
         sent.future = PutFuture(indices, functools.partial(self._wait_future, sent))

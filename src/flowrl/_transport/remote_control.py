@@ -61,8 +61,6 @@ class RemoteControl(ControlPort):
         #: Settles this thread's put_async answered already, without waiting (set by the
         #: data port that sends them): their answers top the pool up.
         self.take_answers: Callable[[], None] = lambda: None
-        #: Waits for this thread's oldest put_async's answer; False if none is pending.
-        self.wait_answer: Callable[[], bool] = lambda: False
         self._pools = Pools()  # each thread's current pool, given back when it ends
 
     def _call(self, cmd: commands.Command | wire.Stats) -> Any:
@@ -84,16 +82,15 @@ class RemoteControl(ControlPort):
         round trip alone. So do batched ``put_async`` (``streaming``): a batched ``put``
         has its commit reserve the next one's indices, but a put_async's answer comes
         later, so it reserves for up to ``STREAM_AHEAD`` more puts of its size at once, and
-        its commits reserve for later ones (``stream_ask``) as they are answered. A stream
-        that outruns the servers waits for those answers: a Reserve would be answered after
-        them anyway (the controller serves in arrival order), and cost a message."""
-        taken = self._take_pooled(n)
-        if taken is None and streaming:
-            self.take_answers()
-            taken = self._take_pooled(n)
-            while taken is None and self._asked() and self.wait_answer():
-                taken = self._take_pooled(n)
+        its commits reserve for later ones (``stream_ask``) as they are answered: answers
+        already here are read before a reserve is sent."""
         pool: Pool | None = getattr(self._local, "pool", None)
+        taken = self._take_pooled(n)
+        asked: int = getattr(self._local, "asked", 0)
+        if taken is None and streaming and asked:
+            self.take_answers()
+            pool = getattr(self._local, "pool", None)
+            taken = self._take_pooled(n)
         if taken is not None:
             return Reservation(*taken, pooled=True)
         if n < self._pool_block:
@@ -146,7 +143,7 @@ class RemoteControl(ControlPort):
         pool's cap), else 0. The answers top the pool up (``stream_reserved``)."""
         if not 0 < n <= self._next_cap:
             return 0
-        asked = self._asked()
+        asked: int = getattr(self._local, "asked", 0)
         pool = self._live_pool()
         if asked + (0 if pool is None else pool.left()) >= _stream_ahead(n, self._next_cap):
             return 0
@@ -156,7 +153,7 @@ class RemoteControl(ControlPort):
     def stream_reserved(self, asked: int, reply: Any) -> None:
         """The answer to a put_async whose commit was asked for ``asked`` indices: those it
         reserved (``wire.Reserved``) go after what this thread's pool holds."""
-        self._local.asked = max(0, self._asked() - asked)
+        self._local.asked = max(0, getattr(self._local, "asked", 0) - asked)
         if type(reply) is not wire.Reserved:
             return  # refused, or no room to reserve ahead: a later put reserves itself
         indices = wire.ints(reply.indices)
@@ -166,11 +163,6 @@ class RemoteControl(ControlPort):
             return
         self._local.pool = pool.extended(indices, reply.unit)
         self._pools.hold(self._local, self._local.pool)
-
-    def _asked(self) -> int:
-        """Indices this thread's unanswered put_async asked their commits to reserve."""
-        asked: int = getattr(self._local, "asked", 0)
-        return asked
 
     def _live_pool(self) -> Pool | None:
         """This thread's pool, unless it has expired."""

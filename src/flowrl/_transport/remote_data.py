@@ -67,7 +67,6 @@ class RemoteData(DataPort):
         self._lanes = Lanes(session, self._shm, before_grant=self._shm_maps.forget_retired)
         self.puts = PutsInFlight(session, self.discard, control.abort, control.stream_reserved)
         control.take_answers = self.puts.take_answered
-        control.wait_answer = self.puts.wait_oldest
 
     def write(
         self,

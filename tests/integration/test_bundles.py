@@ -29,8 +29,8 @@ GUARD_MS = 10_000  # how long a reply may take before the test fails instead of 
 @pytest.fixture
 def hub() -> Iterator[Any]:
     hub = flowrl.launch_hub(
-        [Column.ragged("ids", "int64")],
-        tasks={"train": ["ids"]},
+        [Column.ragged("ids", "int64"), Column.scalar("score", "int64")],
+        tasks={"train": ["ids"], "scored": ["ids", "score"]},
         config=HubConfig(capacity=4096, lease_timeout=30.0),
     )
     yield hub
@@ -65,9 +65,9 @@ def test_the_controller_answers_a_bundle_with_one(hub: Any) -> None:
 
 
 def test_a_unit_backlog_of_puts_is_handed_on_and_answered_in_bundles(hub: Any) -> None:
-    """A stream of put_async queued at a stopped storage unit: once it runs again, it
-    hands their commits on in bundles and the controller answers in bundles; every put
-    lands once, with its own bytes."""
+    """put_async to claimed samples queued at a stopped storage unit: once it runs again,
+    it hands their commits on in bundles and the controller answers in bundles; every
+    put lands once, with its own values."""
     taken: list[int] = []
     session = hub._session
     take_bundle = session._take_bundle
@@ -77,29 +77,28 @@ def test_a_unit_backlog_of_puts_is_handed_on_and_answered_in_bundles(hub: Any) -
         return take_bundle(frames, rids)
 
     session._take_bundle = counting
-    hub.put({"ids": [np.arange(3)] * 8})  # (this thread's indices reserved ahead)
+    n = 24
+    hub.put({"ids": [np.arange(k % 5 + 1) for k in range(8 * n)]})
+    metas = [hub.claim("train", 8, timeout=10) for _ in range(n)]
     unit = int(hub.servers.procs[0].pid)
     os.kill(unit, signal.SIGSTOP)
-    try:
-        futures = [hub.put_async({"ids": [np.full(k % 5 + 1, k)] * 8}) for k in range(24)]
+    try:  # (puts to claimed samples reserve nothing: none waits for the unit)
+        futures = [
+            hub.put_async({"score": np.full(8, k)}, indices=meta) for k, meta in enumerate(metas)
+        ]
         time.sleep(0.2)  # (all queued at the unit)
     finally:
         os.kill(unit, signal.SIGCONT)
     hub.flush(timeout=30)
     assert taken and max(taken) > 1, taken
-    stored = {}
-    for k, fut in enumerate(futures):
-        indices = fut.result(timeout=0)
-        assert indices.size == 8
-        stored.update(dict.fromkeys(indices.tolist(), k))
-    assert len(stored) == 24 * 8  # no index twice
-    metas = hub.claim("train", 8 + 24 * 8, timeout=10)
-    got = hub.get(metas)["ids"]
-    for index, ids in zip(metas.indices.tolist(), got, strict=True):
-        k = stored.get(index, -1)
-        expected = np.arange(3) if k < 0 else np.full(k % 5 + 1, k)
-        assert np.asarray(ids).tolist() == expected.tolist()
-    hub.ack(metas)
+    for meta, fut in zip(metas, futures, strict=True):
+        assert fut.result(timeout=0).tolist() == meta.indices.tolist()
+    scored = hub.claim("scored", 8 * n, timeout=10)
+    expected = {i: k for k, meta in enumerate(metas) for i in meta.indices.tolist()}
+    got = hub.get(scored)
+    assert dict(zip(scored.indices.tolist(), got["score"].tolist(), strict=True)) == expected
+    assert [np.asarray(a).size for a in got["ids"]] == [i % 5 + 1 for i in scored.indices]
+    hub.ack(scored)
 
 
 @pytest.fixture

@@ -82,13 +82,13 @@ def _run(workers: int, planner: bool = True) -> tuple[RolloutScheduler, list]:
     return sched, log
 
 
-def test_every_prompt_claimed_once_in_order_within_a_worker() -> None:
+def test_every_prompt_claimed_once_each_claim_in_order() -> None:
     sched, log = _run(2)
     seen = [i for _, batch in log for i in batch]
     assert sorted(seen) == list(range(GROUP * STEP_GROUPS * STEPS))  # none lost, none twice
-    for w in (0, 1):
-        mine = [i for worker, batch in log if worker == w for i in batch]
-        assert mine == sorted(mine)  # first in, first out within a worker
+    # Each claim takes its prompts oldest first. (Across claims a worker may get older
+    # prompts later: those the balancer planned for the other worker, once it stayed busy.)
+    assert all(batch == sorted(batch) for _, batch in log)
     st = sched.statistics()
     assert sum(st.claimed) == len(seen) and st.claims == len(log)
     assert st.balancer_ticks >= 1  # at the start both workers are idle: a decision to make

@@ -32,7 +32,6 @@ from flowrl._schema.columns import Column
 from flowrl._schema.schema import Schema
 from flowrl._transport import wire
 from flowrl._transport.auth import Gate, HubKey, client_options, listen
-from flowrl._transport.bundles import BUNDLE, Outbox, pairs
 from flowrl._transport.pools import ahead_cap, next_cap
 from flowrl._transport.sockio import NOBLOCK, has_input, poll_in, recv_parts, send_parts
 from flowrl._transport.subscriber import EVENT_TOPICS
@@ -52,9 +51,6 @@ EVICT_BATCH = 4096
 # Samplers are stateless: one per distinct spec serves every claim naming it. A client
 # could name many specs (group sizes): the cache starts over past this many.
 SAMPLERS_MAX = 64
-#: Requests handled from a backlog before the replies held so far leave (they go out
-#: together: one message to each peer, see ``bundles``).
-REPLY_BATCH = 32
 #: How long a reply is kept for a peer the ROUTER does not know (yet): a producer whose
 #: socket is still connecting (a new thread's, or any after a controller restart) gets
 #: the answer its storage unit's handed-on commit reached us with before it did.
@@ -105,7 +101,7 @@ class ControllerServer:
         self.gate = None if hub_key is None else Gate(hub_key, "controller")
         self.sock = self.zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # (a peer not known yet: see _deliver)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # (a peer not known yet: see _send)
         listen(self.sock, address, self.gate)
         self.pub = self.zctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -140,7 +136,6 @@ class ControllerServer:
         self._evictions_size = 0
         self._evictions_due = math.inf  # when the oldest queued eviction must leave
         self._seen = self.ctl.mark()  # the state parked requests were last tried in
-        self._outbox = Outbox()  # replies not sent yet (``_send_held``)
         self._unrouted: list[tuple[float, bytes, list[Any]]] = []  # (until, peer, frames)
         self.running = True
 
@@ -156,19 +151,16 @@ class ControllerServer:
                 # Drain everything queued (control messages are small: copied, not
                 # zero-copy), then flush evictions and retry parked requests once. (The
                 # poll said a message is there: asking the socket again costs as much.)
-                # Replies wait until the backlog is worked off (or REPLY_BATCH requests):
-                # a producer's answers leave as one message.
                 while True:
                     self._handle(recv_parts(self.sock))
                     if self.journal is not None and self.journal.compaction_due:
                         self.journal.compact(self.ctl)  # (between two requests)
                     if not (self.running and has_input(self.sock)):
                         break
-                    if self._outbox.size >= REPLY_BATCH:
-                        self._send_held()
             self._flush_evictions()
             self._retry_parked(self._changes())
-            self._send_held()
+            if self._unrouted:
+                self._retry_unrouted()
         self._shutdown()
 
     def _poll_timeout(self) -> int | None:
@@ -189,17 +181,11 @@ class ControllerServer:
     def _handle(self, frames: list[Any]) -> None:
         if len(frames) < 3:
             return  # not even an identity + request id + body: nothing to answer
-        if frames[1] == BUNDLE:  # several requests (a unit's handed commits): each in turn
-            for rid, body in pairs(frames[1:]):
-                self._handle_one(frames[0], rid, body)
-        else:
-            self._handle_one(frames[0], frames[1], frames[2])
-
-    def _handle_one(self, ident: bytes, rid: bytes, body: bytes) -> None:
+        ident, rid = frames[0], frames[1]
         staged: cmd.Commit | None = None
         handed: wire.CommitFor[cmd.Commit] | None = None
         try:
-            msg = wire.decode_request(body)
+            msg = wire.decode_request(frames[2])
             if type(msg) is wire.CommitFor:  # from a storage unit: answer the producer
                 ident, handed, msg = msg.reply_to, msg, msg.commit
             if isinstance(msg, cmd.Commit) and msg.put_id:
@@ -210,7 +196,7 @@ class ControllerServer:
         except wire.Malformed as exc:  # a broken or hostile client: one line, no traceback
             log.warning("controller refused a request: %s", exc)
             reply = wire.error_of(exc)
-            ident = wire.reply_to_of(body) or ident  # (a handed commit's producer)
+            ident = wire.reply_to_of(frames[2]) or ident  # (a handed commit's producer)
         except FlowRLError as exc:
             reply = wire.error_of(exc)
         except Exception as exc:  # a bug must not take the hub down; the caller learns of it
@@ -226,23 +212,17 @@ class ControllerServer:
             self._send(ident, rid, reply)
 
     def _send(self, ident: bytes, rid: bytes, reply: Any) -> None:
-        """Hold ``reply`` for ``ident`` until ``_send_held`` (in this loop turn)."""
-        self._outbox.add(ident, rid, wire.encode(reply))
-
-    def _send_held(self) -> None:
-        """Send the replies held: one message to each peer (a bundle if several); then
-        those held for peers the ROUTER did not know."""
-        if self._unrouted:
+        """Send ``reply`` to ``ident``, or hold it while the ROUTER cannot route it (a
+        peer not connected yet, or one whose queue is full) instead of dropping it unsaid:
+        it is tried again for ``UNROUTED_TTL_S``, after those held before it."""
+        frames = [rid, wire.encode(reply)]
+        if not self._unrouted and self._deliver(ident, frames):
+            return
+        self._unrouted.append((time.monotonic() + UNROUTED_TTL_S, ident, frames))
+        if len(self._unrouted) > 1:
             self._retry_unrouted()
-        if self._outbox.size:
-            until = time.monotonic() + UNROUTED_TTL_S
-            for ident, frames, _ in self._outbox.drain():
-                if not self._deliver(ident, frames):
-                    self._unrouted.append((until, ident, frames))
 
     def _deliver(self, ident: bytes, frames: list[Any]) -> bool:
-        """Send a message to ``ident``; False if the ROUTER cannot route it now (a peer
-        not connected yet, or one whose queue is full), instead of dropping it unsaid."""
         try:
             send_parts(self.sock, [ident, *frames], flags=NOBLOCK)
         except zmq.ZMQError as exc:
@@ -252,14 +232,16 @@ class ControllerServer:
         return True
 
     def _retry_unrouted(self) -> None:
+        """Send the replies held, in order; drop those held for ``UNROUTED_TTL_S``."""
         now = time.monotonic()
         still = []
         for until, ident, frames in self._unrouted:
-            if not self._deliver(ident, frames):
-                if now < until:
-                    still.append((until, ident, frames))
-                else:
-                    log.info("controller dropped a reply to a peer gone for %.0f s", UNROUTED_TTL_S)
+            if self._deliver(ident, frames):
+                continue
+            if now < until:
+                still.append((until, ident, frames))
+            else:
+                log.info("controller dropped a reply to a peer gone for %.0f s", UNROUTED_TTL_S)
         self._unrouted = still
 
     def _dispatch(self, ident: bytes, rid: bytes, msg: Any) -> Any:
@@ -467,7 +449,6 @@ class ControllerServer:
         self._flush_evictions(force=True)
         for p in self.parked:
             self._send(p.ident, p.rid, wire.Error(type="HubClosed", message="the hub shut down"))
-        self._send_held()
         for s in [self.sock, self.pub, *self.unit_push]:
             s.close()
         if self.journal is not None:

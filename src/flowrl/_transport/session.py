@@ -24,7 +24,6 @@ import zmq
 
 from flowrl._transport import wire
 from flowrl._transport.auth import HubKey, client_options
-from flowrl._transport.bundles import BUNDLE, pairs
 from flowrl._transport.frames import ZERO_COPY_MIN_BYTES
 from flowrl._transport.sockio import SNDMORE, has_input, poll_in, recv_parts, send_parts
 from flowrl._transport.thread_sockets import FDS_NEEDED, ThreadSockets, descriptors_left
@@ -51,9 +50,6 @@ POLL_SLICE_S = 1.0
 #: most, until it answers again: calls fail fast one after another against a hung or dead
 #: server, yet one that comes back (restarted, or SIGCONTed) is heard at once.
 SILENT_WAIT_S = 1.0
-#: Replies a thread keeps that a bundle brought with the one it waited for, to requests it
-#: also waits for (a parked claim's answer and a ping's): the oldest go past this many.
-EARLY_REPLIES = 16
 #: zmq errors that mean a resource ran out (descriptors, the context's socket limit, memory).
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
@@ -203,14 +199,6 @@ class Session:
     ) -> tuple[bytes, Any, list[Any]] | None:
         """(request id, reply, payload frames) of the first reply to one of ``rids``, or
         None at ``deadline`` (monotonic; inf: none). Sockets as for :meth:`_recv`."""
-        early: dict[bytes, Any] | None = getattr(self.local, "early", None)
-        if early:
-            for rid in rids:
-                if rid in early:
-                    reply = early.pop(rid)
-                    if type(reply) is wire.Error:
-                        raise wire.exception_of(reply)
-                    return rid, reply, []
         sock = self.socket(unit)
         socks = [sock]
         controller = sock if unit is None else None
@@ -258,8 +246,6 @@ class Session:
         if len(frames) < 2:
             raise TransportError(f"a reply of {len(frames)} frame(s) from the hub")
         got = frames[0].bytes if payload else frames[0]
-        if got == BUNDLE and not payload:  # the controller's answers to several requests
-            return self._take_bundle(frames, rids)
         reply = wire.decode_reply(frames[1].buffer if payload else frames[1])
         if got not in rids:
             # The answer to one of this thread's put_async, or to a request it gave up on.
@@ -268,30 +254,6 @@ class Session:
         if type(reply) is wire.Error:
             raise wire.exception_of(reply)
         return got, reply, frames[2:]
-
-    def _take_bundle(
-        self, frames: list[Any], rids: tuple[bytes, ...]
-    ) -> tuple[bytes, Any, list[Any]] | None:
-        """The reply to one of ``rids`` in a bundle, if any (raised if an error), once the
-        others went to ``on_stray`` (put_async answers, given-up requests) or, answering
-        another of ``rids``, were kept for the next wait."""
-        found: tuple[bytes, Any, list[Any]] | None = None
-        for rid, body in pairs(frames):
-            reply = wire.decode_reply(body)
-            if rid not in rids:
-                self.on_stray(rid, reply)
-            elif found is None:
-                found = (rid, reply, [])
-            else:
-                early: dict[bytes, Any] | None = getattr(self.local, "early", None)
-                if early is None:
-                    early = self.local.early = {}
-                early[rid] = reply
-                while len(early) > EARLY_REPLIES:
-                    del early[next(iter(early))]
-        if found is not None and type(found[1]) is wire.Error:
-            raise wire.exception_of(found[1])
-        return found
 
     def call_parked(
         self, request: Callable[[float | None], Any], timeout: float | None, what: str

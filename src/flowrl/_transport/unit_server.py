@@ -48,7 +48,6 @@ from flowrl._store.shm import SHM_MIN_BYTES, ShmArena
 from flowrl._store.unit import Deferred, StorageUnit
 from flowrl._transport import wire
 from flowrl._transport.auth import Gate, HubKey, client_options, listen
-from flowrl._transport.bundles import Outbox
 from flowrl._transport.frames import (
     ZERO_COPY_MIN_BYTES,
     ArrayHeader,
@@ -58,7 +57,7 @@ from flowrl._transport.frames import (
     to_frames_all,
 )
 from flowrl._transport.lanes import GRANT_IDLE_S
-from flowrl._transport.sockio import NOBLOCK, has_input, poll_in, recv_parts, send_parts
+from flowrl._transport.sockio import NOBLOCK, poll_in, recv_parts, send_parts
 from flowrl.errors import FlowRLError, SchemaError, TransportError, UnknownIndexError
 
 __all__ = ["serve_unit"]
@@ -67,8 +66,6 @@ log = logging.getLogger("flowrl.unit")
 
 #: Controller addresses a unit keeps a socket to (a restarted Ray controller may move).
 MAX_CONTROLLERS = 4
-#: Requests a unit handles from a backlog before handing on the commits held.
-HANDOFF_BATCH = 32
 #: Seconds a staged write waits for the controller's verdict before it is forgotten.
 STAGED_TTL_S = 120.0
 #: Grants of shared memory a unit keeps (the least recently used goes: its client's next
@@ -119,7 +116,6 @@ class UnitServer:
         self.control.setsockopt(zmq.LINGER, 0)
         listen(self.control, control_address, self.gate)
         self.controllers: dict[str, zmq.Socket] = {}  # address -> DEALER, for commits
-        self._handoffs = Outbox()  # commits not handed on yet, by controller address
         # staged writes by the time their verdict is given up on; requests that wait for one
         self._staged: collections.deque[tuple[float, int]] = collections.deque()
         self._waiting: list[tuple[list[Any], np.ndarray]] = []
@@ -135,18 +131,11 @@ class UnitServer:
             ready = poll_in(socks, self._poll_timeout() if staged else None)
             for sock in ready:
                 if sock is self.sock:
-                    # A backlog of requests (a stream of puts) is worked off together: the
-                    # commits it hands on leave as one message (see ``_forward``).
-                    for _ in range(HANDOFF_BATCH):
-                        self._handle(recv_parts(sock, copy=False))
-                        if not has_input(sock):
-                            break
+                    self._handle(recv_parts(sock, copy=False))
                 else:
                     self._control(sock.recv(copy=False))
             if staged:
                 self._expire_staged()
-            if self._handoffs.size:
-                self._hand_on_held()
         for sock in [self.sock, self.control, *self.controllers.values()]:
             sock.close()
         self.unit.close()
@@ -306,22 +295,11 @@ class UnitServer:
                 reserve_units=msg.reserve_units,
             )
         )
-        self._handoffs.add(msg.controller, rid, handoff, ident)
-        if not has_input(self.sock):  # (else after the next request: they leave together)
-            self._hand_on_held()
-
-    def _hand_on_held(self) -> None:
-        """Send the commits held for their controllers: one message each."""
-        for address, frames, producers in self._handoffs.drain():
-            try:
-                send_parts(self._controller(address), frames, flags=NOBLOCK)
-            except zmq.ZMQError as exc:
-                err = wire.error_of(
-                    TransportError(f"storage unit could not reach the controller: {exc}")
-                )
-                rids = frames[::2] if len(producers) == 1 else frames[1::2]
-                for ident, rid in zip(producers, rids, strict=True):
-                    self._reply(ident, rid, err)
+        try:
+            send_parts(self._controller(msg.controller), [rid, handoff], flags=NOBLOCK)
+        except zmq.ZMQError as exc:
+            err = TransportError(f"storage unit could not reach the controller: {exc}")
+            self._reply(ident, rid, wire.error_of(err))
 
     def _controller(self, address: str) -> zmq.Socket:
         sock = self.controllers.get(address)

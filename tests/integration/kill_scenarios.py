@@ -63,8 +63,10 @@ def assert_each_once(acked: dict[str, Counter[int]], tags: dict[int, int]) -> No
 
 
 class Producer:
-    """Puts 30 batches of 4 samples from a thread, re-putting a put a kill failed (a failed
-    put committed nothing). ``tags`` maps each committed index to its tag."""
+    """Puts 30 batches of 4 samples from a thread, re-putting a put a kill failed.
+    ``tags`` maps each committed index to its tag. A put that got no answer may have
+    been committed (the answer, not the commit, was lost): each put names its sequence
+    number, so a re-put of one that landed is answered with its first indices."""
 
     def __init__(self, hub: flowrl.RemoteHub) -> None:
         self.hub = hub
@@ -76,7 +78,7 @@ class Producer:
         try:
             for k in range(30):
                 batch = np.arange(4 * k, 4 * k + 4)
-                idx = retry(self.hub.put, rows(batch))
+                idx = retry(self.hub.put, rows(batch), producer="kill-test", seq=k)
                 self.tags.update(zip(idx.tolist(), batch.tolist(), strict=True))
                 time.sleep(0.01)
         except BaseException as exc:  # surfaced by join()

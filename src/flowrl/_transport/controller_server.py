@@ -136,7 +136,8 @@ class ControllerServer:
         self._evictions_size = 0
         self._evictions_due = math.inf  # when the oldest queued eviction must leave
         self._seen = self.ctl.mark()  # the state parked requests were last tried in
-        self._unrouted: list[tuple[float, bytes, list[Any]]] = []  # (until, peer, frames)
+        # replies held for peers the ROUTER cannot route to yet: (until, frames), in order
+        self._unrouted: dict[bytes, list[tuple[float, list[Any]]]] = {}
         self.running = True
 
     # -- loop -------------------------------------------------------------------------------
@@ -216,11 +217,10 @@ class ControllerServer:
         peer not connected yet, or one whose queue is full) instead of dropping it unsaid:
         it is tried again for ``UNROUTED_TTL_S``, after those held before it."""
         frames = [rid, wire.encode(reply)]
-        if not self._unrouted and self._deliver(ident, frames):
+        if ident not in self._unrouted and self._deliver(ident, frames):
             return
-        self._unrouted.append((time.monotonic() + UNROUTED_TTL_S, ident, frames))
-        if len(self._unrouted) > 1:
-            self._retry_unrouted()
+        until = time.monotonic() + UNROUTED_TTL_S
+        self._unrouted.setdefault(ident, []).append((until, frames))
 
     def _deliver(self, ident: bytes, frames: list[Any]) -> bool:
         try:
@@ -232,17 +232,19 @@ class ControllerServer:
         return True
 
     def _retry_unrouted(self) -> None:
-        """Send the replies held, in order; drop those held for ``UNROUTED_TTL_S``."""
+        """Send each peer's held replies, in order; drop those held for ``UNROUTED_TTL_S``
+        (a peer still unreachable then is gone)."""
         now = time.monotonic()
-        still = []
-        for until, ident, frames in self._unrouted:
-            if self._deliver(ident, frames):
-                continue
-            if now < until:
-                still.append((until, ident, frames))
-            else:
-                log.info("controller dropped a reply to a peer gone for %.0f s", UNROUTED_TTL_S)
-        self._unrouted = still
+        for ident, held in list(self._unrouted.items()):
+            while held:
+                until, frames = held[0]
+                if not self._deliver(ident, frames):
+                    if now < until:
+                        break
+                    log.info("controller dropped a reply to a peer gone for %.0f s", UNROUTED_TTL_S)
+                held.pop(0)
+            if not held:
+                del self._unrouted[ident]
 
     def _dispatch(self, ident: bytes, rid: bytes, msg: Any) -> Any:
         ctl = self.ctl

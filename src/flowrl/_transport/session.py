@@ -151,8 +151,7 @@ class Session:
         connection it has not seen yet: a new thread's, or any after it restarted)."""
         rid: bytes | None = getattr(self.local, "routing_id", None)
         if rid is None:
-            sock = self.socket(None)
-            rid = self.local.routing_id = bytes(sock.getsockopt(zmq.ROUTING_ID))
+            rid = self.local.routing_id = bytes(self.socket(None).getsockopt(zmq.ROUTING_ID))
         return rid
 
     def send(self, unit: int | None, msg: Any, frames: Sequence[Any] = ()) -> bytes:

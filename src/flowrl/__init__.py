@@ -17,6 +17,7 @@ import typing
 if typing.TYPE_CHECKING:
     from flowrl._client.base import Partial
     from flowrl._client.batch import Batch
+    from flowrl._client.batcher import HeldPut, PutBatcher
     from flowrl._client.future import PutFuture
     from flowrl._client.inproc import Hub
     from flowrl._config import (
@@ -90,6 +91,7 @@ __all__ = [
     "FifoSampler",
     "FlowRLError",
     "GroupSampler",
+    "HeldPut",
     "Hub",
     "HubConfig",
     "HubCounters",
@@ -104,6 +106,7 @@ __all__ = [
     "Pipeline",
     "PipelineRun",
     "ProcessExecutor",
+    "PutBatcher",
     "PutFuture",
     "RaggedArray",
     "RayExecutor",
@@ -157,6 +160,7 @@ _HOMES: dict[str, str] = {
     "FifoSampler": "flowrl._controller.samplers",
     "FlowRLError": "flowrl.errors",
     "GroupSampler": "flowrl._controller.samplers",
+    "HeldPut": "flowrl._client.batcher",
     "Hub": "flowrl._client.inproc",
     "HubConfig": "flowrl._config",
     "HubCounters": "flowrl._config",
@@ -171,6 +175,7 @@ _HOMES: dict[str, str] = {
     "Pipeline": "flowrl._pipeline.pipeline",
     "PipelineRun": "flowrl._pipeline.pipeline",
     "ProcessExecutor": "flowrl._pipeline.executors.processes",
+    "PutBatcher": "flowrl._client.batcher",
     "PutFuture": "flowrl._client.future",
     "RaggedArray": "flowrl._schema.ragged",
     "RayExecutor": "flowrl._pipeline.executors.ray",

@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from flowrl._client.batch import Batch, LazyColumn, _to_python, arrow_of
+from flowrl._client.batcher import PutBatcher
 from flowrl._client.future import PutFuture
 from flowrl._client.ports import ControlPort, DataPort, Reservation
 from flowrl._config import HubStats
@@ -195,6 +196,47 @@ class HubClient:
             data, indices, partition, groups, version, tokens, producer, seq, timeout, ack, False
         )
 
+    def put_batcher(
+        self, max_puts: int = 8, max_bytes: int = 16 << 20, timeout: float | None = None
+    ) -> PutBatcher:
+        """A :class:`~flowrl.PutBatcher` for this thread: its puts of new samples are
+        validated at once and sent together, ``max_puts`` puts (or ``max_bytes``) to a
+        ``put_async``, so each crosses the hub's fixed cost of a put once, not ``max_puts``
+        times. Held puts are sent when it is full, on ``flush()`` and on ``close()`` (use it
+        in a ``with`` block). ``timeout``: how long a send waits for room in a full hub."""
+        return PutBatcher(self, max_puts, max_bytes, timeout)
+
+    def _put_async_encoded(
+        self,
+        encoded: dict[str, Encoded],
+        n: int,
+        partition: str,
+        groups: np.ndarray | None,
+        versions: int | np.ndarray | None,
+        tokens: np.ndarray | None,
+        producer: str,
+        timeout: float | None,
+    ) -> PutFuture:
+        """``put_async`` of new samples already validated and encoded (a batcher's)."""
+        self._data.raise_failed_put()
+        self._control.raise_policy_error()
+        return self._put_encoded(
+            encoded,
+            (),
+            n,
+            None,
+            None,
+            partition,
+            groups,
+            versions,
+            tokens,
+            producer,
+            None,
+            timeout,
+            None,
+            False,
+        )
+
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every :meth:`put_async` of this thread is answered; raises the first
         failure that no future reported (:class:`~flowrl.errors.Timeout` after ``timeout``
@@ -241,6 +283,42 @@ class HubClient:
         groups_arr = None if groups is None else _per_sample(groups, n, "groups", where)
         tokens_arr = None if tokens is None else _per_sample(tokens, n, "tokens", where)
         versions = None if version is None else _versions(version, n, where)
+        return self._put_encoded(
+            encoded,
+            new_columns,
+            n,
+            indices,
+            target,
+            partition,
+            groups_arr,
+            versions,
+            tokens_arr,
+            producer,
+            seq,
+            timeout,
+            acked,
+            wait,
+        )
+
+    def _put_encoded(
+        self,
+        encoded: dict[str, Encoded],
+        new_columns: Sequence[Column],
+        n: int,
+        indices: Any,
+        target: np.ndarray | None,
+        partition: str,
+        groups_arr: np.ndarray | None,
+        versions: int | np.ndarray | None,
+        tokens_arr: np.ndarray | None,
+        producer: str,
+        seq: int | None,
+        timeout: float | None,
+        acked: LeaseRef | None,
+        wait: bool,
+    ) -> PutFuture:
+        """A validated put (its columns encoded, its options checked): stored and
+        committed (``PutBatcher`` sends the puts it gathered here)."""
         # A put to existing samples stages its bytes on their units under ``put_id``:
         # visible only once the commit succeeds (new samples are invisible until then).
         commit = Commit(

@@ -174,7 +174,11 @@ class PutBatcher:
         self._hub = hub
         self.max_puts = max_puts
         self.max_bytes = max_bytes
-        self._timeout = None if timeout is None else check_seconds(timeout, "put_batcher timeout")
+        self._timeout = (
+            None
+            if timeout is None
+            else check_seconds(timeout, "put_batcher() timeout", allow_zero=True)
+        )
         self._thread = threading.get_ident()
         self._closed = False
         self._reuse = hub._data.copies_puts  # the transport copies a put before it returns

@@ -346,8 +346,9 @@ class NativePeer:
     """flowrl's own API over zmq (``launch_hub``) on the same payload and round shape:
     ``put`` of every batch (``put_s``), then one consumer reading every column of each
     micro-batch into numpy until all are consumed (``get_s``, the figure a trainer sees):
-    a ``Loader`` claiming ``PREFETCH`` micro-batches ahead (claim, get and ack), and the
-    same loop by hand, one claim + get + ack at a time (``loop_s``)."""
+    a ``Loader`` claiming ``PREFETCH`` micro-batches ahead (claim, get and ack); then the
+    same batches put through a ``hub.put_batcher()`` (``batched_put_s``: eight puts sent
+    as one) and the consumer loop by hand, one claim + get + ack at a time (``loop_s``)."""
 
     def __init__(self, samples: int, seq_len: int, batch: int) -> None:
         import numpy as np
@@ -415,20 +416,32 @@ class NativePeer:
         loader.close()
         return checksum
 
+    def _put(self) -> None:
+        for data in self.batches:
+            self.hub.put(data)
+
+    def _put_batched(self) -> None:
+        with self.hub.put_batcher() as batcher:
+            for data in self.batches:
+                batcher.put(data)
+
     def round(self) -> dict[str, Any]:
         times = {}
-        for consume, key in ((self._load, "get_s"), (self._consume, "loop_s")):
+        for put, consume, keys in (
+            (self._put, self._load, ("put_s", "get_s")),
+            (self._put_batched, self._consume, ("batched_put_s", "loop_s")),
+        ):
             t0 = time.perf_counter()
-            for data in self.batches:
-                self.hub.put(data)
-            times.setdefault("put_s", time.perf_counter() - t0)
+            put()
+            times[keys[0]] = time.perf_counter() - t0
             t0 = time.perf_counter()
             consume(self.samples)
-            times[key] = time.perf_counter() - t0
+            times[keys[1]] = time.perf_counter() - t0
         nbytes = payload_bytes(self.samples, self.seq_len)
         return {
             **times,
             "put_gib_per_s": nbytes / times["put_s"] / _GIB,
+            "batched_put_gib_per_s": nbytes / times["batched_put_s"] / _GIB,
             "get_gib_per_s": nbytes / times["get_s"] / _GIB,
             "loop_gib_per_s": nbytes / times["loop_s"] / _GIB,
         }

@@ -14,7 +14,9 @@ putting batches of --batch 32, one consumer task claiming micro-batches of 32):
   at the end) into a hub of the default capacity, whose pools let a stream reserve its
   next puts' indices ahead; zmq: ``put_async_cpu_ms``, the CPU milliseconds a put costs
   the producer, each storage unit and the controller (a pipelined stream on 2 cores goes
-  no faster than their sum allows).
+  no faster than their sum allows). ``put_batched_gib_per_s`` / ``put_batched_cpu_ms``:
+  the same batches through ``hub.put_batcher()``, which sends eight puts as one
+  ``put_async`` (passes alternate with the ``put_async`` ones).
   ``get`` times ``hub.get(meta)`` plus turning every column into numpy, over every
   claimed micro-batch (reads change nothing: the median of 5 passes after a warm-up
   pass); ``consume_*`` times the whole consumer loop (claim + get + ack, one pass), the
@@ -222,47 +224,55 @@ def put_get(
         hub.close()
 
 
-def _timed_puts(hub: Any, batches: list[dict], n_batches: int, stream: bool = False) -> float:
+def _timed_puts(hub: Any, batches: list[dict], n_batches: int, how: str = "put") -> float:
+    """Seconds to put ``n_batches`` of ``batches`` with ``put``, a ``put_async`` stream
+    (one ``flush``) or a ``put_batcher`` (``batched``: closed at the end)."""
     t0 = time.perf_counter()
-    for i in range(n_batches):
-        if stream:
+    if how == "batched":
+        with hub.put_batcher() as batcher:
+            for i in range(n_batches):
+                batcher.put(batches[i % len(batches)])
+    elif how == "put_async":
+        for i in range(n_batches):
             hub.put_async(batches[i % len(batches)])
-        else:
-            hub.put(batches[i % len(batches)])
-    if stream:
         hub.flush()
+    else:
+        for i in range(n_batches):
+            hub.put(batches[i % len(batches)])
     return time.perf_counter() - t0
 
 
 def put_stream(transport: str, samples: int, seq_len: int, batch: int) -> dict:
-    """A producer streaming ``put_async`` of --batch samples, one flush at the end, into a
-    hub of the default capacity: GiB/s (the median of STREAM_PASSES passes after one that
-    fills the storage memory, each drained after) and the CPU milliseconds a put costs
-    each process (the client, the storage units, the controller; zmq only)."""
+    """A producer streaming --batch-sample puts into a hub of the default capacity, with
+    ``put_async`` (one flush at the end) and through a ``put_batcher`` (8 puts sent as
+    one), in alternating passes: GiB/s of each (the median of STREAM_PASSES passes after
+    one of each that fills the storage memory, each drained after) and the CPU milliseconds
+    a put costs each process (the client, the storage units, the controller; zmq only)."""
     rng = np.random.default_rng(3)
     batches = [payload(batch, seq_len, rng) for _ in range(min(8, samples // batch))]
     sample_bytes = seq_len * 8 + seq_len * 4 + 4
     n_batches = samples // batch
     hub = make_hub(transport, capacity=HubConfig().capacity)
     procs = [p.pid for p in hub.servers.procs] if transport == "zmq" else []
+    out: dict[str, Any] = {}
     try:
-        _timed_puts(hub, batches, n_batches, stream=True)
-        _drain(hub, batch, n_batches)
-        passes, cpu = [], np.zeros(1 + len(procs))
-        for _ in range(STREAM_PASSES):
-            before = np.array([time.process_time(), *map(_cpu_s, procs)])
-            passes.append(_timed_puts(hub, batches, n_batches, stream=True))
-            cpu += np.array([time.process_time(), *map(_cpu_s, procs)]) - before
+        for how in ("put_async", "batched"):
+            _timed_puts(hub, batches, n_batches, how)
             _drain(hub, batch, n_batches)
-        out = {
-            "put_async_gib_per_s": n_batches
-            * batch
-            * sample_bytes
-            / statistics.median(passes)
-            / GIB
-        }
-        if procs:
-            out["put_async_cpu_ms"] = [float(c) for c in cpu / (STREAM_PASSES * n_batches) * 1e3]
+        passes: dict[str, list[float]] = {"put_async": [], "batched": []}
+        cpu = {how: np.zeros(1 + len(procs)) for how in passes}
+        for _ in range(STREAM_PASSES):
+            for how in passes:
+                before = np.array([time.process_time(), *map(_cpu_s, procs)])
+                passes[how].append(_timed_puts(hub, batches, n_batches, how))
+                cpu[how] += np.array([time.process_time(), *map(_cpu_s, procs)]) - before
+                _drain(hub, batch, n_batches)
+        for how, key in (("put_async", "put_async"), ("batched", "put_batched")):
+            seconds = statistics.median(passes[how])
+            out[f"{key}_gib_per_s"] = n_batches * batch * sample_bytes / seconds / GIB
+            if procs:
+                per_put = cpu[how] / (STREAM_PASSES * n_batches) * 1e3
+                out[f"{key}_cpu_ms"] = [float(c) for c in per_put]
         return out
     finally:
         hub.close()
@@ -716,8 +726,8 @@ PEER_CLIENTS = {
 #: What the native client's calls are compared with: its put with TransferQueue's put,
 #: its consumer loop (a Loader claiming ahead; by hand: claim + get + ack) with
 #: TransferQueue's (get_meta + get_data).
-NATIVE_CALLS = {"put": ("put_s", "put_s"), "consume": ("get_s", "get_s"),
-                "consume_loop": ("get_s", "loop_s")}  # fmt: skip
+NATIVE_CALLS = {"put": ("put_s", "put_s"), "batched_put": ("put_s", "batched_put_s"),
+                "consume": ("get_s", "get_s"), "consume_loop": ("get_s", "loop_s")}  # fmt: skip
 
 
 def peer_rounds(samples: int, seq_len: int, batch: int, rounds: int, busy: int = 0) -> dict:

@@ -215,3 +215,19 @@ def test_a_put_that_declares_columns_is_sent_at_once(make_hub) -> None:
         second = batcher.put({"x": np.arange(2, dtype=np.int64)})
         assert batcher.held == 1 and second.indices is None
     assert second.result().size == 2
+
+
+def test_closing_the_hub_or_dropping_the_batcher_sends_what_it_holds(make_hub) -> None:
+    hub = make_hub(columns=COLS, tasks=TASKS)
+    batcher = hub.put_batcher(max_puts=100)
+    held = batcher.put(batch(0))
+    del batcher  # dropped unflushed, in its thread: sent
+    assert held.indices is not None
+    assert held.result(GUARD).size == 3
+    hub.put_batcher(max_puts=100).put(batch(1))  # (that batcher is garbage at once)
+    hub.flush(GUARD)
+    assert hub.statistics().tasks["train"].ready == 6
+    batcher = hub.put_batcher(max_puts=100)
+    batcher.put(batch(2))
+    hub.close()  # sends what the live batcher holds before the hub goes
+    assert batcher.held == 0

@@ -9,6 +9,7 @@ leaves no half-written sample behind.
 from __future__ import annotations
 
 import random
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, final
 
@@ -204,7 +205,15 @@ class HubClient:
         ``put_async``, so each crosses the hub's fixed cost of a put once, not ``max_puts``
         times. Held puts are sent when it is full, on ``flush()`` and on ``close()`` (use it
         in a ``with`` block). ``timeout``: how long a send waits for room in a full hub."""
-        return PutBatcher(self, max_puts, max_bytes, timeout)
+        batcher = PutBatcher(self, max_puts, max_bytes, timeout)
+        batchers = self.__dict__.setdefault("_batchers", weakref.WeakSet())
+        batchers.add(batcher)  # (close() sends what they hold)
+        return batcher
+
+    def _send_held_puts(self) -> None:
+        """Send what the batchers of this client hold (it is closing)."""
+        for batcher in list(self.__dict__.get("_batchers", ())):
+            batcher._abandon("whose hub closed")
 
     def _put_async_encoded(
         self,
@@ -858,6 +867,7 @@ class HubClient:
     def close(self) -> None:
         """Close the client (in-process: the hub); calls on it are refused afterwards."""
         if not self._closed:
+            self._send_held_puts()
             self._closed = True
             self._control.close()
             self._data.close()

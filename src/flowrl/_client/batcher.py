@@ -13,7 +13,10 @@ seen.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, final
 
@@ -31,6 +34,8 @@ if TYPE_CHECKING:
 
 __all__ = ["HeldPut", "PutBatcher"]
 
+log = logging.getLogger("flowrl.client")
+
 
 @final
 class HeldPut:
@@ -43,7 +48,7 @@ class HeldPut:
     __slots__ = ("_batcher", "_error", "_hi", "_lo", "_sent")
 
     def __init__(self, batcher: PutBatcher, lo: int, hi: int) -> None:
-        self._batcher = batcher
+        self._batcher = weakref.ref(batcher)  # (a batcher dropped unflushed sends its puts)
         self._lo, self._hi = lo, hi  # its samples' positions in the put it goes out in
         self._sent: PutFuture | None = None
         self._error: FlowRLError | None = None  # the put it was to go out in was refused
@@ -58,8 +63,9 @@ class HeldPut:
 
     def result(self, timeout: float | None = None) -> np.ndarray:
         """The sample indices once committed; raises the put's error if it failed."""
-        if self._sent is None and self._error is None:
-            self._batcher.send()
+        batcher = self._batcher()
+        if self._sent is None and self._error is None and batcher is not None:
+            batcher.send()
         if self._error is not None:
             raise self._error
         assert self._sent is not None
@@ -314,6 +320,29 @@ class PutBatcher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def __del__(self) -> None:
+        self._abandon("dropped")
+
+    def _abandon(self, why: str) -> None:
+        """Send what is held when nobody flushed: the batcher was dropped or its hub is
+        closing (in its own thread; from another, the puts are lost, and said so)."""
+        try:
+            held = 0 if self._closed else len(self._held)
+            if not held:
+                return
+            if threading.get_ident() == self._thread:
+                with contextlib.suppress(FlowRLError):
+                    self.send()
+                    return
+            log.warning(
+                "a PutBatcher %s holding %d puts that were never sent (flush() it, or use "
+                "it in a with block)",
+                why,
+                held,
+            )
+        except Exception:  # (interpreter shutdown: modules half gone)
+            return
 
     def _reset(self) -> None:
         for column in self._columns.values():

@@ -111,6 +111,7 @@ class RemoteHub(HubClient):
     def close(self) -> None:
         if self._closed:
             return
+        self._send_held_puts()
         if self._data.puts.any_pending():  # this thread's unanswered put_async
             try:
                 self.flush(timeout=self.rpc_timeout)

@@ -63,8 +63,10 @@ class HeldPut:
 
     def result(self, timeout: float | None = None) -> np.ndarray:
         """The sample indices once committed; raises the put's error if it failed."""
-        batcher = self._batcher()
-        if self._sent is None and self._error is None and batcher is not None:
+        if self._sent is None and self._error is None:
+            batcher = self._batcher()
+            if batcher is None:  # (dropped in another thread, which cannot send for it)
+                raise ConfigError("this put was never sent: its PutBatcher was dropped unflushed")
             batcher.send()
         if self._error is not None:
             raise self._error
@@ -157,7 +159,7 @@ class _HeldColumn:
 @final
 class PutBatcher:
     """Gathers one thread's puts of new samples into puts of up to ``max_puts`` puts or
-    ``max_bytes`` bytes (see the module docstring; docs/puts.md, "Batched puts").
+    ``max_bytes`` bytes (see the module docstring; docs/quickstart.md, "Many small puts").
 
     ``put`` takes what ``hub.put_async`` takes for new samples, less ``indices``, ``seq``
     and ``ack`` (a put to existing samples, an idempotent put or one that acks a claim goes
@@ -291,9 +293,12 @@ class PutBatcher:
             sent = self._hub._put_async_encoded(
                 encoded, n, partition, groups, versions, tokens, producer, self._timeout
             )
-        except FlowRLError as exc:
+        except BaseException as exc:
+            error = (
+                exc if isinstance(exc, FlowRLError) else FlowRLError(f"send interrupted: {exc!r}")
+            )
             for put in held:
-                put._error = exc
+                put._error = error
             raise
         finally:
             self._reset()

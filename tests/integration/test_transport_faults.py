@@ -130,7 +130,27 @@ def test_put_async_pending_at_a_controller_crash_fail_together() -> None:
         assert all(f.done() for f in futures), "later puts still wait, one timeout each"
         for f in futures:
             assert isinstance(f.exception(), TransportError)
+        assert "producer= and seq=" in " ".join(getattr(futures[0].exception(), "__notes__", []))
     finally:
+        hub.close()
+
+
+def test_an_unanswered_put_says_it_may_have_landed() -> None:
+    """A put whose answer never came may have been committed: its error says so, and how
+    to re-send it safely (``producer=``/``seq=``); an idempotent put's does not need to."""
+    hub = launch(capacity=64, rpc_timeout=1.0)
+    pid = controller_pid(hub)
+    try:
+        hub.put({"x": [0]})
+        os.kill(pid, signal.SIGSTOP)  # the commit the unit hands on goes unanswered
+        with pytest.raises(TransportError, match="did not answer") as info:
+            hub.put({"x": [1]})
+        assert "producer= and seq=" in " ".join(getattr(info.value, "__notes__", []))
+        with pytest.raises(TransportError) as info:
+            hub.put({"x": [2]}, producer="p", seq=0)
+        assert not getattr(info.value, "__notes__", [])
+    finally:
+        os.kill(pid, signal.SIGCONT)
         hub.close()
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from flowrl._client.future import PutFuture
 from flowrl._transport import wire
-from flowrl._transport.session import NoAnswer, Session
+from flowrl._transport.session import MAY_HAVE_LANDED, NoAnswer, Session
 from flowrl.errors import DuplicatePut, FlowRLError, Timeout, UnknownIndexError
 
 __all__ = ["PUTS_IN_FLIGHT", "PutsInFlight"]
@@ -161,6 +161,7 @@ class PutsInFlight:
                 # Nothing answered this put for rpc_timeout: each other put pending in this
                 # thread was sent before the wait began and went unanswered as long. They
                 # fail together, not one rpc_timeout after another.
+                exc.add_note(MAY_HAVE_LANDED)
                 for other in list(pending.values()):
                     del pending[other.rid]
                     self._settle(other, exc)

@@ -39,7 +39,7 @@ from flowrl._transport.frames import (
 from flowrl._transport.inflight import PutsInFlight
 from flowrl._transport.lanes import Lanes, Lent
 from flowrl._transport.remote_control import RemoteControl
-from flowrl._transport.session import Session
+from flowrl._transport.session import MAY_HAVE_LANDED, NoAnswer, Session
 from flowrl.errors import TransportError, UnknownIndexError
 
 __all__ = ["RemoteData"]
@@ -116,7 +116,12 @@ class RemoteData(DataPort):
             session = self._session
             rid = session.send(unit, msg, frames)
             wait_s = session.reply_wait(unit, or_controller=True)
-            reply, _ = session.recv(unit, rid, wait_s, or_controller=True)
+            try:
+                reply, _ = session.recv(unit, rid, wait_s, or_controller=True)
+            except NoAnswer as exc:
+                if commit.seq is None:
+                    exc.add_note(MAY_HAVE_LANDED)
+                raise
             if isinstance(reply, wire.Reserved):
                 self._control.pool_next(wire.ints(reply.indices), reply.unit)
             return None

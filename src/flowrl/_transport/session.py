@@ -58,6 +58,14 @@ class NoAnswer(TransportError):
     """No reply within the wait (as opposed to a reply that is an error)."""
 
 
+#: The note a put's NoAnswer carries: what the caller can and cannot assume.
+MAY_HAVE_LANDED = (
+    "the put may have been committed (the hub may have stored it and lost only its answer): "
+    "sent again it can land twice, unless it carries producer= and seq= "
+    "(docs/durability.md, 'Idempotent producers')"
+)
+
+
 class _NoAnswerNoDescriptors(NoAnswer, ResourceExhausted):
     """No reply, in a process out of descriptors: zmq may have failed to connect."""
 

@@ -100,31 +100,53 @@ class RolloutBackend:
         self.first_sample = first_sample
         self._engines: list[RolloutEngine] = []
         self._folders: list[str] = []
+        self._ready: list[RolloutEngine] = []  # built ahead (prepare), not a worker's yet
+        # Intra-op threads are set per OS thread (OpenMP): a worker thread starts with the
+        # library's default, not the process's setting (e.g. its pinned cores). Workers
+        # take this thread's, as an engine built here (prepare) was.
+        self._threads = torch.get_num_threads()
+
+    def prepare(self, workers: int) -> None:
+        """Build the engines of ``workers`` rollout workers now, if building one takes long
+        (a vLLM engine: seconds), so the run's first step does not wait for it. They hold
+        the policy as built here (no version yet) and load the newest published version
+        before they sample anything (``generate_durable``)."""
+        while self.cfg.engine == "vllm" and len(self._ready) < workers:
+            self._ready.append(self._vllm(copy.deepcopy(self.reference).eval(), version=-1))
 
     def sampler(self, hub: HubClient) -> Sampler:
-        """A new worker's sampler, with the latest published weights."""
+        """A new worker's sampler, with the latest published weights (called in the
+        worker's thread)."""
+        if torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
         model = copy.deepcopy(self.reference).eval()
         version = self.store.pull(model, -1)
         if self.cfg.engine == "builtin":
             return BuiltinSampler(self, model, version, hub)
         engine: RolloutEngine
         if self.cfg.engine == "vllm":
-            from flowrl.engines.vllm import VLLMRolloutEngine
-
-            folder = tempfile.mkdtemp(prefix="flowrl-policy-")
-            self._folders.append(folder)
-            model.save_pretrained(folder)  # type: ignore[operator]
-            engine = VLLMRolloutEngine(
-                folder,
-                version=version,
-                dtype="float32",
-                max_model_len=context_len(self.cfg),
-                seed=self.cfg.seed,
-            )
+            engine = self._ready.pop() if self._ready else self._vllm(model, version)
         else:
             engine = TorchRolloutEngine(model, version=version, pad_id=PAD_ID, seed=self.cfg.seed)
-        self._engines.append(engine)
+            self._engines.append(engine)
         return EngineSampler(self, engine, model, hub)
+
+    def _vllm(self, model: torch.nn.Module, version: int) -> RolloutEngine:
+        """A vLLM engine over ``model`` (saved as a Hugging Face folder it reads)."""
+        from flowrl.engines.vllm import VLLMRolloutEngine
+
+        folder = tempfile.mkdtemp(prefix="flowrl-policy-")
+        self._folders.append(folder)
+        model.save_pretrained(folder)  # type: ignore[operator]
+        engine = VLLMRolloutEngine(
+            folder,
+            version=version,
+            dtype="float32",
+            max_model_len=context_len(self.cfg),
+            seed=self.cfg.seed,
+        )
+        self._engines.append(engine)
+        return engine
 
     def close(self) -> None:
         for engine in self._engines:
@@ -133,6 +155,7 @@ class RolloutBackend:
             shutil.rmtree(folder, ignore_errors=True)
         self._engines.clear()
         self._folders.clear()
+        self._ready.clear()
 
 
 class BuiltinSampler:

@@ -3,8 +3,8 @@
 It runs the prompt source and the rollout workers
 (:func:`~flowrl.recipes.grpo_stages.rollout_pipeline`) on the rollout cores, reading the
 trainer's weights from the shared-memory channel, and talks to the trainer on a pipe:
-``ready`` once it is connected and its model is built (only the first version is
-missing), then one report, its stages' sample counts or its error.
+``ready`` once it is connected and its model and rollout engines are built (only the
+first version is missing), then one report, its stages' sample counts or its error.
 """
 
 from __future__ import annotations
@@ -224,6 +224,7 @@ def _generate(
             cfg, weights, build_model(cfg), max_new_tokens(cfg), first_sample=first
         )
         stack.callback(backend.close)
+        backend.prepare(cfg.rollout_workers)  # (a vLLM engine starts in seconds: not in step 1)
         task = make_task(cfg, cfg.seed)
         pipe = rollout_pipeline(cfg, task, backend, None, start_step=job.start_step)
         conn.send_bytes(msgspec.json.encode(_Ready()))

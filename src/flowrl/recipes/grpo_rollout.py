@@ -32,10 +32,11 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 import flowrl
-from flowrl.engines import RolloutEngine, SamplingParams, TorchRolloutEngine
+from flowrl.engines import GenerationRequest, RolloutEngine, SamplingParams, TorchRolloutEngine
 from flowrl.engines.durable import generate_durable
 from flowrl.models import as_causal_lm
 from flowrl.recipes.grpo_config import GRPOConfig
@@ -112,7 +113,9 @@ class RolloutBackend:
         the policy as built here (no version yet) and load the newest published version
         before they sample anything (``generate_durable``)."""
         while self.cfg.engine == "vllm" and len(self._ready) < workers:
-            self._ready.append(self._vllm(copy.deepcopy(self.reference).eval(), version=-1))
+            engine = self._vllm(copy.deepcopy(self.reference).eval(), version=-1)
+            _warm_up(engine, self.cfg.rollout_batch, min(4, self.max_new))
+            self._ready.append(engine)
 
     def sampler(self, hub: HubClient) -> Sampler:
         """A new worker's sampler, with the latest published weights (called in the
@@ -156,6 +159,18 @@ class RolloutBackend:
         self._engines.clear()
         self._folders.clear()
         self._ready.clear()
+
+
+def _warm_up(engine: RolloutEngine, requests: int, max_new: int) -> None:
+    """Run ``requests`` short requests through ``engine`` and drop them: its first forward
+    passes build its kernels (about 2 s for vLLM on CPU; a GPU engine's start-up does it
+    in its profile run). Each request draws from its own seed, so later samples are the
+    same with or without it."""
+    prompt = np.arange(1, 9, dtype=np.int64)
+    params = SamplingParams(max_new_tokens=max_new, temperature=1.0, seed=0)
+    engine.add([GenerationRequest(-1 - i, prompt) for i in range(requests)], params)
+    while engine.pending:
+        engine.step()
 
 
 class BuiltinSampler:

@@ -3,8 +3,9 @@ rollout engine, the trainer's weights reaching it through ``update_weights`` bet
 decoding steps, its tokens appended to the hub every engine step (durable rollouts).
 Synchronous, so every sample comes from the trainer's current weights and vLLM's sampler
 log-probs must be the trainer's recompute: the TIS ratio is 1 at every step,
-the first (weights from the saved directory) and the later ones (weights reloaded into
-vLLM). Skipped without vllm and transformers (see docs/engines_vllm.md to install)."""
+the first (weights from the saved directory, or, disaggregated, loaded into an engine
+built before any version existed) and the later ones (weights reloaded into vLLM).
+Skipped without vllm and transformers (see docs/engines_vllm.md to install)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,12 @@ pytestmark = [
 ]
 
 
-def test_the_job_runs_on_vllm_and_its_logprobs_are_the_trainers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_the_job_runs_on_vllm_and_its_logprobs_are_the_trainers(
+    tmp_path: Path, placement: str
+) -> None:
+    """Disaggregated, the rollout process builds and warms up its engine before the first
+    version exists: it must still sample every token with the trainer's weights."""
     from flowrl.recipes.grpo_arith import GRPOConfig, run
 
     cfg = GRPOConfig(
@@ -43,10 +49,12 @@ def test_the_job_runs_on_vllm_and_its_logprobs_are_the_trainers(tmp_path: Path) 
         tis_cap=2.0,
         max_staleness=0,
         lr=3e-3,
+        placement=placement,
         out=str(tmp_path),
     )
     summary = run(cfg)
     assert summary["steps"] == 3 and summary["lag_max"] == 0
+    assert summary["trained_samples"] == summary["trained_distinct"] == 24
     lines = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
     metrics = [m for m in map(json.loads, lines) if "summary" not in m]
     assert [m["version"] for m in metrics] == [1, 2, 3]

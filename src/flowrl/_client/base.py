@@ -43,7 +43,7 @@ from flowrl._schema.columns import Column
 from flowrl._schema.encode import Encoded, numeric_array
 from flowrl._schema.ragged import RaggedArray
 from flowrl._schema.schema import Schema
-from flowrl._schema.small import all_equal, bounds
+from flowrl._schema.small import all_equal, bounds, one_if_equal
 from flowrl._store.partial import VERSIONS
 from flowrl._validate import check_seconds, int_in
 from flowrl.errors import (
@@ -284,10 +284,9 @@ class HubClient:
         acked = None if ack is None else _ackable(ack, target, where)
         n_expected = None if target is None else int(target.size)
         owned = not self._data.copies_puts  # (a port that copies copies a put_async's too)
-        encoded, new_columns, n = self.schema.encode_all(data, n_expected, where, owned)
-        groups_arr = None if groups is None else _per_sample(groups, n, "groups", where)
-        tokens_arr = None if tokens is None else _per_sample(tokens, n, "tokens", where)
-        versions = None if version is None else _versions(version, n, where)
+        encoded, new_columns, n, groups_arr, tokens_arr, versions = self._encode_put(
+            data, n_expected, groups, version, tokens, where, owned
+        )
         return self._put_encoded(
             encoded,
             new_columns,
@@ -304,6 +303,31 @@ class HubClient:
             acked=acked,
             wait=wait,
         )
+
+    def _encode_put(
+        self,
+        data: Mapping[str, Any],
+        n_expected: int | None,
+        groups: Any,
+        version: Any,
+        tokens: Any,
+        where: str,
+        owned: bool,
+    ) -> tuple[
+        dict[str, Encoded],
+        list[Column],
+        int,
+        np.ndarray | None,
+        np.ndarray | None,
+        int | np.ndarray | None,
+    ]:
+        """A put's columns encoded (``Schema.encode_all``), the columns it would declare,
+        its sample count, and its groups, tokens and versions per sample (or None)."""
+        encoded, new_columns, n = self.schema.encode_all(data, n_expected, where, owned)
+        groups_arr = None if groups is None else _per_sample(groups, n, "groups", where)
+        tokens_arr = None if tokens is None else _per_sample(tokens, n, "tokens", where)
+        versions = None if version is None else _versions(version, n, where)
+        return encoded, new_columns, n, groups_arr, tokens_arr, versions
 
     def _put_encoded(
         self,
@@ -936,7 +960,7 @@ def _versions(version: Any, n: int, where: str) -> int | np.ndarray | None:
         return _check_version(version, where)  # one int (anything else is refused here)
     per_sample = _per_sample(version, n, "version", where)
     assert per_sample is not None
-    return int(per_sample[0]) if (per_sample == per_sample[0]).all() else per_sample
+    return one_if_equal(per_sample)
 
 
 def _per_sample(value: Any, n: int, name: str, where: str) -> np.ndarray | None:

@@ -26,6 +26,7 @@ import pyarrow as pa
 from flowrl._client.future import PutFuture
 from flowrl._schema.columns import Column
 from flowrl._schema.encode import Encoded
+from flowrl._schema.small import one_if_equal
 from flowrl._validate import check_seconds
 from flowrl.errors import ConfigError, FlowRLError
 
@@ -216,8 +217,6 @@ class PutBatcher:
         producer: str = "",
     ) -> HeldPut:
         """Validate a put of new samples and hold it (sending what is held when full)."""
-        from flowrl._client.base import _per_sample, _versions
-
         self._check_usable("put")
         where = f"PutBatcher.put() from {producer!r}" if producer else "PutBatcher.put()"
         if not isinstance(partition, str):
@@ -226,10 +225,10 @@ class PutBatcher:
             raise ConfigError(f"producer must be a str, got {producer!r} in {where}")
         hub = self._hub
         hub._control.raise_policy_error()
-        encoded, new_columns, n = hub.schema.encode_all(data, None, where, owned=False)
-        groups_arr = None if groups is None else _per_sample(groups, n, "groups", where)
-        tokens_arr = None if tokens is None else _per_sample(tokens, n, "tokens", where)
-        versions = None if version is None else _versions(version, n, where)
+        # (owned=False: the columns are copied into the held buffers below)
+        encoded, new_columns, n, groups_arr, tokens_arr, versions = hub._encode_put(
+            data, None, groups, version, tokens, where, owned=False
+        )
         if new_columns:  # (declared only once a put succeeds): not held
             self.send()
             held = HeldPut(self, 0, n)
@@ -287,8 +286,7 @@ class PutBatcher:
         tokens = np.concatenate(self._tokens) if self._tokens else None
         versions: int | np.ndarray | None = None
         if self._versions:
-            per_sample = np.concatenate(self._versions)
-            versions = int(per_sample[0]) if (per_sample == per_sample[0]).all() else per_sample
+            versions = one_if_equal(np.concatenate(self._versions))
         try:
             sent = self._hub._put_async_encoded(
                 encoded, n, partition, groups, versions, tokens, producer, self._timeout

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["FEW", "SMALL", "all_equal", "bounds", "has_negative", "never_decreasing"]
+__all__ = [
+    "FEW",
+    "SMALL",
+    "all_equal",
+    "bounds",
+    "has_negative",
+    "never_decreasing",
+    "one_if_equal",
+]
 
 #: Up to this many values, Python's reductions beat numpy's.
 SMALL = 32
@@ -33,6 +41,12 @@ def all_equal(values: np.ndarray) -> bool:
         listed = values.tolist()
         return listed.count(listed[0]) == len(listed)
     return bool((values == values[0]).all())
+
+
+def one_if_equal(values: np.ndarray) -> int | np.ndarray:
+    """A non-empty 1-D int array as one int when every value is the same (per-sample
+    versions that are one version), else the array."""
+    return int(values[0]) if all_equal(values) else values
 
 
 def has_negative(values: np.ndarray) -> bool:
